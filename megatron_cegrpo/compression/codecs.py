@@ -1,0 +1,297 @@
+"""Boundary codecs: what crosses a pipeline-stage boundary, in both directions.
+
+Source: DESIGN.md section 3; system status 2026-07-31 section 1.2 ("keep exactly
+k of d coordinates per token, scale by d/k, mask derived at both ends from
+PRF(seed, layer, step, sample, position, channel)").
+
+A codec maps the dense boundary tensor ``[s, b, d]`` to a wire payload and back:
+
+* forward:  sender ``encode_forward(x)`` -> wire -> receiver ``decode_forward``
+* backward: receiver ``encode_backward(dL/d x_hat)`` -> wire -> sender
+  ``decode_backward`` = dL/dx, the exact chain rule of ``forward_map``.
+
+The payload shape is the same in both directions (``payload_shape``), so the
+p2p layer can pre-allocate receive buffers. Pure tensor code: no
+torch.distributed.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Tuple, Type
+
+import torch
+
+from .prf import exact_k_indices, keep_count
+
+__all__ = [
+    "BoundaryContext",
+    "BoundaryCodec",
+    "DenseCodec",
+    "MaskCodec",
+    "register_codec",
+    "get_codec",
+    "available_codecs",
+]
+
+
+@dataclass(frozen=True)
+class BoundaryContext:
+    """Everything both ends of a boundary need to derive the same mask.
+
+    Attributes:
+        seed: run seed, int in [0, 2**64).
+        boundary: boundary index = pipeline rank of the SENDING stage
+            (0 = between stage 0 and stage 1).
+        step: training iteration t (all passes of one iteration use the same t).
+        sample_ids: LongTensor[b], global index of each sample of the micro-batch
+            within the iteration's batch.
+    """
+
+    seed: int
+    boundary: int
+    step: int
+    sample_ids: torch.Tensor
+
+
+_REGISTRY: Dict[str, Type["BoundaryCodec"]] = {}
+
+
+def register_codec(name: str) -> Callable[[Type["BoundaryCodec"]], Type["BoundaryCodec"]]:
+    """Class decorator registering a :class:`BoundaryCodec` subclass under ``name``.
+
+    Raises:
+        ValueError: if ``name`` is already registered to a different class.
+    """
+
+    def deco(cls: Type["BoundaryCodec"]) -> Type["BoundaryCodec"]:
+        if not (isinstance(cls, type) and issubclass(cls, BoundaryCodec)):
+            raise ValueError(f"register_codec({name!r}) expects a BoundaryCodec subclass, got {cls!r}")
+        existing = _REGISTRY.get(name)
+        if existing is not None and existing is not cls:
+            raise ValueError(f"codec name {name!r} already registered to {existing.__name__}")
+        _REGISTRY[name] = cls
+        cls.name = name
+        return cls
+
+    return deco
+
+
+def available_codecs() -> List[str]:
+    """Sorted names of the registered codecs."""
+    return sorted(_REGISTRY)
+
+
+def get_codec(name: str, **kwargs) -> "BoundaryCodec":
+    """Instantiate the codec registered as ``name`` with ``kwargs``.
+
+    Raises:
+        ValueError: unknown name; the message lists the valid names.
+    """
+    cls = _REGISTRY.get(name)
+    if cls is None:
+        raise ValueError(f"unknown boundary codec {name!r}; valid names: {', '.join(available_codecs())}")
+    return cls(**kwargs)
+
+
+def _check_shape(shape) -> Tuple[int, int, int]:
+    shape = tuple(int(v) for v in shape)
+    if len(shape) != 3:
+        raise ValueError(f"boundary tensor shape must be [s, b, d], got {shape}")
+    return shape  # type: ignore[return-value]
+
+
+class BoundaryCodec(abc.ABC):
+    """Abstract boundary codec. Subclasses implement all abstract methods.
+
+    ``shape`` is always the dense boundary shape ``(s, b, d)``.
+    """
+
+    name: str = "abstract"
+
+    @abc.abstractmethod
+    def payload_shape(self, shape: Tuple[int, int, int]) -> Tuple[int, ...]:
+        """Shape of the wire payload for a dense tensor of ``shape`` (both directions)."""
+
+    @abc.abstractmethod
+    def encode_forward(self, x: torch.Tensor, ctx: BoundaryContext) -> torch.Tensor:
+        """Sending stage, forward: activations [s, b, d] -> contiguous payload (no grad)."""
+
+    @abc.abstractmethod
+    def decode_forward(self, payload: torch.Tensor, ctx: BoundaryContext, shape) -> torch.Tensor:
+        """Receiving stage, forward: payload -> dense [s, b, d] input of the next stage."""
+
+    @abc.abstractmethod
+    def encode_backward(self, grad: torch.Tensor, ctx: BoundaryContext) -> torch.Tensor:
+        """Receiving stage, backward: dL/d(decoded input) [s, b, d] -> payload."""
+
+    @abc.abstractmethod
+    def decode_backward(self, payload: torch.Tensor, ctx: BoundaryContext, shape) -> torch.Tensor:
+        """Sending stage, backward: payload -> dL/d(its output x) [s, b, d]."""
+
+    @abc.abstractmethod
+    def forward_map(self, x: torch.Tensor, ctx: BoundaryContext) -> torch.Tensor:
+        """Differentiable single-process reference of decode_forward(encode_forward(x))."""
+
+    def state_dict(self) -> dict:
+        """Checkpointable codec state (empty for stateless codecs)."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict` output. Stateless codecs accept only ``{}``."""
+        if state:
+            raise ValueError(f"{type(self).__name__} is stateless; unexpected state keys {sorted(state)}")
+
+
+@register_codec("dense")
+class DenseCodec(BoundaryCodec):
+    """Identity codec (the byte-matched control).
+
+    Payload: the tensor itself, contiguous, shape [s, b, d], dtype unchanged;
+    bytes on the wire per direction = s * b * d * element_size.
+    """
+
+    def payload_shape(self, shape):
+        return _check_shape(shape)
+
+    def encode_forward(self, x, ctx):
+        return x.detach().contiguous()
+
+    def decode_forward(self, payload, ctx, shape):
+        return payload.view(_check_shape(shape))
+
+    def encode_backward(self, grad, ctx):
+        return grad.detach().contiguous()
+
+    def decode_backward(self, payload, ctx, shape):
+        return payload.view(_check_shape(shape))
+
+    def forward_map(self, x, ctx):
+        return x
+
+
+@register_codec("mask")
+class MaskCodec(BoundaryCodec):
+    """Exact-k PRF mask, scaled by d/k (exactly unbiased).
+
+    k = keep_count(d, keep_ratio) = ceil(keep_ratio * d) (e.g. 77 of 1536, 29 of
+    576 at the default 0.05). For each token (position p, sample i) the kept
+    channels ``idx[p, i, :]`` (LongTensor[s, b, k], ascending) come from
+    :func:`~megatron_cegrpo.compression.prf.exact_k_indices` with
+    (ctx.seed, ctx.boundary, ctx.step, ctx.sample_ids); both ends derive them,
+    no index, seed or mask is ever sent.
+
+    Forward map: f(x) = (d/k) * m ⊙ x, m the 0/1 mask; E_m[f(x)] = x because
+    each channel is kept with probability k/d.
+
+    * encode_forward(x):   payload = x.gather(-1, idx), [s, b, k], x's dtype, unscaled.
+    * decode_forward(y):   (d/k) * zeros[s, b, d].scatter(-1, idx, y).
+    * encode_backward(g):  payload = g.gather(-1, idx), [s, b, k], raw.
+    * decode_backward(y):  (d/k) * zeros[s, b, d].scatter(-1, idx, y)
+      = the exact chain rule of f (the Jacobian is diagonal (d/k) * m).
+
+    Bytes on the wire per direction: s * b * k * element_size (ratio k/d).
+    Scale d/k is the Python float ``d / k`` (not rounded to 20).
+
+    Index tensors are cached (LRU, ``cache_size`` entries) keyed by
+    (seed, boundary, step, sample ids, s, d, device), since forward and backward
+    of one micro-batch and the passes of one iteration reuse them.
+
+    Raises:
+        ValueError: keep_ratio outside (0, 1]; tensors not 3-D; sample_ids length
+        differs from b; payload shape mismatch.
+    """
+
+    def __init__(self, keep_ratio: float = 0.05, cache_size: int = 64):
+        keep_count(1, keep_ratio)  # validates the ratio
+        if not isinstance(cache_size, int) or cache_size < 0:
+            raise ValueError(f"cache_size must be a non-negative int, got {cache_size!r}")
+        self.keep_ratio = float(keep_ratio)
+        self.cache_size = cache_size
+        self._cache: "OrderedDict[tuple, torch.Tensor]" = OrderedDict()
+
+    # -- helpers -----------------------------------------------------------
+    def k(self, d: int) -> int:
+        """Number of kept channels for hidden size d."""
+        return keep_count(int(d), self.keep_ratio)
+
+    def scale(self, d: int) -> float:
+        """d / k as a Python float."""
+        return int(d) / self.k(d)
+
+    def indices(self, ctx: BoundaryContext, s: int, d: int, device) -> torch.Tensor:
+        """Kept-channel indices LongTensor[s, b, k] on ``device`` (cached)."""
+        device = torch.device(device)
+        sample_ids = ctx.sample_ids
+        if not isinstance(sample_ids, torch.Tensor) or sample_ids.dim() != 1:
+            raise ValueError("ctx.sample_ids must be a 1-D LongTensor")
+        key = (
+            ctx.seed,
+            ctx.boundary,
+            ctx.step,
+            tuple(int(v) for v in sample_ids.tolist()),
+            int(s),
+            int(d),
+            str(device),
+        )
+        idx = self._cache.get(key)
+        if idx is not None:
+            self._cache.move_to_end(key)
+            return idx
+        idx = exact_k_indices(
+            ctx.seed, ctx.boundary, ctx.step, sample_ids.to(device), int(s), int(d), self.k(d), device=device
+        )
+        if self.cache_size > 0:
+            self._cache[key] = idx
+            while len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)
+        return idx
+
+    def clear_cache(self) -> None:
+        self._cache.clear()
+
+    def _dense_indices(self, t: torch.Tensor, ctx: BoundaryContext) -> torch.Tensor:
+        if t.dim() != 3:
+            raise ValueError(f"boundary tensor must be [s, b, d], got shape {tuple(t.shape)}")
+        s, b, d = t.shape
+        if ctx.sample_ids.numel() != b:
+            raise ValueError(f"ctx.sample_ids has {ctx.sample_ids.numel()} entries but the micro-batch has b={b}")
+        return self.indices(ctx, s, d, t.device)
+
+    def _scatter(self, payload: torch.Tensor, ctx: BoundaryContext, shape) -> torch.Tensor:
+        s, b, d = _check_shape(shape)
+        expected = self.payload_shape((s, b, d))
+        if tuple(payload.shape) != expected:
+            raise ValueError(f"payload shape {tuple(payload.shape)} != expected {expected} for dense shape {(s, b, d)}")
+        if ctx.sample_ids.numel() != b:
+            raise ValueError(f"ctx.sample_ids has {ctx.sample_ids.numel()} entries but the micro-batch has b={b}")
+        idx = self.indices(ctx, s, d, payload.device)
+        dense = torch.zeros((s, b, d), dtype=payload.dtype, device=payload.device).scatter(-1, idx, payload)
+        return dense * self.scale(d)
+
+    # -- codec API -----------------------------------------------------------
+    def payload_shape(self, shape):
+        s, b, d = _check_shape(shape)
+        return (s, b, self.k(d))
+
+    def encode_forward(self, x, ctx):
+        idx = self._dense_indices(x, ctx)
+        return x.detach().gather(-1, idx)
+
+    def decode_forward(self, payload, ctx, shape):
+        return self._scatter(payload, ctx, shape)
+
+    def encode_backward(self, grad, ctx):
+        idx = self._dense_indices(grad, ctx)
+        return grad.detach().gather(-1, idx)
+
+    def decode_backward(self, payload, ctx, shape):
+        return self._scatter(payload, ctx, shape)
+
+    def forward_map(self, x, ctx):
+        idx = self._dense_indices(x, ctx)
+        s, b, d = x.shape
+        dense = torch.zeros((s, b, d), dtype=x.dtype, device=x.device).scatter(-1, idx, x.gather(-1, idx))
+        return dense * self.scale(d)

@@ -1,0 +1,249 @@
+"""GRPO's pure functions: advantages, log-probs, entropy, KL, clipped policy loss.
+
+No state, no torch.distributed: every function maps tensors to tensors. Names
+and conventions follow verl's ``trainer/ppo/core_algos.py`` so that metrics
+read the same way (``pg_clipfrac``, ``ppo_kl``, ``kl_loss``, ``low_var_kl``).
+
+Shapes use ``b`` = sequences, ``s`` = positions (the response/label axis),
+``V`` = vocabulary. All log-probabilities are natural log (nats).
+
+Sources:
+- GRPO group-normalised advantage: Shao et al. 2024, "DeepSeekMath", eq. (3)
+  (outcome supervision); the "no std" variant is Liu et al. 2025, "Understanding
+  R1-Zero-Like Training" (Dr. GRPO). DESIGN.md section 2, step 3.
+- Clipped ratio with asymmetric bounds (eps_low, eps_high): Schulman et al.
+  2017 (PPO) eq. (7); Yu et al. 2025 (DAPO) "clip-higher".
+- k3 KL estimator: J. Schulman, "Approximating KL Divergence" (2020); verl's
+  ``low_var_kl`` clamps it to [-10, 10].
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict
+
+import torch
+
+__all__ = [
+    "compute_grpo_outcome_advantage",
+    "logprobs_from_logits",
+    "entropy_from_logits",
+    "kl_penalty",
+    "compute_policy_loss",
+    "agg_loss",
+    "masked_mean",
+    "register_loss_agg_mode",
+    "available_loss_agg_modes",
+]
+
+
+def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean of ``values`` where ``mask`` is 1. Shapes broadcast; returns a 0-dim tensor.
+
+    Returns 0 (not NaN) when the mask is empty.
+    """
+    mask = mask.to(values.dtype)
+    return (values * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+def compute_grpo_outcome_advantage(
+    scores: torch.Tensor,
+    group_size: int,
+    *,
+    norm_adv_by_std: bool = True,
+    epsilon: float = 1e-6,
+) -> torch.Tensor:
+    """Group-normalised outcome advantages.
+
+    A_i = (r_i - mean_group(r)) / (std_group(r) + epsilon), or without the
+    division when ``norm_adv_by_std`` is False (Dr. GRPO). ``std`` is the
+    unbiased sample standard deviation (torch.std default), as in verl; a group
+    of identical scores gets advantage 0 for every member.
+
+    Args:
+        scores: float tensor [b] with b = num_prompts * group_size, grouped
+            contiguously (responses of prompt j are rows j*G .. j*G+G-1).
+        group_size: G >= 1.
+    Returns:
+        float tensor [b], same dtype as ``scores``.
+    Raises:
+        ValueError: if b is not a multiple of ``group_size`` or group_size < 1.
+    """
+    if group_size < 1:
+        raise ValueError(f"group_size must be >= 1, got {group_size}")
+    if scores.dim() != 1 or scores.numel() % group_size:
+        raise ValueError(
+            f"scores must be 1-D with a length divisible by group_size={group_size}; "
+            f"got shape {tuple(scores.shape)}"
+        )
+    grouped = scores.view(-1, group_size)
+    mean = grouped.mean(dim=1, keepdim=True)
+    centred = grouped - mean
+    if norm_adv_by_std:
+        if group_size == 1:
+            std = torch.ones_like(mean)
+        else:
+            std = grouped.std(dim=1, keepdim=True)
+        centred = centred / (std + epsilon)
+    return centred.reshape(-1)
+
+
+def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """log softmax(logits)[label] per position.
+
+    Args:
+        logits: float [..., V] (any float dtype; computed in fp32).
+        labels: long [...] with values in [0, V).
+    Returns:
+        fp32 [...] log-probabilities in nats.
+    """
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    return logp.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of softmax(logits) per position, in nats: -sum_v p_v log p_v.
+
+    Args:
+        logits: float [..., V].
+    Returns:
+        fp32 [...].
+    """
+    logits = logits.float()
+    logp = torch.log_softmax(logits, dim=-1)
+    return -(logp.exp() * logp).sum(dim=-1)
+
+
+def kl_penalty(
+    logprob: torch.Tensor, ref_logprob: torch.Tensor, kind: str = "low_var_kl"
+) -> torch.Tensor:
+    """Per-token KL(pi || pi_ref) estimate from log-probs of sampled tokens.
+
+    ``low_var_kl`` (k3, default): exp(ref - logp) - (ref - logp) - 1, clamped to
+    [-10, 10] as verl does; non-negative and unbiased for KL(pi||pi_ref) when
+    tokens are drawn from pi. ``kl`` (k1): logp - ref. ``abs``: |logp - ref|.
+    ``mse`` (k2): 0.5 (logp - ref)^2.
+
+    Args:
+        logprob, ref_logprob: fp32 [b, s].
+    Returns:
+        fp32 [b, s].
+    Raises:
+        ValueError: unknown ``kind`` (lists the valid ones).
+    """
+    if kind in ("low_var_kl", "k3"):
+        log_ratio = ref_logprob - logprob
+        kl = torch.exp(log_ratio) - log_ratio - 1.0
+        return torch.clamp(kl, min=-10.0, max=10.0)
+    if kind in ("kl", "k1"):
+        return logprob - ref_logprob
+    if kind == "abs":
+        return (logprob - ref_logprob).abs()
+    if kind in ("mse", "k2"):
+        return 0.5 * (logprob - ref_logprob).square()
+    raise ValueError(f"unknown kl_penalty kind {kind!r}; valid: low_var_kl (k3), kl (k1), abs, mse (k2)")
+
+
+def compute_policy_loss(
+    old_logprob: torch.Tensor,
+    logprob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    clip_ratio_low: float = 0.2,
+    clip_ratio_high: float = 0.2,
+) -> Dict[str, torch.Tensor]:
+    """PPO/GRPO clipped-ratio surrogate per token.
+
+    ratio = exp(logprob - old_logprob);
+    pg_losses = max(-A * ratio, -A * clip(ratio, 1 - eps_low, 1 + eps_high)).
+
+    Args:
+        old_logprob, logprob: fp32 [b, s] (old is detached by the caller).
+        advantages: fp32 [b, s] (a sequence's advantage broadcast over its tokens).
+        response_mask: {0,1} [b, s]; 1 on response tokens.
+    Returns:
+        dict with ``pg_losses`` [b, s] (unreduced, differentiable),
+        ``pg_clipfrac`` (0-dim: fraction of response tokens where the clipped
+        branch was taken), ``ppo_kl`` (0-dim: masked mean of old - new).
+    """
+    negative_approx_kl = logprob - old_logprob
+    ratio = torch.exp(negative_approx_kl)
+    pg_losses1 = -advantages * ratio
+    pg_losses2 = -advantages * torch.clamp(ratio, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
+    pg_losses = torch.maximum(pg_losses1, pg_losses2)
+    clipped = torch.gt(pg_losses2, pg_losses1).float()
+    return {
+        "pg_losses": pg_losses,
+        "pg_clipfrac": masked_mean(clipped, response_mask).detach(),
+        "ppo_kl": masked_mean(-negative_approx_kl, response_mask).detach(),
+    }
+
+
+_AGG_MODES: Dict[str, Callable[..., torch.Tensor]] = {}
+
+
+def register_loss_agg_mode(name: str):
+    """Register a loss aggregation mode under ``name`` (decorator)."""
+
+    def deco(fn):
+        _AGG_MODES[name] = fn
+        return fn
+
+    return deco
+
+
+def available_loss_agg_modes():
+    return sorted(_AGG_MODES)
+
+
+@register_loss_agg_mode("token-mean")
+def _token_mean(loss_mat, mask, global_num_tokens=None, global_num_seqs=None):
+    denom = mask.sum() if global_num_tokens is None else global_num_tokens
+    return (loss_mat * mask).sum() / max(float(denom), 1.0)
+
+
+@register_loss_agg_mode("seq-mean-token-sum")
+def _seq_mean_token_sum(loss_mat, mask, global_num_tokens=None, global_num_seqs=None):
+    seq = (loss_mat * mask).sum(dim=-1)
+    denom = seq.numel() if global_num_seqs is None else global_num_seqs
+    return seq.sum() / max(float(denom), 1.0)
+
+
+@register_loss_agg_mode("seq-mean-token-mean")
+def _seq_mean_token_mean(loss_mat, mask, global_num_tokens=None, global_num_seqs=None):
+    seq = (loss_mat * mask).sum(dim=-1) / mask.sum(dim=-1).clamp(min=1.0)
+    denom = seq.numel() if global_num_seqs is None else global_num_seqs
+    return seq.sum() / max(float(denom), 1.0)
+
+
+def agg_loss(
+    loss_mat: torch.Tensor,
+    loss_mask: torch.Tensor,
+    loss_agg_mode: str = "token-mean",
+    *,
+    global_num_tokens: float | None = None,
+    global_num_seqs: float | None = None,
+) -> torch.Tensor:
+    """Aggregate a per-token loss [b, s] to a scalar.
+
+    ``token-mean`` (default, DAPO): sum over all response tokens / number of
+    response tokens. When a mini-batch is split into micro-batches, pass the
+    mini-batch's ``global_num_tokens`` (or ``global_num_seqs`` for the seq-*
+    modes) so that summing the micro-batch results gives exactly the
+    mini-batch aggregate.
+
+    Raises:
+        ValueError: unknown mode (lists the valid ones).
+    """
+    try:
+        fn = _AGG_MODES[loss_agg_mode]
+    except KeyError:
+        raise ValueError(
+            f"unknown loss_agg_mode {loss_agg_mode!r}; valid: {available_loss_agg_modes()}"
+        ) from None
+    return fn(
+        loss_mat,
+        loss_mask.to(loss_mat.dtype),
+        global_num_tokens=global_num_tokens,
+        global_num_seqs=global_num_seqs,
+    )

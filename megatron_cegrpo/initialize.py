@@ -1,0 +1,124 @@
+"""Distributed start-up: DeepSpeed's init, megatron-core's groups, seeds, threads.
+
+Works under ``deepspeed --num_gpus N`` (which passes ``--local_rank`` and sets
+RANK/WORLD_SIZE/MASTER_*), under ``torchrun`` (env only), and as a plain
+single process (PP=1) where the env is filled in here. Groups are returned in
+a :class:`DistContext` and passed down explicitly; library code never reads
+megatron's globals.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron_cegrpo.compat import apply_cpu_compat
+
+__all__ = ["DistContext", "initialize_distributed", "shutdown_distributed", "set_seed"]
+
+
+@dataclass
+class DistContext:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    pp_rank: int
+    pp_size: int
+    pp_group: Any
+    embd_group: Any
+    pg_collection: Any
+    device: torch.device
+
+    @property
+    def is_driver(self) -> bool:
+        """Rank 0: holds the sampler, the data and the log (DESIGN.md section 1)."""
+        return self.rank == 0
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    @property
+    def last_stage_rank(self) -> int:
+        return dist.get_global_rank(self.pp_group, self.pp_size - 1)
+
+
+def set_seed(seed: int) -> None:
+    """Seed python, numpy and torch (CPU and, through megatron, the model-parallel RNG tracker)."""
+    random.seed(seed)
+    np.random.seed(seed % (2**32))
+    torch.manual_seed(seed)
+
+
+def initialize_distributed(pipeline_model_parallel_size: int, seed: int,
+                           num_threads: Optional[int] = None) -> DistContext:
+    """Init torch.distributed through DeepSpeed, then megatron-core's model-parallel groups.
+
+    Backend: gloo without CUDA (the compat layer is applied first), nccl with it.
+
+    Raises:
+        ValueError: when the world size is not a multiple of the pipeline size.
+    """
+    cpu = apply_cpu_compat()
+    for k, v in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"),
+                 ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29533")):
+        os.environ.setdefault(k, v)
+    import deepspeed
+
+    if not dist.is_initialized():
+        deepspeed.init_distributed(dist_backend="gloo" if cpu else "nccl", verbose=False)
+    world = dist.get_world_size()
+    if world % pipeline_model_parallel_size:
+        raise ValueError(
+            f"world size {world} is not a multiple of --pipeline-model-parallel-size="
+            f"{pipeline_model_parallel_size}"
+        )
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if not cpu:
+        torch.cuda.set_device(local_rank)
+    cores = os.cpu_count() or 1
+    torch.set_num_threads(num_threads or max(1, cores // max(1, local_world)))
+
+    from megatron.core import parallel_state
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=1, pipeline_model_parallel_size=pipeline_model_parallel_size
+        )
+    set_seed(seed)
+    model_parallel_cuda_manual_seed(seed)
+    pg = ProcessGroupCollection.use_mpu_process_groups(
+        required_pgs=["tp", "pp", "cp", "embd", "pos_embd", "dp_cp", "dp", "mp", "tp_cp"]
+    )
+    return DistContext(
+        rank=dist.get_rank(), world_size=world, local_rank=local_rank, local_world_size=local_world,
+        pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
+        pp_size=pipeline_model_parallel_size,
+        pp_group=parallel_state.get_pipeline_model_parallel_group(),
+        embd_group=parallel_state.get_embedding_group(check_initialized=False),
+        pg_collection=pg,
+        device=torch.device("cpu") if cpu else torch.device("cuda", local_rank),
+    )
+
+
+def shutdown_distributed() -> None:
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

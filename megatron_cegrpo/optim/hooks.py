@@ -1,0 +1,98 @@
+"""Optimizer pre-step hooks: the sign-guided correction slot, then gradient clipping.
+
+Order inside ``optimizer.step()`` (DESIGN.md section 2 step 7 and section 4):
+gradients are complete (tied-embedding and DP all-reduce done by the trainer),
+then ``SignCorrectionHook`` (G = alpha G_comp + beta |G_comp| * sign(M); the
+identity while no sign has arrived), then ``GradClipHook`` (global L2 norm over
+every pipeline stage). Hooks run in registration order.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["SignCorrectionHook", "GradClipHook"]
+
+
+class SignCorrectionHook:
+    """G <- alpha * G + beta * |G| * sign(M), per parameter, in place.
+
+    Source: status 2026-07-31 section 1.3 (alpha 0.25, beta 0.75); the
+    2026-07-04 report's signed_ema uses 0.25 / 0.50. ``sign(M)`` maps 0 to +1
+    (DESIGN.md section 4). Cold-M guard: while ``signs`` is None (no sign has
+    arrived) gradients pass unchanged. The anchor circuit (a separate
+    component) feeds ``set_signs``.
+
+    Args:
+        params: the stage's parameters, in the order the signs are given.
+        alpha, beta: blend weights.
+    """
+
+    def __init__(self, params: List[torch.nn.Parameter], alpha: float = 0.25, beta: float = 0.75):
+        self.params = list(params)
+        self.alpha, self.beta = float(alpha), float(beta)
+        self.signs: Optional[List[torch.Tensor]] = None
+        self.num_applied = 0
+
+    def set_signs(self, signs: Optional[List[torch.Tensor]]) -> None:
+        """signs: one tensor per parameter, same shape, values in {-1, +1} (or None to clear)."""
+        if signs is not None:
+            if len(signs) != len(self.params):
+                raise ValueError(f"got {len(signs)} sign tensors for {len(self.params)} parameters")
+            for s, p in zip(signs, self.params):
+                if s.shape != p.shape:
+                    raise ValueError(f"sign shape {tuple(s.shape)} != parameter shape {tuple(p.shape)}")
+        self.signs = signs
+
+    @torch.no_grad()
+    def __call__(self, optimizer, args, kwargs) -> None:
+        if self.signs is None:
+            return None
+        for p, s in zip(self.params, self.signs):
+            if p.grad is None:
+                continue
+            g = p.grad
+            g.copy_(self.alpha * g + self.beta * g.abs() * s.to(g.dtype))
+        self.num_applied += 1
+        return None
+
+
+class GradClipHook:
+    """Clip by the global L2 norm over all pipeline stages (Megatron's clip_grad_norm_fp32).
+
+    Args:
+        params: parameters whose gradients are clipped.
+        norm_params: the subset counted in the norm (a tied output weight that
+            duplicates the first stage's embedding is excluded so it counts once).
+        max_norm: --clip-grad; 0 disables clipping (the norm is still measured).
+        group: the process group spanning the pipeline stages (None: local only).
+    Attributes:
+        last_grad_norm: the pre-clip global norm of the last step (``actor/grad_norm``).
+    """
+
+    def __init__(self, params, norm_params, max_norm: float, group=None):
+        self.params = list(params)
+        self.norm_params = list(norm_params)
+        self.max_norm = float(max_norm)
+        self.group = group
+        self.last_grad_norm: float = float("nan")
+
+    @torch.no_grad()
+    def __call__(self, optimizer, args, kwargs) -> None:
+        sq = torch.zeros((), dtype=torch.float64)
+        for p in self.norm_params:
+            if p.grad is not None:
+                sq += p.grad.detach().double().square().sum()
+        if self.group is not None and dist.is_initialized():
+            dist.all_reduce(sq, group=self.group)
+        norm = float(sq.sqrt())
+        self.last_grad_norm = norm
+        if self.max_norm > 0 and norm > self.max_norm:
+            coef = self.max_norm / (norm + 1e-6)
+            for p in self.params:
+                if p.grad is not None:
+                    p.grad.mul_(coef)
+        return None

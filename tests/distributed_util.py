@@ -1,0 +1,51 @@
+"""Spawn real gloo processes for multi-rank tests."""
+
+import os
+import socket
+import subprocess
+import sys
+from typing import Dict, List, Optional
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(cmd: List[str], world_size: int, timeout: float = 600, env: Optional[Dict[str, str]] = None):
+    """Start ``world_size`` processes of ``cmd`` with RANK/WORLD_SIZE/MASTER_* set; fail on any error."""
+    port = free_port()
+    procs = []
+    for r in range(world_size):
+        e = dict(os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world_size),
+                 LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                 PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+        e.update(env or {})
+        procs.append(subprocess.Popen([sys.executable] + cmd, env=e, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))
+    outs = []
+    try:
+        for p in procs:
+            out, _ = p.communicate(timeout=timeout)
+            outs.append(out)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for r, (p, out) in enumerate(zip(procs, outs)):
+        if p.returncode != 0:
+            raise AssertionError(f"rank {r} exited {p.returncode}:\n{out[-6000:]}")
+    return outs
+
+
+def run_single(cmd: List[str], timeout: float = 600, env: Optional[Dict[str, str]] = None) -> str:
+    e = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    e.update(env or {})
+    p = subprocess.run([sys.executable] + cmd, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                       text=True, timeout=timeout)
+    if p.returncode != 0:
+        raise AssertionError(f"exited {p.returncode}:\n{p.stdout[-6000:]}")
+    return p.stdout

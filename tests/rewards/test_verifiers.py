@@ -1,0 +1,315 @@
+"""Tests for megatron_cegrpo.rewards.verifiers, on real rows of shared/data."""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+_REPO = Path(__file__).resolve().parents[2]
+if str(_REPO) not in sys.path:
+    sys.path.insert(0, str(_REPO))
+
+from megatron_cegrpo.data import default_data_root, load_dataset  # noqa: E402
+from megatron_cegrpo.rewards import (  # noqa: E402
+    available_verifiers,
+    extract_boxed,
+    extract_numeric_answer,
+    get_verifier,
+    register_verifier,
+)
+
+needs_data = pytest.mark.skipif(
+    not os.path.isdir(default_data_root()),
+    reason=f"data folder {default_data_root()} not found (set $CEGRPO_DATA_ROOT)",
+)
+
+numeric = get_verifier("numeric")
+gsm8k = get_verifier("gsm8k")
+boxed = get_verifier("boxed")
+olympiad = get_verifier("olympiad_list")
+
+
+def _raw_rows(rel, n):
+    with open(os.path.join(default_data_root(), rel), encoding="utf-8") as fh:
+        return [json.loads(next(fh)) for _ in range(n)]
+
+
+def _fmt(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else str(x)
+
+
+# --------------------------------------------------------------------------
+# registry
+# --------------------------------------------------------------------------
+def test_registry_names_and_unknown():
+    assert {"numeric", "gsm8k", "boxed", "olympiad_list"} <= set(available_verifiers())
+    with pytest.raises(ValueError) as e:
+        get_verifier("no_such_verifier")
+    msg = str(e.value)
+    assert "no_such_verifier" in msg and "numeric" in msg and "olympiad_list" in msg
+
+
+def test_register_custom_and_duplicate():
+    @register_verifier("_test_always_one")
+    def _one(response, gt):
+        return 1.0
+
+    try:
+        assert get_verifier("_test_always_one")("x", "y") == 1.0
+        assert "_test_always_one" in available_verifiers()
+        with pytest.raises(ValueError):
+            register_verifier("numeric")(lambda r, g: 0.0)
+    finally:
+        from megatron_cegrpo.rewards import verifiers
+
+        verifiers._VERIFIERS.pop("_test_always_one", None)
+
+
+# --------------------------------------------------------------------------
+# numeric (MAWPS)
+# --------------------------------------------------------------------------
+@needs_data
+def test_numeric_real_mawps_rows():
+    recs = load_dataset("mawps/singleop", limit=30)
+    for r in recs:
+        gt = r.ground_truth  # e.g. "14.0"
+        ans = _fmt(float(gt))  # "14"
+        for resp in (
+            f"Adding them gives \\boxed{{{ans}}}.",
+            f"7 + 7 = {ans}\n#### {ans}",
+            f"The answer is {ans}.",
+            f"So there are {ans} bottle caps",
+            f"Answer: ${float(gt):.2f}",
+        ):
+            assert numeric(resp, gt) == 1.0, (r.row, resp, gt)
+        wrong = _fmt(float(gt) + 1)
+        assert numeric(f"The answer is {wrong}.", gt) == 0.0
+        assert numeric(f"\\boxed{{{wrong}}}", gt) == 0.0
+        assert numeric("I am not sure how to solve this.", gt) == 0.0
+
+
+@needs_data
+def test_numeric_mawps_non_integer_target():
+    rows = _raw_rows("mawps/singleop.jsonl", 562)
+    frac = [r for r in rows if not float(r["target"]).is_integer()]
+    assert frac, "singleop has non-integer targets"
+    gt = str(frac[0]["target"])
+    assert numeric(f"The answer is {gt}.", gt) == 1.0
+    assert numeric(f"\\boxed{{{float(gt) * 1.00001}}}", gt) == 1.0  # within 1e-4
+    assert numeric(f"\\boxed{{{float(gt) * 1.001}}}", gt) == 0.0  # outside
+
+
+def test_numeric_tolerance_and_forms():
+    assert numeric("43", "43.0") == 1.0
+    assert numeric("\\boxed{43.00}", "43") == 1.0
+    assert numeric("It costs $1,080.", "1080") == 1.0
+    assert numeric("\\boxed{\\$1,080}", "1,080") == 1.0
+    assert numeric("\\boxed{\\frac{3}{4}}", "0.75") == 1.0
+    assert numeric("The answer is 3/4.", "0.75") == 1.0
+    assert numeric("The answer is -5.", "-5") == 1.0
+    assert numeric("The answer is 5.", "-5") == 0.0
+    assert numeric("\\boxed{0}", "0") == 1.0
+    assert numeric("\\boxed{0.33333}", "1/3") == 1.0  # relative 1e-4
+    assert numeric("\\boxed{70001}", "70000") == 0.0  # whole numbers: exact
+    assert numeric("\\boxed{70000.0}", "70000") == 1.0
+    assert numeric("\\boxed{0.001}", "0") == 0.0
+
+
+def test_numeric_extraction_priority():
+    # the last box wins over later loose numbers
+    assert extract_numeric_answer("\\boxed{12} (check: 3 * 4 = 12, 12 - 1 = 11)") == 12.0
+    # anchor beats the last number
+    assert extract_numeric_answer("The answer is 14. Check: 7 + 7 = 14, step 2") == 14.0
+    # an equation after the anchor: value after the last '='
+    assert extract_numeric_answer("The answer is 7 + 7 = 14 caps.") == 14.0
+    # only the anchor's sentence counts
+    assert extract_numeric_answer("The answer is 12. Then 3 + 4 = 7.") == 12.0
+    assert extract_numeric_answer("The answer is 7.5 apples. Check: 15 / 2") == 7.5
+    # GSM8K marker
+    assert extract_numeric_answer("48/2 = 24\n48 + 24 = 72\n#### 72") == 72.0
+    # boxed with text / equation inside
+    assert extract_numeric_answer("\\boxed{14 \\text{ apples}}") == 14.0
+    assert extract_numeric_answer("\\boxed{x = 14}") == 14.0
+    assert extract_numeric_answer("\\boxed{\\text{14 apples}}") == 14.0
+    assert extract_numeric_answer("\\boxed{3 \\text{ and } 4}") is None  # two numbers: ambiguous
+    # a box without a number is binding: no answer
+    assert extract_numeric_answer("7 + 7 = 14, so \\boxed{x}") is None
+    # unterminated box (truncated generation) is ignored -> last number
+    assert extract_numeric_answer("7 + 7 = 14 so \\boxed{1") == 1.0
+    assert extract_numeric_answer("") is None
+    assert extract_numeric_answer("no digits here") is None
+
+
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        # SmolLM2-135M greedy outputs on mawps/singleop (measurement run)
+        # row 5, "boxed" template: the instruction's empty \boxed{} is echoed
+        ("To put your final answer within \\boxed{}, you need to add the 3 more cards.\n\n"
+         "\\boxed{} 3 more are added to the original 4 cards.\n\nSo, the answer is 3 + 3 = 6.", 6.0),
+        # row 11, "boxed": cut off at max_new_tokens right after a list marker
+        ("4. So, Bobby has a total of 2 + 6 = 8 blocks.\n"
+         "6. We can add 8 + 2 = 10 blocks to Bobby's father's total of 2 + 6 = 8 blocks.\n7. Therefore,", 8.0),
+        # row 38, "plain": the stated final answer wins over a correct intermediate
+        ("She buys 18 more candies, which means she has 9 + 18 = 27 candies.\n"
+         "Therefore, Barbara has 27 candies.\n#### 2\nThe answer is: 2", 2.0),
+        # row 5, "plain": quoted answer
+        ("There are 4 + 3 = 7 total cards.\n#### 3\nThe answer is \"3\".", 3.0),
+        # row 38, "answer_is": the instruction's 'N' is parroted -> last number
+        ("She buys 18 more candies, so she has 9 + 18 = 27 candies remaining. The answer is N.", 27.0),
+        # row 8, "boxed"
+        ("3. So, 2 + 5 = 7 peanuts Carol has.\n\nSo, Carol has 7 peanuts.\n\nThe final answer is 7.", 7.0),
+        ("Step 3: 7 + 7 = 14\nStep 4:", 14.0),
+    ],
+)
+def test_numeric_extraction_on_small_model_outputs(text, expected):
+    assert extract_numeric_answer(text) == expected
+
+
+def test_extract_boxed_nested():
+    assert extract_boxed("a \\boxed{\\frac{1}{2}} b \\boxed{3}") == ["\\frac{1}{2}", "3"]
+    assert extract_boxed("\\fbox{7}") == ["7"]
+    assert extract_boxed("\\boxed{\\{1,2\\}}") == ["\\{1,2\\}"]
+    assert extract_boxed("\\boxed{unterminated") == []
+
+
+@pytest.mark.parametrize("bad", ["abc", "", "4 apples and 3 pears", "nan"])
+def test_numeric_malformed_ground_truth_raises(bad):
+    with pytest.raises(ValueError) as e:
+        numeric("\\boxed{4}", bad)
+    assert repr(bad) in str(e.value)
+
+
+# --------------------------------------------------------------------------
+# gsm8k
+# --------------------------------------------------------------------------
+@needs_data
+def test_gsm8k_real_rows():
+    recs = load_dataset("gsm8k/train", limit=1)
+    assert recs[0].ground_truth == "72"
+    for resp in ("\\boxed{72}", "#### 72", "The answer is 72.", "72 clips"):
+        assert gsm8k(resp, "72") == 1.0, resp
+    assert gsm8k("The answer is 73.", "72") == 0.0
+    assert gsm8k("Natalia sold clips.", "72") == 0.0
+
+
+@needs_data
+def test_gsm8k_reference_solutions_score_one():
+    """The dataset's own worked solution is a correct response."""
+    rows = _raw_rows("gsm8k/test.jsonl", 100)
+    recs = load_dataset("gsm8k/test", limit=100)
+    for raw, rec in zip(rows, recs):
+        assert gsm8k(raw["answer"], rec.ground_truth) == 1.0, rec.row
+        # raw answer field as ground truth is tolerated too
+        assert gsm8k(f"\\boxed{{{rec.ground_truth}}}", raw["answer"]) == 1.0
+        assert gsm8k(f"#### {int(rec.ground_truth) + 1}", rec.ground_truth) == 0.0
+
+
+@needs_data
+def test_gsm8k_thousands_separator_row():
+    rows = _raw_rows("gsm8k/test.jsonl", 1319)
+    raw = next(r for r in rows if "," in r["answer"].rsplit("####", 1)[1])
+    shown = raw["answer"].rsplit("####", 1)[1].strip()  # e.g. "1,080"
+    gt = shown.replace(",", "")
+    assert gsm8k(f"The answer is ${shown}.", gt) == 1.0
+    assert gsm8k(f"\\boxed{{{gt}}}", gt) == 1.0
+
+
+# --------------------------------------------------------------------------
+# boxed (Minerva, AMC, AIME)
+# --------------------------------------------------------------------------
+@needs_data
+@pytest.mark.parametrize("name", ["aime24", "amc23"])
+def test_boxed_competition_rows(name):
+    for r in load_dataset(name):
+        gt = r.ground_truth
+        assert boxed(f"Thus the answer is $\\boxed{{{gt}}}$.", gt) == 1.0, (name, r.row)
+        assert boxed(f"\\boxed{{{int(gt) + 1}}}", gt) == 0.0
+        assert boxed("I cannot solve this.", gt) == 0.0
+    # amc23 stores 27.0: the loader gives "27", and "27.0" in a box is equal
+    assert boxed("\\boxed{27.0}", "27") == 1.0
+
+
+@needs_data
+def test_boxed_minerva_reference_solutions():
+    rows = _raw_rows("minerva_math/test.jsonl", 20)
+    recs = load_dataset("minerva_math", limit=20)
+    assert recs[0].ground_truth == "1.6"
+    for raw, rec in zip(rows, recs):
+        assert boxed(raw["solution"], rec.ground_truth) == 1.0, rec.row
+    assert boxed("s = 1.6 cm, so \\boxed{1.6}", "1.6") == 1.0
+    assert boxed("\\boxed{1.7}", "1.6") == 0.0
+    assert boxed("", "1.6") == 0.0
+    # nested-brace answer of row 13 (\frac{...}{...\left[...\right]})
+    r13 = recs[12]
+    assert r13.ground_truth.startswith("\\frac{2 \\pi c^{2} R^{2}}")
+    assert boxed(f"\\boxed{{{r13.ground_truth}}}", r13.ground_truth) == 1.0
+    assert boxed("\\boxed{2 \\pi c^2}", r13.ground_truth) == 0.0
+
+
+def test_boxed_symbolic_equivalence_and_fallback():
+    assert boxed("\\boxed{\\frac{1}{2(n+1)}}", "\\frac{1}{2 n+2}") == 1.0
+    assert boxed("\\boxed{0.5}", "\\frac{1}{2}") == 1.0
+    # nothing boxed: math-verify's own extraction of the whole response
+    assert boxed("The final answer is $\\frac{1}{2}$.", "\\frac{1}{2}") == 1.0
+
+
+def test_boxed_malformed_ground_truth_raises():
+    with pytest.raises(ValueError) as e:
+        boxed("\\boxed{1}", "")
+    assert "''" in str(e.value)
+
+
+# --------------------------------------------------------------------------
+# olympiad_list (OlympiadBench)
+# --------------------------------------------------------------------------
+@needs_data
+def test_olympiad_real_rows():
+    recs = load_dataset("olympiadbench", limit=20)
+    assert json.loads(recs[0].ground_truth) == ["2"]
+    assert olympiad("Sergey needs \\boxed{2} moves.", recs[0].ground_truth) == 1.0
+    assert olympiad("\\boxed{3}", recs[0].ground_truth) == 0.0
+    assert olympiad("No idea.", recs[0].ground_truth) == 0.0
+    assert olympiad("\\boxed{\\frac{1}{2(n+1)}}", recs[1].ground_truth) == 1.0
+
+    multi = next(r for r in recs if json.loads(r.ground_truth) == ["$69$,$84$"])
+    assert olympiad("\\boxed{69, 84}", multi.ground_truth) == 1.0
+    assert olympiad("\\boxed{84, 69}", multi.ground_truth) == 1.0  # order-insensitive
+    assert olympiad("\\boxed{84} and \\boxed{69}", multi.ground_truth) == 1.0
+    assert olympiad("\\boxed{84}", multi.ground_truth) == 0.0  # one missing
+    tuples = next(r for r in recs if "(1,8,19)" in r.ground_truth)
+    assert olympiad("\\boxed{(4,5,7), (1,8,19), (2,7,13)}", tuples.ground_truth) == 1.0
+    assert olympiad("\\boxed{(4,5,7), (1,8,19)}", tuples.ground_truth) == 0.0
+
+
+def test_olympiad_multi_element_list():
+    gt = json.dumps(["$3$", "$\\frac{1}{2}$"])
+    assert olympiad("first \\boxed{3}, second \\boxed{\\frac{1}{2}}", gt) == 1.0
+    assert olympiad("first \\boxed{0.5}, second \\boxed{3}", gt) == 1.0
+    assert olympiad("\\boxed{3, \\frac{1}{2}}", gt) == 1.0
+    assert olympiad("\\boxed{3}", gt) == 0.0
+    assert olympiad("\\boxed{3} \\boxed{3}", gt) == 0.0
+
+
+@pytest.mark.parametrize("bad", ["not json", "[]", "[\"\"]", "{\"a\": 1}"])
+def test_olympiad_malformed_ground_truth_raises(bad):
+    with pytest.raises(ValueError) as e:
+        olympiad("\\boxed{2}", bad)
+    assert repr(bad) in str(e.value)
+
+
+def test_math_verify_verifiers_work_off_the_main_thread():
+    """math-verify's signal-based timeout only works in the main thread; the
+    verifiers must still work from rollout worker threads."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        got = list(pool.map(lambda args: get_verifier(args[0])(*args[1:]), [
+            ("boxed", "\\boxed{0.5}", "\\frac{1}{2}"),
+            ("boxed", "\\boxed{0.6}", "\\frac{1}{2}"),
+            ("olympiad_list", "\\boxed{84, 69}", '["$69$,$84$"]'),
+            ("numeric", "The answer is 72.", "72"),
+        ]))
+    assert got == [1.0, 0.0, 1.0, 1.0]
