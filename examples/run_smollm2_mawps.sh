@@ -23,10 +23,10 @@ deepspeed --num_gpus "$PP" --master_port "$MASTER_PORT" megatron_cegrpo/train.py
   --pipeline-model-parallel-size "$PP" \
   --micro-batch-size 4 \
   --rollout-batch-size "${ROLLOUT_BATCH:-4}" \
-  --num-generations "${GROUP:-4}" \
-  --max-new-tokens "${MAX_NEW_TOKENS:-96}" \
-  --eval-max-new-tokens "${MAX_NEW_TOKENS:-96}" \
-  --temperature 1.0 \
+  --num-generations "${GROUP:-8}" \
+  --max-new-tokens "${MAX_NEW_TOKENS:-128}" \
+  --eval-max-new-tokens "${MAX_NEW_TOKENS:-128}" \
+  --temperature "${TEMPERATURE:-0.7}" \
   --train-iters "$TRAIN_ITERS" \
   --lr "${LR:-2e-6}" \
   --kl-coef 0.001 \

@@ -11,7 +11,18 @@ if sys.path and os.path.abspath(sys.path[0] or ".") == _here:
     sys.path.pop(0)
 
 
+def _quiet_known_warnings() -> None:
+    """megatron-core warns at import that the optional fused kernels are absent (always true
+    on CPU); keep the console for the trainer's own messages."""
+    import warnings
+
+    for msg in (r"Transformer Engine and Apex are not installed", r"Apex is not installed",
+                r"full scope is deprecated"):
+        warnings.filterwarnings("ignore", message=msg)
+
+
 def main(argv=None):
+    _quiet_known_warnings()
     from megatron_cegrpo.arguments import build_config, parse_args
 
     args = parse_args(argv)

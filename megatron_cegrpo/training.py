@@ -171,12 +171,13 @@ class GRPOTrainer:
         self.holdout_records = holdout
         self.holdout_ids = [self._encode_prompt(r.question, build_prompt) for r in holdout]
         self.sampler = PromptSampler(len(kept), cfg.grpo.rollout_batch_size, cfg.optim.seed)
-        self.get_verifier = get_verifier
+        self.get_verifier = get_verifier  # evaluation always scores with the data set's verifier
+        self.get_reward_fn = get_verifier  # training reward: the verifier or a custom function
         if cfg.data.custom_reward_function:
             from megatron_cegrpo.rewards.custom import load_custom_reward_function
 
             fn = load_custom_reward_function(cfg.data.custom_reward_function)
-            self.get_verifier = lambda _name: fn
+            self.get_reward_fn = lambda _name: fn
         self.rollout = get_rollout_engine(cfg.rollout.engine, hf_config=hf_config, hf_state_dict=hf_sd,
                                           tokenizer=self.tokenizer)
         self.writer = MetricsWriter(cfg.logging.log_dir)
@@ -200,7 +201,7 @@ class GRPOTrainer:
                                             generator_seed=cfg.optim.seed * 1_000_003 + t)
         with self.timers.phase("reward"):
             recs = [self.train_records[i] for i in idx for _ in range(G)]
-            scores = torch.tensor([self.get_verifier(r.verifier)(text, r.ground_truth)
+            scores = torch.tensor([float(self.get_reward_fn(r.verifier)(text, r.ground_truth))
                                    for r, text in zip(recs, out.texts)], dtype=torch.float32)
             adv = ca.compute_grpo_outcome_advantage(scores, G, norm_adv_by_std=cfg.grpo.norm_adv_by_std)
         batch = pack_rollouts(out.prompt_ids, out.response_ids, out.response_logprobs, scores, adv,

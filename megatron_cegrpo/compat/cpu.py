@@ -36,7 +36,8 @@ Patch list (each: what megatron calls -> why it fails on CPU -> what it now does
    optimizer (``found_inf``), clip_grads and ``tensor_parallel.broadcast_data``.
    -> thin wrappers that rewrite a CUDA ``device`` argument (``"cuda"``, ``"cuda:N"``,
    ``torch.device("cuda")`` or an int ordinal) to ``"cpu"`` and otherwise call through
-   unchanged.
+   unchanged.  They are registered as TorchScript builtins for ``aten::zeros`` etc. so
+   ``torch.jit.script`` code that calls them still compiles (to the unpatched op).
 4. ``torch.Tensor.cuda``
    ``LanguageModule.setup_embeddings_and_output_layer`` runs
    ``weight.data = weight.data.cuda()`` before all-reducing the tied embedding over the
@@ -106,6 +107,15 @@ def _redirect_device(fn):
     return wrapper
 
 
+def _register_torchscript_builtin(fn, op: str) -> None:
+    try:
+        from torch.jit._builtins import _register_builtin
+
+        _register_builtin(fn, op)
+    except Exception:  # private API; losing it only affects torch.jit.script users
+        pass
+
+
 def _current_device():
     return torch.device("cpu")
 
@@ -154,8 +164,12 @@ def apply_cpu_compat() -> bool:
 
         # 3.
         for name in ("zeros", "ones", "tensor"):
-            setattr(torch, name, _redirect_device(getattr(torch, name)))
+            wrapper = _redirect_device(getattr(torch, name))
+            setattr(torch, name, wrapper)
             PATCHED.append(f"torch.{name}")
+            # Keep TorchScript working: scripted code calling torch.<name> compiles to the
+            # aten op (as before) instead of trying to compile the Python wrapper.
+            _register_torchscript_builtin(wrapper, f"aten::{name}")
 
         # 4.
         torch.Tensor.cuda = _tensor_cuda

@@ -30,6 +30,13 @@ over the embedding group at construction; loading HF weights then sets the first
 tensor (``model.embed_tokens.weight``).  During training call
 :func:`allreduce_tied_embedding_grads` (sum of both grads) before the optimizer step so both
 copies receive identical updates.
+
+Forward: ``stage(input_ids [b, s], position_ids [b, s], attention_mask) -> logits [b, s, V]``
+on the last stage (``labels=None``), hidden states ``[s, b, h]`` on the others (feed them to
+the next stage with ``set_input_tensor``; pass ``input_ids=None`` there).  With the local
+spec ``attention_mask=None`` means causal attention (megatron builds the upper-triangular
+mask), which is all right-padded batches need: padding sits after every real token.  An
+explicit mask is a bool tensor broadcastable to ``[b, 1, s, s]`` with True = masked out.
 """
 
 from __future__ import annotations
@@ -84,6 +91,7 @@ def _check_supported(hf_config) -> None:
         raise ValueError("llama configs with attention_bias/mlp_bias are not supported")
     if mt == "qwen2" and getattr(hf_config, "use_sliding_window", False):
         raise ValueError("qwen2 with use_sliding_window=True is not supported")
+    _rope_theta(hf_config)  # unsupported RoPE variants fail here, before any model is built
 
 
 def head_dim(hf_config) -> int:

@@ -24,6 +24,7 @@ import importlib.util
 import os
 import shutil
 import tempfile
+import warnings
 from dataclasses import dataclass
 from typing import Optional
 
@@ -139,7 +140,7 @@ def write_to_cache(final_dir: str, marker: str, writer) -> bool:
     """Run ``writer(tmp_dir)`` and publish its files into ``final_dir``.
 
     ``marker`` is the file whose presence means the entry is complete (published last).
-    Returns False (and leaves no partial files) if the cache is not writable.
+    Returns False (with a warning, leaving no partial entry) if anything goes wrong.
     """
     try:
         os.makedirs(os.path.dirname(final_dir), exist_ok=True)
@@ -154,7 +155,8 @@ def write_to_cache(final_dir: str, marker: str, writer) -> bool:
             if os.path.exists(os.path.join(tmp, f)):
                 os.replace(os.path.join(tmp, f), os.path.join(final_dir, f))
         return True
-    except OSError:
+    except Exception as e:  # a cache problem must never break loading
+        warnings.warn(f"megatron_cegrpo: could not write cache entry {final_dir}: {e}")
         return False
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -72,6 +72,16 @@ def test_current_device_and_cuda_factories_give_cpu_tensors():
     assert torch.equal(m, torch.triu(torch.ones(4, 4, device="cpu"), diagonal=1).bool())
 
 
+def _scripted_factories(x: torch.Tensor) -> torch.Tensor:
+    return x + torch.zeros(3) + torch.ones(3) + torch.tensor([1.0, 2.0, 3.0])
+
+
+def test_torchscript_still_compiles_patched_factories():
+    compat.apply_cpu_compat()
+    f = torch.jit.script(_scripted_factories)
+    assert f(torch.ones(3)).tolist() == [3.0, 4.0, 5.0]
+
+
 def test_rng_tracker_seed_and_fork_are_deterministic(megatron_single_process):
     from megatron.core.tensor_parallel.random import (
         get_cuda_rng_tracker,
