@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import List, Optional, Sequence
 
 __all__ = [
+    "CheckpointConfig",
     "ModelConfig",
     "ParallelConfig",
     "OptimConfig",
@@ -122,6 +123,15 @@ class LoggingConfig:
     log_dir: str = "runs/default"
     log_interval: int = 1
     tqdm: bool = True
+    drift_probe_interval: int = 0
+
+
+@dataclass
+class CheckpointConfig:
+    save: Optional[str] = None
+    save_interval: int = 0
+    load: Optional[str] = None
+    keep_last: Optional[int] = None
 
 
 @dataclass
@@ -134,6 +144,7 @@ class TrainConfig:
     data: DataConfig = field(default_factory=DataConfig)
     codec: CodecConfig = field(default_factory=CodecConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -222,6 +233,17 @@ class TrainConfig:
                 "size 1). Launch with `deepspeed --num_gpus P` (or `torchrun --nproc-per-node P`) "
                 "where P is the pipeline size"
             )
+        if self.logging.drift_probe_interval < 0:
+            raise ValueError(f"--drift-probe-interval must be >= 0, got {self.logging.drift_probe_interval}")
+        if self.logging.log_interval < 1:
+            raise ValueError(f"--log-interval must be >= 1, got {self.logging.log_interval}")
+        ck = self.checkpoint
+        if ck.save_interval < 0:
+            raise ValueError(f"--save-interval must be >= 0, got {ck.save_interval}")
+        if ck.save_interval and not ck.save:
+            raise ValueError("--save-interval needs --save DIR (where to write the checkpoints)")
+        if ck.keep_last is not None and ck.keep_last < 1:
+            raise ValueError(f"--keep-last must be >= 1, got {ck.keep_last}")
         if self.data.num_holdout < 0:
             raise ValueError(f"--num-holdout must be >= 0, got {self.data.num_holdout}")
         return self
@@ -307,10 +329,21 @@ def build_parser() -> argparse.ArgumentParser:
     co.add_argument("--boundary-codec", default=d.codec.boundary_codec)
     co.add_argument("--boundary-keep-ratio", type=float, default=d.codec.boundary_keep_ratio)
 
+    ck = ap.add_argument_group("checkpointing")
+    ck.add_argument("--save", default=None, help="directory for checkpoints (written atomically)")
+    ck.add_argument("--save-interval", type=int, default=0,
+                    help="save every N iterations (and at the end when --save is given)")
+    ck.add_argument("--load", default=None,
+                    help="resume from this directory (its `latest`) or one iter_XXXXXXX directory")
+    ck.add_argument("--keep-last", type=int, default=None, help="keep only the newest N checkpoints")
+
     lg = ap.add_argument_group("logging")
     lg.add_argument("--log-dir", default=d.logging.log_dir)
     lg.add_argument("--log-interval", type=int, default=d.logging.log_interval)
     lg.add_argument("--no-tqdm", dest="tqdm", action="store_false")
+    lg.add_argument("--drift-probe-interval", type=int, default=0,
+                    help="every N iterations repeat the log-prob passes with compression off "
+                         "and log probe/* (0: never)")
     return ap
 
 
@@ -407,7 +440,10 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
             num_holdout=args.num_holdout,
             eval_max_new_tokens=args.eval_max_new_tokens, data_root=args.data_root,
         ),
+        checkpoint=CheckpointConfig(save=args.save, save_interval=args.save_interval, load=args.load,
+                                    keep_last=args.keep_last),
         codec=CodecConfig(boundary_codec=args.boundary_codec, boundary_keep_ratio=args.boundary_keep_ratio),
-        logging=LoggingConfig(log_dir=args.log_dir, log_interval=args.log_interval, tqdm=args.tqdm),
+        logging=LoggingConfig(log_dir=args.log_dir, log_interval=args.log_interval, tqdm=args.tqdm,
+                              drift_probe_interval=args.drift_probe_interval),
     )
     return cfg

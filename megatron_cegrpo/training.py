@@ -119,11 +119,15 @@ class GRPOTrainer:
         self.gatherer = StageWeightGatherer(self.model, ctx.pp_group)
         self.timers = PhaseTimers()
         self.iteration = 0
+        if cfg.checkpoint.load:
+            self.load_checkpoint(cfg.checkpoint.load)
 
         # driver: data, tokenizer, sampler, verifier, log
         if ctx.is_driver:
             self._init_driver(source, hf_config, hf_sd)
         del hf_sd
+        if cfg.checkpoint.load:
+            self._restore_driver_and_sync()
         self.temperature = float(cfg.rollout.temperature)
         _log(ctx, f"model {cfg.model.model}: {self.tf_config.num_layers} layers, d={self.tf_config.hidden_size}, "
                   f"PP={ctx.pp_size}, codec={cfg.codec.boundary_codec}"
@@ -180,7 +184,7 @@ class GRPOTrainer:
             self.get_reward_fn = lambda _name: fn
         self.rollout = get_rollout_engine(cfg.rollout.engine, hf_config=hf_config, hf_state_dict=hf_sd,
                                           tokenizer=self.tokenizer)
-        self.writer = MetricsWriter(cfg.logging.log_dir)
+        self.writer = MetricsWriter(cfg.logging.log_dir, resume=bool(cfg.checkpoint.load))
         with open(os.path.join(cfg.logging.log_dir, "config.json"), "w") as f:
             json.dump(cfg.to_dict(), f, indent=2)
         print(f"[cegrpo] data {path}: {len(kept)} train prompts, {len(holdout)} held out", flush=True)
@@ -272,6 +276,11 @@ class GRPOTrainer:
             if ctx.is_last_stage:
                 batch["ref_logprobs"] = torch.cat([o["logprobs"] for o in outs])
 
+        probe_every = cfg.logging.drift_probe_interval
+        if probe_every and t % probe_every == 0 and self.comm is not None:
+            with self.timers.phase("probe"), torch.no_grad():
+                stats.update(self._drift_probe(batch, t))
+
         with self.timers.phase("update"):
             stats.update(self._update(batch, t))
 
@@ -282,6 +291,38 @@ class GRPOTrainer:
                 self.rollout.update_weights(hf_sd)
         self.iteration = t
         return self._collect_metrics(batch, stats, t, time.perf_counter() - t_start)
+
+    def _drift_probe(self, batch: Dict[str, torch.Tensor], t: int) -> Dict[str, float]:
+        """Compression-off probe of true drift (status 2026-07-31 section 3, "A drift controller").
+
+        Repeats the old-logprob (and reference) passes with the dense codec, billed to a
+        separate meter, and reports beside the compression-view numbers:
+        ``probe/abs_logprob_diff_mean`` (sampler vs dense trainer: the true train-inference
+        mismatch), ``probe/view_abs_logprob_diff`` (compressed vs dense trainer view),
+        ``probe/kl_to_ref`` (k3 KL to the reference, dense view) and
+        ``probe/kl_to_ref_compressed`` (the same in the compression view).
+        """
+        meter = ByteMeter()
+        lp_fn = partial(self._logprob_loss_fn, False)
+        with self.comm.using(get_codec("dense"), meter):
+            dense = self.runner.run(self.model, batch, step=t, forward_only=True, loss_fn=lp_fn)
+            dense_ref = (self.runner.run(self.ref_model, batch, step=t, forward_only=True, loss_fn=lp_fn)
+                         if self.ref_model is not None else None)
+        if not self.ctx.is_last_stage:
+            return {}
+        mask = batch["loss_mask"]
+        lp = torch.cat([o["logprobs"] for o in dense])
+        out = {
+            "probe/abs_logprob_diff_mean": float(ca.masked_mean((batch["sampler_logprobs"] - lp).abs(), mask)),
+            "probe/view_abs_logprob_diff": float(ca.masked_mean((batch["old_logprobs"] - lp).abs(), mask)),
+        }
+        if dense_ref is not None:
+            ref = torch.cat([o["logprobs"] for o in dense_ref])
+            kind = self.cfg.grpo.kl_loss_type
+            out["probe/kl_to_ref"] = float(ca.masked_mean(ca.kl_penalty(lp, ref, kind), mask))
+            out["probe/kl_to_ref_compressed"] = float(
+                ca.masked_mean(ca.kl_penalty(batch["old_logprobs"], batch["ref_logprobs"], kind), mask))
+        return out
 
     def _update(self, batch: Dict[str, torch.Tensor], t: int) -> Dict[str, float]:
         cfg = self.cfg
@@ -389,7 +430,7 @@ class GRPOTrainer:
     def train(self) -> Optional[Dict]:
         cfg, ctx = self.cfg, self.ctx
         summary = {}
-        if cfg.data.num_holdout:
+        if cfg.data.num_holdout and self.iteration == 0:
             before = self._eval_barrier()
             if before:
                 summary["initial"] = before
@@ -403,6 +444,11 @@ class GRPOTrainer:
         last = None
         while self.iteration < cfg.optim.train_iters:
             m = self.train_step()
+            ck = cfg.checkpoint
+            if ck.save and ((ck.save_interval and self.iteration % ck.save_interval == 0)
+                            or self.iteration == cfg.optim.train_iters):
+                with self.timers.phase("save"):
+                    self.save_checkpoint()
             if ctx.is_driver:
                 last = m
                 line = format_progress(m, cfg.optim.train_iters)
@@ -427,10 +473,114 @@ class GRPOTrainer:
             _log(ctx, f"metrics: {self.writer.path}")
         return summary if ctx.is_driver else None
 
+    # ------------------------------------------------------------ checkpoints
+    def _reference_tensors(self) -> Dict[str, torch.Tensor]:
+        names = [n for n, _ in self.model.named_parameters()]
+        return dict(zip(names, self._theta0))
+
+    def save_checkpoint(self) -> str:
+        """Write everything the run needs to continue bit for bit (docs: README "Checkpoints").
+
+        Per stage: ``model`` and ``reference`` weights (safetensors) and a ``trainer_state``
+        blob (optimizer moments and steps, LR scheduler, every RNG, byte-meter totals,
+        codec state; on the driver also the prompt sampler's position). Atomic: see
+        ``megatron_cegrpo.checkpointing``.
+        """
+        from megatron_cegrpo import checkpointing as ck
+        from megatron_cegrpo.rng_state import get_rng_state
+
+        cfg, ctx, it = self.cfg, self.ctx, self.iteration
+        tmp = ck.begin_save(cfg.checkpoint.save, it)
+        ck.write_stage_file(tmp, ctx.pp_rank, ck.MODEL_FILE, ck.stage_model_state_dict(self.model))
+        ck.write_stage_file(tmp, ctx.pp_rank, "reference", self._reference_tensors())
+        state = {
+            "iteration": it,
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "rng": get_rng_state(),
+            "meter": self.meter.state_dict(),
+            "codec": self.codec.state_dict(),
+        }
+        if ctx.is_driver:
+            state["sampler"] = self.sampler.state_dict()
+        ck.write_stage_blob(tmp, ctx.pp_rank, "trainer_state", state)
+        meta = ck.make_meta(
+            hf_config=self.hf_config, pp_size=ctx.pp_size,
+            num_layers_in_first=cfg.parallel.decoder_first_pipeline_num_layers,
+            num_layers_in_last=cfg.parallel.decoder_last_pipeline_num_layers,
+            codec=cfg.codec, model_name=cfg.model.model, params_dtype=cfg.model.params_dtype,
+            extra={"seed": cfg.optim.seed, "train_data": cfg.data.train_data})
+        path = ck.commit_save(cfg.checkpoint.save, tmp, it, meta, cfg.checkpoint.keep_last)
+        _log(ctx, f"saved checkpoint {path}")
+        return path
+
+    def load_checkpoint(self, load_dir: str) -> None:
+        """Restore a checkpoint written by :meth:`save_checkpoint` (every rank, its stage).
+
+        Raises:
+            CheckpointError: missing, corrupt (sha256 mismatch), or incompatible checkpoint
+                (another model, PP size / split, or codec), naming the file and the fix.
+        """
+        from megatron_cegrpo import checkpointing as ck
+        from megatron_cegrpo.models import load_stage_weights as _load
+        from megatron_cegrpo.rng_state import set_rng_state
+
+        cfg, ctx = self.cfg, self.ctx
+        ckpt_dir, it = ck.resolve_load_dir(load_dir)
+        meta = ck.read_meta(ckpt_dir)
+        ck.check_compatible(meta, hf_config=self.hf_config, pp_size=ctx.pp_size,
+                            num_layers_in_first=cfg.parallel.decoder_first_pipeline_num_layers,
+                            num_layers_in_last=cfg.parallel.decoder_last_pipeline_num_layers, codec=cfg.codec)
+        ck.load_stage_model(ckpt_dir, ctx.pp_rank, self.model, meta=meta)
+        ref = ck.read_stage_file(ckpt_dir, ctx.pp_rank, "reference", meta=meta)
+        if self.ref_model is not None:
+            _load(self.ref_model, ref)
+            self._theta0 = [p.detach() for p in self.ref_model.parameters()]
+        else:
+            names = [n for n, _ in self.model.named_parameters()]
+            self._theta0 = [ref[n].clone() for n in names]
+        state = ck.read_stage_blob(ckpt_dir, ctx.pp_rank, "trainer_state", meta=meta)
+        if state["iteration"] != it:
+            raise ck.CheckpointError(f"{ckpt_dir}: trainer_state says iteration {state['iteration']}, "
+                                     f"the directory {it}; the checkpoint is inconsistent")
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.meter.load_state_dict(state["meter"])
+        self.codec.load_state_dict(state["codec"])
+        self._resume_rng = state["rng"]
+        self._resume_sampler = state.get("sampler")
+        self.iteration = it
+        _log(ctx, f"resuming from {ckpt_dir} (iteration {it})")
+
+    def _restore_driver_and_sync(self) -> None:
+        """After load: the driver's data position, the sampler's weights, then the RNGs."""
+        from megatron_cegrpo.rng_state import set_rng_state
+
+        if self.ctx.is_driver:
+            self.sampler.load_state_dict(self._resume_sampler)
+            _truncate_metrics(self.writer.path, self.iteration)
+        stage_sds = self.gatherer.gather()
+        if self.ctx.is_driver:
+            self.rollout.update_weights(megatron_to_hf(stage_sds, self.hf_config, self.tf_config, self.ctx.pp_size))
+        set_rng_state(self._resume_rng)
+
     def _eval_barrier(self):
         res = self.evaluate_holdout()
         dist.barrier(group=self.ctx.pp_group)
         return res
+
+
+def _truncate_metrics(path: str, last_step: int) -> None:
+    """Drop log lines of iterations after ``last_step`` (written after the checkpoint by a
+    run that then died), so a resumed log has each step exactly once."""
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        lines = [ln for ln in f if ln.strip() and json.loads(ln).get("step", 0) <= last_step]
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.writelines(lines)
+    os.replace(tmp, path)
 
 
 class _all_cores:

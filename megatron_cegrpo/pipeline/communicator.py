@@ -23,6 +23,7 @@ of the gradient (rank i + 1).
 
 from __future__ import annotations
 
+import contextlib
 from typing import List, Optional, Sequence
 
 import torch
@@ -64,6 +65,17 @@ class CompressedP2PCommunicator(P2PCommunicator):
         self._step: Optional[int] = None
         self._mb_sample_ids: List[torch.Tensor] = []
         self._counters = {"send_next": 0, "recv_prev": 0, "send_prev": 0, "recv_next": 0}
+
+    @contextlib.contextmanager
+    def using(self, codec: BoundaryCodec, meter: ByteMeter):
+        """Temporarily move payloads with another codec and bill them to another meter
+        (the compression-off drift probe runs dense passes without touching ``comm/*``)."""
+        saved = self.codec, self.meter
+        self.codec, self.meter = codec, meter
+        try:
+            yield self
+        finally:
+            self.codec, self.meter = saved
 
     # ---- pass bookkeeping -------------------------------------------------
     def begin_pass(self, step: int, microbatch_sample_ids: Sequence[torch.Tensor]) -> None:

@@ -26,6 +26,7 @@ COMMON = [
     "--micro-batch-size", "4", "--rollout-batch-size", "2", "--num-generations", "4",
     "--max-new-tokens", "12", "--train-iters", "3", "--lr", "1e-4", "--temperature", "1.0",
     "--deepspeed_config", "ds_configs/cpu_adamw.json", "--no-tqdm", "--num-threads", "1",
+    "--drift-probe-interval", "2",
 ]
 
 
@@ -75,6 +76,11 @@ def test_deepspeed_launcher_mask_codec(tmp_path):
         assert m["comm/fwd_bytes"] > 0 and m["comm/bwd_bytes"] > 0
         assert m["comm/fwd_bytes"] + m["comm/bwd_bytes"] == m["comm/dense_equiv_bytes"] * 4 / 64
     assert "iter    3/3" in out
+    # drift probe (step 2 only): the compression view differs from the dense view
+    assert "probe/view_abs_logprob_diff" not in metrics[0]
+    assert metrics[1]["probe/view_abs_logprob_diff"] > 1e-3
+    assert metrics[1]["probe/abs_logprob_diff_mean"] < 1e-4  # dense trainer == dense sampler
+    assert metrics[1]["comm/bytes_ratio"] == 4 / 64  # probe traffic is billed separately
 
 
 def test_torchrun_dense_codec_has_no_mismatch(tmp_path):
@@ -90,3 +96,6 @@ def test_torchrun_dense_codec_has_no_mismatch(tmp_path):
         # the dense pipeline and the sampler hold the same weights: log-probs agree
         assert m["mismatch/abs_logprob_diff_mean"] < 1e-4, m["mismatch/abs_logprob_diff_mean"]
     assert metrics[0]["actor/kl_loss"] == 0.0  # reference == policy before the first step
+    # drift probe with the dense codec: both views are the same computation
+    assert metrics[1]["probe/view_abs_logprob_diff"] == 0.0
+    assert metrics[1]["probe/kl_to_ref"] == metrics[1]["probe/kl_to_ref_compressed"]
