@@ -523,15 +523,28 @@ class GRPOTrainer:
         """
         from megatron_cegrpo import checkpointing as ck
         from megatron_cegrpo.models import load_stage_weights as _load
-        from megatron_cegrpo.rng_state import set_rng_state
 
         cfg, ctx = self.cfg, self.ctx
+        self._resume_rng = self._resume_sampler = None
+        if not ck.has_checkpoint(load_dir):
+            _log(ctx, f"warning: --load {load_dir} holds no checkpoint yet; starting from --model "
+                      f"{cfg.model.model} (pass the same directory as --save to resume automatically)")
+            return
         ckpt_dir, it = ck.resolve_load_dir(load_dir)
         meta = ck.read_meta(ckpt_dir)
         ck.check_compatible(meta, hf_config=self.hf_config, pp_size=ctx.pp_size,
                             num_layers_in_first=cfg.parallel.decoder_first_pipeline_num_layers,
                             num_layers_in_last=cfg.parallel.decoder_last_pipeline_num_layers, codec=cfg.codec)
         ck.load_stage_model(ckpt_dir, ctx.pp_rank, self.model, meta=meta)
+        if "trainer_state.pt" not in ck.stage_file_names(meta, ctx.pp_rank):
+            # a converted, weights-only checkpoint: the run starts at iteration 0 from these weights
+            if self.ref_model is not None:
+                ck.load_stage_model(ckpt_dir, ctx.pp_rank, self.ref_model, meta=meta)
+                self._theta0 = [p.detach() for p in self.ref_model.parameters()]
+            else:
+                self._theta0 = [p.detach().clone() for p in self.model.parameters()]
+            _log(ctx, f"initialised the policy and the reference from {ckpt_dir} (weights only)")
+            return
         ref = ck.read_stage_file(ckpt_dir, ctx.pp_rank, "reference", meta=meta)
         if self.ref_model is not None:
             _load(self.ref_model, ref)
@@ -557,12 +570,14 @@ class GRPOTrainer:
         from megatron_cegrpo.rng_state import set_rng_state
 
         if self.ctx.is_driver:
-            self.sampler.load_state_dict(self._resume_sampler)
+            if self._resume_sampler is not None:
+                self.sampler.load_state_dict(self._resume_sampler)
             _truncate_metrics(self.writer.path, self.iteration)
         stage_sds = self.gatherer.gather()
         if self.ctx.is_driver:
             self.rollout.update_weights(megatron_to_hf(stage_sds, self.hf_config, self.tf_config, self.ctx.pp_size))
-        set_rng_state(self._resume_rng)
+        if self._resume_rng is not None:
+            set_rng_state(self._resume_rng)
 
     def _eval_barrier(self):
         res = self.evaluate_holdout()
