@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import List, Optional, Sequence
 
 __all__ = [
+    "AnchorConfig",
     "CheckpointConfig",
     "ModelConfig",
     "ParallelConfig",
@@ -127,6 +128,21 @@ class LoggingConfig:
 
 
 @dataclass
+class AnchorConfig:
+    anchor_ranks: int = 1
+    anchor_interval: int = 20  # c
+    anchor_delay: int = 20  # K
+    anchor_replay: str = "forecast"
+    anchor_forecast: str = "secant"
+    anchor_forecast_points: int = 4
+    anchor_ema_decay: float = 0.25
+    sign_blend_alpha: float = 0.25
+    sign_blend_beta: float = 0.75
+    sign_fold: str = "every-step"
+    anchor_apply: str = "fire-step"
+
+
+@dataclass
 class CheckpointConfig:
     save: Optional[str] = None
     save_interval: int = 0
@@ -145,6 +161,7 @@ class TrainConfig:
     codec: CodecConfig = field(default_factory=CodecConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    anchor: AnchorConfig = field(default_factory=AnchorConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -226,12 +243,29 @@ class TrainConfig:
             raise ValueError(f"--params-dtype must be fp32 or bf16, got {self.model.params_dtype!r}")
         if r.engine != "hf":
             raise ValueError(f"--rollout-engine must be hf (the only engine in this version), got {r.engine!r}")
-        if world_size is not None and world_size != p.pipeline_model_parallel_size:
+        a = self.anchor
+        if a.anchor_ranks not in (0, 1):
+            raise ValueError(f"--anchor-ranks must be 0 (no anchor) or 1 in this version, got {a.anchor_ranks}")
+        if a.anchor_interval < 1 or a.anchor_delay < 0:
+            raise ValueError(f"--anchor-interval must be >= 1 and --anchor-delay >= 0; got "
+                             f"{a.anchor_interval}, {a.anchor_delay}")
+        if not (0.0 <= a.anchor_ema_decay < 1.0):
+            raise ValueError(f"--anchor-ema-decay must be in [0, 1), got {a.anchor_ema_decay}")
+        for flag, value, valid in (("--anchor-replay", a.anchor_replay, ("forecast", "matching")),
+                                   ("--anchor-forecast", a.anchor_forecast, ("secant", "lsq")),
+                                   ("--sign-fold", a.sign_fold, ("every-step", "fire-only")),
+                                   ("--anchor-apply", a.anchor_apply, ("fire-step", "next-step"))):
+            if value not in valid:
+                raise ValueError(f"{flag} must be one of {', '.join(valid)}; got {value!r}")
+        if a.anchor_forecast == "lsq" and a.anchor_forecast_points < 2:
+            raise ValueError(f"--anchor-forecast-points must be >= 2, got {a.anchor_forecast_points}")
+        expected = p.pipeline_model_parallel_size + a.anchor_ranks
+        if world_size is not None and world_size != expected:
             raise ValueError(
-                f"world size {world_size} != --pipeline-model-parallel-size="
-                f"{p.pipeline_model_parallel_size}: this version runs one pipeline (data-parallel "
-                "size 1). Launch with `deepspeed --num_gpus P` (or `torchrun --nproc-per-node P`) "
-                "where P is the pipeline size"
+                f"world size {world_size} != --pipeline-model-parallel-size ({p.pipeline_model_parallel_size})"
+                f" + --anchor-ranks ({a.anchor_ranks}): this version runs one pipeline (data-parallel "
+                f"size 1). Launch with `deepspeed --num_gpus {expected}` (or `torchrun --nproc-per-node "
+                f"{expected}`), or pass --anchor-ranks 0 for the fast circuit alone"
             )
         if self.logging.drift_probe_interval < 0:
             raise ValueError(f"--drift-probe-interval must be >= 0, got {self.logging.drift_probe_interval}")
@@ -328,6 +362,24 @@ def build_parser() -> argparse.ArgumentParser:
     co = ap.add_argument_group("boundary compression")
     co.add_argument("--boundary-codec", default=d.codec.boundary_codec)
     co.add_argument("--boundary-keep-ratio", type=float, default=d.codec.boundary_keep_ratio)
+
+    an = ap.add_argument_group("anchor circuit (DESIGN.md section 4)")
+    an.add_argument("--anchor-ranks", type=int, default=d.anchor.anchor_ranks,
+                    help="extra ranks at the end of the world holding the dense anchor (0: off)")
+    an.add_argument("--anchor-interval", type=int, default=d.anchor.anchor_interval,
+                    help="c: checkpoints shipped and fires every c iterations")
+    an.add_argument("--anchor-delay", type=int, default=d.anchor.anchor_delay,
+                    help="K: at fire t the anchor reads only checkpoints written at or before t-K")
+    an.add_argument("--anchor-replay", default=d.anchor.anchor_replay, choices=["forecast", "matching"])
+    an.add_argument("--anchor-forecast", default=d.anchor.anchor_forecast, choices=["secant", "lsq"])
+    an.add_argument("--anchor-forecast-points", type=int, default=d.anchor.anchor_forecast_points,
+                    help="checkpoints in the least-squares fit (--anchor-forecast lsq)")
+    an.add_argument("--anchor-ema-decay", type=float, default=d.anchor.anchor_ema_decay,
+                    help="a in M <- a M + (1 - a) G_anc")
+    an.add_argument("--sign-blend-alpha", type=float, default=d.anchor.sign_blend_alpha)
+    an.add_argument("--sign-blend-beta", type=float, default=d.anchor.sign_blend_beta)
+    an.add_argument("--sign-fold", default=d.anchor.sign_fold, choices=["every-step", "fire-only"])
+    an.add_argument("--anchor-apply", default=d.anchor.anchor_apply, choices=["fire-step", "next-step"])
 
     ck = ap.add_argument_group("checkpointing")
     ck.add_argument("--save", default=None, help="directory for checkpoints (written atomically)")
@@ -440,6 +492,12 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
             num_holdout=args.num_holdout,
             eval_max_new_tokens=args.eval_max_new_tokens, data_root=args.data_root,
         ),
+        anchor=AnchorConfig(
+            anchor_ranks=args.anchor_ranks, anchor_interval=args.anchor_interval,
+            anchor_delay=args.anchor_delay, anchor_replay=args.anchor_replay,
+            anchor_forecast=args.anchor_forecast, anchor_forecast_points=args.anchor_forecast_points,
+            anchor_ema_decay=args.anchor_ema_decay, sign_blend_alpha=args.sign_blend_alpha,
+            sign_blend_beta=args.sign_blend_beta, sign_fold=args.sign_fold, anchor_apply=args.anchor_apply),
         checkpoint=CheckpointConfig(save=args.save, save_interval=args.save_interval, load=args.load,
                                     keep_last=args.keep_last),
         codec=CodecConfig(boundary_codec=args.boundary_codec, boundary_keep_ratio=args.boundary_keep_ratio),

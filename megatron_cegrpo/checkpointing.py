@@ -89,6 +89,10 @@ META_FILE = "meta.json"
 MODEL_FILE = "model"  # stage file holding the stage's parameters: stage_XX/model.safetensors
 TOKENIZER_DIR = "tokenizer"
 CONVERT_TOOL = "tools/checkpoint/convert.py"
+#: Pass as ``pp_rank`` to the stage-file functions to address the anchor rank's files,
+#: ``<checkpoint>/anchor/<name>.pt`` (the anchor holds no pipeline stage).
+ANCHOR = "anchor"
+ANCHOR_DIR = "anchor"
 
 _ITER_RE = re.compile(r"^iter_(\d{7,})$")
 _TMP_RE = re.compile(r"^iter_\d{7,}\.tmp-")
@@ -143,7 +147,9 @@ def _file_name(name: str, ext: str) -> str:
     return name + ext
 
 
-def _stage_path(ckpt_dir: str, pp_rank: int, name: str, ext: str) -> str:
+def _stage_path(ckpt_dir: str, pp_rank, name: str, ext: str) -> str:
+    if pp_rank == ANCHOR:
+        return os.path.join(ckpt_dir, ANCHOR_DIR, _file_name(name, ext))
     if int(pp_rank) < 0:
         raise ValueError(f"pp_rank must be >= 0, got {pp_rank}")
     return os.path.join(ckpt_dir, stage_dir_name(pp_rank), _file_name(name, ext))
@@ -762,7 +768,8 @@ def _stage_file_for_read(ckpt_dir, pp_rank, name, ext, verify, meta):
     meta = meta if meta is not None else read_meta(ckpt_dir)
     rec = meta["files"].get(rel)
     if rec is None:
-        have = sorted(f for f in meta["files"] if f.startswith(stage_dir_name(pp_rank) + "/"))
+        prefix = ANCHOR_DIR if pp_rank == ANCHOR else stage_dir_name(pp_rank)
+        have = sorted(f for f in meta["files"] if f.startswith(prefix + "/"))
         raise CheckpointError(
             f"{path}: not part of this checkpoint (stage {pp_rank} has {have}); the checkpoint was "
             "written without it (e.g. a converted, model-only checkpoint) or for another pp size"
@@ -772,10 +779,11 @@ def _stage_file_for_read(ckpt_dir, pp_rank, name, ext, verify, meta):
     return path
 
 
-def stage_file_names(meta: dict, pp_rank: int) -> List[str]:
-    """File names (with extension) a checkpoint holds for stage ``pp_rank``, e.g.
-    ``["model.safetensors", "optimizer.pt"]``; lets a trainer tell model-only checkpoints."""
-    prefix = stage_dir_name(pp_rank) + "/"
+def stage_file_names(meta: dict, pp_rank) -> List[str]:
+    """File names (with extension) a checkpoint holds for stage ``pp_rank`` (or
+    :data:`ANCHOR`), e.g. ``["model.safetensors", "optimizer.pt"]``; lets a trainer tell
+    model-only checkpoints."""
+    prefix = (ANCHOR_DIR if pp_rank == ANCHOR else stage_dir_name(pp_rank)) + "/"
     return sorted(rel[len(prefix):] for rel in meta["files"] if rel.startswith(prefix))
 
 

@@ -35,6 +35,8 @@ class DistContext:
     embd_group: Any
     pg_collection: Any
     device: torch.device
+    anchor_rank: Optional[int] = None  # global rank of the anchor (None: no anchor circuit)
+    is_anchor: bool = False
 
     @property
     def is_driver(self) -> bool:
@@ -62,13 +64,19 @@ def set_seed(seed: int) -> None:
 
 
 def initialize_distributed(pipeline_model_parallel_size: int, seed: int,
-                           num_threads: Optional[int] = None) -> DistContext:
+                           num_threads: Optional[int] = None, anchor_ranks: int = 0) -> DistContext:
     """Init torch.distributed through DeepSpeed, then megatron-core's model-parallel groups.
 
     Backend: gloo without CUDA (the compat layer is applied first), nccl with it.
+    Without anchor ranks, megatron's ``parallel_state`` builds the groups over the world.
+    With ``anchor_ranks`` extra ranks at the end of the world (DESIGN.md section 1), the
+    trainer's groups come from megatron-core's ``HyperCommGrid`` over ranks
+    ``0 .. P-1`` and the anchor gets a grid of its own (P stages + 1 anchor is not a
+    shape ``parallel_state`` can express); the groups travel in the DistContext's
+    ``pg_collection`` like in the plain case.
 
     Raises:
-        ValueError: when the world size is not a multiple of the pipeline size.
+        ValueError: world size != pipeline size + anchor ranks, or more than one anchor rank.
     """
     cpu = apply_cpu_compat()
     for k, v in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"),
@@ -79,7 +87,15 @@ def initialize_distributed(pipeline_model_parallel_size: int, seed: int,
     if not dist.is_initialized():
         deepspeed.init_distributed(dist_backend="gloo" if cpu else "nccl", verbose=False)
     world = dist.get_world_size()
-    if world % pipeline_model_parallel_size:
+    if anchor_ranks not in (0, 1):
+        raise ValueError(f"--anchor-ranks must be 0 or 1 in this version, got {anchor_ranks}")
+    if anchor_ranks and world != pipeline_model_parallel_size + anchor_ranks:
+        raise ValueError(
+            f"world size {world} != --pipeline-model-parallel-size ({pipeline_model_parallel_size}) + "
+            f"--anchor-ranks ({anchor_ranks}); launch with --num_gpus "
+            f"{pipeline_model_parallel_size + anchor_ranks}"
+        )
+    if not anchor_ranks and world % pipeline_model_parallel_size:
         raise ValueError(
             f"world size {world} is not a multiple of --pipeline-model-parallel-size="
             f"{pipeline_model_parallel_size}"
@@ -95,6 +111,9 @@ def initialize_distributed(pipeline_model_parallel_size: int, seed: int,
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
+    device = torch.device("cpu") if cpu else torch.device("cuda", local_rank)
+    if anchor_ranks:
+        return _initialize_with_anchor(pipeline_model_parallel_size, seed, world, local_rank, local_world, device)
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=1, pipeline_model_parallel_size=pipeline_model_parallel_size
@@ -111,7 +130,46 @@ def initialize_distributed(pipeline_model_parallel_size: int, seed: int,
         pp_group=parallel_state.get_pipeline_model_parallel_group(),
         embd_group=parallel_state.get_embedding_group(check_initialized=False),
         pg_collection=pg,
-        device=torch.device("cpu") if cpu else torch.device("cuda", local_rank),
+        device=device,
+    )
+
+
+def _grid_collection(grid) -> Any:
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    pgc = ProcessGroupCollection()
+    for name in ("tp", "cp", "pp", "dp"):
+        setattr(pgc, name, grid.create_pg(name))
+    pgc.dp_cp = grid.create_pg(["cp", "dp"])
+    pgc.mp = grid.create_pg(["tp", "pp"])
+    pgc.tp_cp = grid.create_pg(["tp", "cp"])
+    pgc.pos_embd = None
+    return pgc
+
+
+def _initialize_with_anchor(pp: int, seed: int, world: int, local_rank: int, local_world: int,
+                            device: torch.device) -> DistContext:
+    """Trainer grid on ranks 0..pp-1, anchor grid on rank pp (every rank joins every new_group)."""
+    from megatron.core import parallel_state
+    from megatron.core.hyper_comm_grid import HyperCommGrid
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    dims = ["tp", "cp", "dp", "pp"]
+    trainer = _grid_collection(HyperCommGrid([1, 1, 1, pp], dims, rank_offset=0))
+    anchor = _grid_collection(HyperCommGrid([1, 1, 1, 1], dims, rank_offset=pp))
+    embd = dist.new_group(list(range(pp))[:: max(1, pp - 1)]) if pp > 1 else None
+    rank = dist.get_rank()
+    is_anchor = rank >= pp
+    pgc = anchor if is_anchor else trainer
+    pgc.embd = None if is_anchor else embd
+    # what megatron otherwise gets from parallel_state.initialize_model_parallel
+    parallel_state._set_global_memory_buffer()
+    set_seed(seed)
+    model_parallel_cuda_manual_seed(seed, tp_rank=0, ep_rank=0, etp_rank=0)
+    return DistContext(
+        rank=rank, world_size=world, local_rank=local_rank, local_world_size=local_world,
+        pp_rank=0 if is_anchor else rank, pp_size=1 if is_anchor else pp, pp_group=pgc.pp,
+        embd_group=pgc.embd, pg_collection=pgc, device=device, anchor_rank=pp, is_anchor=is_anchor,
     )
 
 
@@ -120,5 +178,6 @@ def shutdown_distributed() -> None:
 
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
+    parallel_state._GLOBAL_MEMORY_BUFFER = None
     if dist.is_initialized():
         dist.destroy_process_group()

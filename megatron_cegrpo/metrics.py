@@ -1,4 +1,9 @@
-"""Metrics: named phase timers and the JSONL log (one object per iteration).
+"""Metrics: named phase timers, the JSONL log (one object per iteration) and optional
+wandb / TensorBoard backends that receive the same records under the same names.
+
+The trainer's driver builds its writers with :func:`build_writers` and calls
+``writer.write(record)`` once per iteration (a record is a flat ``{name: value}`` dict
+with an integer ``"step"``), then ``writer.close()`` at the end.
 
 (Not called ``logging.py``: the deepspeed launcher runs ``megatron_cegrpo/train.py``
 as a script, which puts this folder first on ``sys.path`` where a
@@ -12,9 +17,17 @@ import math
 import os
 import time
 from contextlib import contextmanager
-from typing import Dict, Optional
+from typing import Any, Dict, List, Mapping, Optional
 
-__all__ = ["PhaseTimers", "MetricsWriter", "format_progress"]
+__all__ = [
+    "PhaseTimers",
+    "MetricsWriter",
+    "WandbBackend",
+    "TensorBoardBackend",
+    "MultiWriter",
+    "build_writers",
+    "format_progress",
+]
 
 
 class PhaseTimers:
@@ -58,6 +71,203 @@ class MetricsWriter:
         with open(self.path, "a") as f:
             f.write(json.dumps(clean, sort_keys=False) + "\n")
             f.flush()
+
+    def close(self) -> None:
+        """Nothing to release (each write opens and closes the file)."""
+
+
+# ----------------------------------------------------------------------------- backends
+
+
+def _scalar(v) -> Optional[float]:
+    """A record value as a float for scalar backends, or None to skip it.
+
+    bool/int/float pass (NaN and inf included); the JSONL spellings "nan"/"inf"/"-inf"
+    become floats; any other string, list, dict or None is skipped.
+    """
+    if isinstance(v, bool):
+        return float(v)
+    if isinstance(v, (int, float)):
+        return float(v)
+    if isinstance(v, str) and v.strip().lower() in ("nan", "inf", "+inf", "-inf", "infinity", "-infinity"):
+        return float(v)
+    try:  # numpy / torch scalars
+        import numbers
+
+        if isinstance(v, numbers.Number):
+            return float(v)
+        if hasattr(v, "item") and getattr(v, "ndim", None) == 0:
+            return float(v.item())
+    except (TypeError, ValueError):
+        pass
+    return None
+
+
+def _step_of(record: Mapping, fallback: int) -> int:
+    step = record.get("step")
+    return int(step) if isinstance(step, (int, float)) and not isinstance(step, bool) else fallback
+
+
+class WandbBackend:
+    """Log records to Weights & Biases (``wandb.log(values, step=record["step"])``).
+
+    Works offline (``mode="offline"`` or ``WANDB_MODE=offline``): the run is written under
+    ``<dir>/wandb/offline-run-*`` and can be uploaded later with ``wandb sync``.  Same
+    metric names as the JSONL; numbers (NaN included) and strings are logged, other
+    values are skipped.  wandb's service writes the run file asynchronously: it is complete
+    once the process exits (or after ``wandb.teardown()``), not necessarily at ``close()``.
+
+    Args:
+        project: wandb project name.
+        run_name: display name of the run (default: wandb's).
+        dir: folder for wandb's files (default: the working directory).
+        mode: "online" | "offline" | "disabled" (default: ``$WANDB_MODE``, else wandb's default).
+        config: hyper-parameters stored with the run.
+        **init_kwargs: passed to ``wandb.init`` (e.g. ``entity``, ``group``, ``tags``, ``resume``).
+    """
+
+    def __init__(self, project: str, run_name: Optional[str] = None, dir: Optional[str] = None,
+                 mode: Optional[str] = None, config: Optional[Mapping] = None, **init_kwargs):
+        try:
+            import wandb
+        except ImportError as e:
+            raise ImportError(
+                "WandbBackend needs the 'wandb' package, which is not installed: "
+                "pip install 'megatron_cegrpo[logging]' (or pip install wandb), "
+                "or drop the wandb option"
+            ) from e
+        if dir is not None:
+            os.makedirs(dir, exist_ok=True)
+        kwargs = dict(project=project, name=run_name, dir=dir, config=dict(config) if config else None)
+        if mode is not None:
+            kwargs["mode"] = mode
+        kwargs.setdefault("settings", wandb.Settings(console="off", silent=True, x_disable_stats=True))
+        kwargs.update(init_kwargs)
+        self._wandb = wandb
+        self.run = wandb.init(**kwargs)
+        self._last_step = -1
+
+    @property
+    def run_dir(self) -> Optional[str]:
+        """The run's folder (``.../wandb/offline-run-<date>-<id>`` offline)."""
+        files = getattr(self.run, "dir", None)  # <run dir>/files
+        return os.path.dirname(files) if files else None
+
+    def write(self, record: Mapping[str, Any]) -> None:
+        step = _step_of(record, self._last_step + 1)
+        values = {}
+        for k, v in record.items():
+            if k == "step":
+                continue
+            x = _scalar(v)
+            if x is not None:
+                values[k] = x
+            elif isinstance(v, str):
+                values[k] = v
+        # wandb drops rows whose step goes backwards; keep its step monotonic
+        step = max(step, self._last_step)
+        self.run.log(values, step=step)
+        self._last_step = step
+
+    def close(self) -> None:
+        if self.run is not None:
+            self.run.finish()
+            self.run = None
+
+
+class TensorBoardBackend:
+    """Log records as TensorBoard scalars (``torch.utils.tensorboard.SummaryWriter``).
+
+    One scalar per numeric value, tag = the metric name, global step = ``record["step"]``;
+    strings and other non-numeric values are skipped.  ``config`` (if given) is stored once
+    as a text summary named ``config``.  Flushed after every record.
+    """
+
+    def __init__(self, log_dir: str, config: Optional[Mapping] = None):
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as e:
+            raise ImportError(
+                "TensorBoardBackend needs the 'tensorboard' package, which is not installed: "
+                "pip install 'megatron_cegrpo[logging]' (or pip install tensorboard), "
+                "or drop the tensorboard option"
+            ) from e
+        os.makedirs(log_dir, exist_ok=True)
+        self.log_dir = log_dir
+        self.writer = SummaryWriter(log_dir=log_dir)
+        self._last_step = -1
+        if config:
+            self.writer.add_text("config", "```\n" + json.dumps(dict(config), indent=2, default=str) + "\n```", 0)
+
+    def write(self, record: Mapping[str, Any]) -> None:
+        step = _step_of(record, self._last_step + 1)
+        for k, v in record.items():
+            if k == "step":
+                continue
+            x = _scalar(v)
+            if x is not None:
+                self.writer.add_scalar(k, x, global_step=step)
+        self.writer.flush()
+        self._last_step = step
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+
+
+class MultiWriter:
+    """Fans each record out to several writers (JSONL first). ``path`` is the JSONL file."""
+
+    def __init__(self, writers: List):
+        if not writers:
+            raise ValueError("MultiWriter needs at least one writer")
+        self.writers = list(writers)
+
+    @property
+    def path(self) -> Optional[str]:
+        for w in self.writers:
+            if isinstance(w, MetricsWriter):
+                return w.path
+        return None
+
+    def write(self, record: Mapping[str, Any]) -> None:
+        for w in self.writers:
+            w.write(record)
+
+    def close(self) -> None:
+        for w in self.writers:
+            w.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def build_writers(log_dir: str, wandb_project: Optional[str] = None, tensorboard_dir: Optional[str] = None,
+                  config: Optional[Mapping] = None, *, resume: bool = False, run_name: Optional[str] = None,
+                  wandb_mode: Optional[str] = None, wandb_dir: Optional[str] = None) -> MultiWriter:
+    """The trainer's writers: always ``<log_dir>/metrics.jsonl``; a :class:`WandbBackend`
+    when ``wandb_project`` is set (run name ``run_name`` or the log dir's name, files under
+    ``wandb_dir`` or ``log_dir``); a :class:`TensorBoardBackend` when ``tensorboard_dir`` is
+    set. Call on the driver rank only. A missing optional package raises ImportError at
+    once (before training starts), naming the package.
+    """
+    writers: List = [MetricsWriter(log_dir, resume=resume)]
+    try:
+        if tensorboard_dir:
+            writers.append(TensorBoardBackend(tensorboard_dir, config=config))
+        if wandb_project:
+            name = run_name or os.path.basename(os.path.normpath(log_dir))
+            writers.append(WandbBackend(wandb_project, run_name=name, dir=wandb_dir or log_dir,
+                                        mode=wandb_mode, config=config))
+    except BaseException:
+        for w in writers:
+            w.close()
+        raise
+    return MultiWriter(writers)
 
 
 def format_progress(m: Dict, total_iters: int) -> str:

@@ -32,13 +32,18 @@ def main(argv=None):
     from megatron_cegrpo.initialize import initialize_distributed, shutdown_distributed
 
     ctx = initialize_distributed(cfg.parallel.pipeline_model_parallel_size, cfg.optim.seed,
-                                 cfg.parallel.num_threads)
+                                 cfg.parallel.num_threads, anchor_ranks=cfg.anchor.anchor_ranks)
     try:
         cfg.validate(world_size=ctx.world_size)
-        from megatron_cegrpo.training import GRPOTrainer
+        if ctx.is_anchor:
+            from megatron_cegrpo.anchor.runner import run_anchor
 
-        trainer = GRPOTrainer(cfg, ctx)
-        trainer.train()
+            run_anchor(cfg, ctx)
+        else:
+            from megatron_cegrpo.training import GRPOTrainer
+
+            trainer = GRPOTrainer(cfg, ctx)
+            trainer.train()
     finally:
         shutdown_distributed()
 

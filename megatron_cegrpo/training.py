@@ -81,11 +81,13 @@ class GRPOTrainer:
             calculate_per_token_loss=True,
         )
         stage_sd = hf_to_megatron(hf_sd, hf_config, self.tf_config, ctx.pp_rank, ctx.pp_size)
-        self.model = build_stage(hf_config, self.tf_config, pp_rank=ctx.pp_rank, pp_size=ctx.pp_size)
+        self.model = build_stage(hf_config, self.tf_config, pp_rank=ctx.pp_rank, pp_size=ctx.pp_size,
+                                 pg_collection=ctx.pg_collection)
         load_stage_weights(self.model, stage_sd)
         self.ref_model = None
         if cfg.grpo.kl_coef > 0:
-            self.ref_model = build_stage(hf_config, self.tf_config, pp_rank=ctx.pp_rank, pp_size=ctx.pp_size)
+            self.ref_model = build_stage(hf_config, self.tf_config, pp_rank=ctx.pp_rank, pp_size=ctx.pp_size,
+                                         pg_collection=ctx.pg_collection)
             load_stage_weights(self.ref_model, stage_sd)
             self.ref_model.requires_grad_(False)
             self.ref_model.eval()
@@ -109,7 +111,8 @@ class GRPOTrainer:
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(params, cfg.optim)
         self.scheduler = build_lr_scheduler(self.optimizer, cfg.optim)
-        self.correction = SignCorrectionHook(params)
+        self.correction = SignCorrectionHook(params, alpha=cfg.anchor.sign_blend_alpha,
+                                             beta=cfg.anchor.sign_blend_beta)
         self.optimizer.register_step_pre_hook(self.correction)
         norm_params = [p for p in params if not self._is_duplicate_tied_weight(p)]
         self.clip = GradClipHook(params, norm_params, cfg.optim.clip_grad,
@@ -117,6 +120,14 @@ class GRPOTrainer:
         self.optimizer.register_step_pre_hook(self.clip)
 
         self.gatherer = StageWeightGatherer(self.model, ctx.pp_group)
+        self.anchor = None
+        if ctx.anchor_rank is not None:
+            from megatron_cegrpo.anchor.client import AnchorClient
+            from megatron_cegrpo.models import stage_layer_range
+
+            tied_copy = any(self._is_duplicate_tied_weight(p) for p in params)
+            self.anchor = AnchorClient(self.model, stage_layer_range(self.tf_config, ctx.pp_rank, ctx.pp_size)[0],
+                                       tied_copy, ctx.anchor_rank, ctx.is_driver, cfg, self.correction)
         self.timers = PhaseTimers()
         self.iteration = 0
         if cfg.checkpoint.load:
@@ -256,6 +267,10 @@ class GRPOTrainer:
             dist.broadcast_object_list(obj, src=dist.get_global_rank(ctx.pp_group, 0), group=ctx.pp_group)
             batch = obj[0]
 
+        if self.anchor is not None:
+            with self.timers.phase("anchor"):
+                self.anchor.after_rollout(t, batch)
+
         self.model.eval()  # dropout is 0 anyway; eval keeps the passes identical
         with self.timers.phase("old_log_prob"), torch.no_grad():
             outs = self.runner.run(self.model, batch, step=t, forward_only=True,
@@ -330,6 +345,12 @@ class GRPOTrainer:
         gbs = cfg.global_batch_size
         sums = {"pg_loss_sum": 0.0, "clip_sum": 0.0, "ppo_kl_sum": 0.0, "kl_sum": 0.0, "tokens": 0.0}
         norms = []
+        if self.anchor is not None:
+            self.anchor.before_optimizer_step(t, self.timers)
+            dump = os.environ.get("CEGRPO_ANCHOR_DUMP_DIR")
+            if dump:
+                self.correction.dump_path = os.path.join(dump, f"stage{self.ctx.pp_rank}_step{t:05d}.pt")
+        applied_before = self.correction.num_applied
         self.model.train()
         for _ in range(cfg.grpo.ppo_epochs):
             for start in range(0, n, gbs):
@@ -349,6 +370,7 @@ class GRPOTrainer:
         self.scheduler.step()
         out = {"actor/grad_norm": float(sum(norms) / len(norms)), "actor/lr": self.optimizer.param_groups[0]["lr"],
                "actor/num_optimizer_steps": len(norms)}
+        self._correction_applied = self.correction.num_applied - applied_before
         if self.ctx.is_last_stage:
             tok = max(sums["tokens"], 1.0)
             out.update({"actor/pg_loss": sums["pg_loss_sum"] / tok, "actor/pg_clipfrac": sums["clip_sum"] / tok,
@@ -364,6 +386,10 @@ class GRPOTrainer:
         dist.broadcast_object_list(obj, src=ctx.last_stage_rank, group=ctx.pp_group)
         last_stats = obj[0]
         local = {"comm": self.meter.snapshot_and_reset(), "weight": self._weight_change_sums()}
+        if self.anchor is not None:
+            local["anchor"] = self.anchor.metrics(t)
+            local["agreement"] = self.correction.last_agreement if self._correction_applied else (0, 0)
+            local["applied"] = self._correction_applied
         gathered = [None] * ctx.pp_size if ctx.is_driver else None
         dist.gather_object(local, gathered, dst=dist.get_global_rank(ctx.pp_group, 0), group=ctx.pp_group)
         if not ctx.is_driver:
@@ -397,10 +423,29 @@ class GRPOTrainer:
         })
         m.update(last_stats)
         m.update(merged)
+        if self.anchor is not None:
+            m.update(self._anchor_metrics(gathered, t))
         m["sync/bytes"] = self.gatherer.last_bytes
         m.update(self.timers.snapshot_and_reset())
         m["timing_s/step"] = seconds
         self.writer.write(m)
+        return m
+
+    def _anchor_metrics(self, gathered, t: int) -> Dict:
+        """anchor/* for the log: bytes both ways (all stages), the correction, and on fire
+        iterations the anchor's own statistics (branch, staleness, M norm, counters)."""
+        m = {"anchor/fire": gathered[0]["anchor"]["anchor/fire"],
+             "anchor/bytes_in": sum(d["anchor"]["anchor/bytes_in"] for d in gathered),
+             "anchor/bytes_out": sum(d["anchor"]["anchor/bytes_out"] for d in gathered),
+             "anchor/correction_applied": int(min(d["applied"] for d in gathered) > 0)}
+        agree = sum(d["agreement"][0] for d in gathered)
+        total = sum(d["agreement"][1] for d in gathered)
+        if total:
+            m["anchor/sign_agreement"] = agree / total
+        stats = self.anchor.stats
+        if stats:
+            m.update({k: v for k, v in stats.items() if k != "anchor/fire"})
+            self.anchor.stats = {}
         return m
 
     @torch.no_grad()
@@ -460,6 +505,8 @@ class GRPOTrainer:
                     print(line, flush=True)
         if bar is not None:
             bar.close()
+        if self.anchor is not None:
+            self.anchor.finish(self.iteration, self.timers)
         if cfg.data.num_holdout:
             after = self._eval_barrier()
             if after:
@@ -503,6 +550,8 @@ class GRPOTrainer:
         }
         if ctx.is_driver:
             state["sampler"] = self.sampler.state_dict()
+        if self.anchor is not None:
+            state["anchor_client"] = self.anchor.state_dict()
         ck.write_stage_blob(tmp, ctx.pp_rank, "trainer_state", state)
         meta = ck.make_meta(
             hf_config=self.hf_config, pp_size=ctx.pp_size,
@@ -560,6 +609,8 @@ class GRPOTrainer:
         self.scheduler.load_state_dict(state["scheduler"])
         self.meter.load_state_dict(state["meter"])
         self.codec.load_state_dict(state["codec"])
+        if self.anchor is not None and "anchor_client" in state:
+            self.anchor.load_state_dict(state["anchor_client"])
         self._resume_rng = state["rng"]
         self._resume_sampler = state.get("sampler")
         self.iteration = it

@@ -36,6 +36,8 @@ class SignCorrectionHook:
         self.alpha, self.beta = float(alpha), float(beta)
         self.signs: Optional[List[torch.Tensor]] = None
         self.num_applied = 0
+        self.last_agreement = (0, 0)  # (coordinates where sign(G_comp) == sign(M), coordinates)
+        self.dump_path: Optional[str] = None  # debugging/tests: save G_comp, signs and G here
 
     def set_signs(self, signs: Optional[List[torch.Tensor]]) -> None:
         """signs: one tensor per parameter, same shape, values in {-1, +1} (or None to clear)."""
@@ -51,12 +53,22 @@ class SignCorrectionHook:
     def __call__(self, optimizer, args, kwargs) -> None:
         if self.signs is None:
             return None
+        before = [p.grad.detach().clone() if p.grad is not None else None for p in self.params] \
+            if self.dump_path else None
+        agree = total = 0
         for p, s in zip(self.params, self.signs):
             if p.grad is None:
                 continue
             g = p.grad
+            agree += int(((g >= 0) == (s > 0)).sum())  # sign(0) = +1, as for M
+            total += g.numel()
             g.copy_(self.alpha * g + self.beta * g.abs() * s.to(g.dtype))
+        self.last_agreement = (agree, total)
         self.num_applied += 1
+        if self.dump_path:
+            torch.save({"g_comp": before, "signs": [s.clone() for s in self.signs],
+                        "g": [p.grad.detach().clone() if p.grad is not None else None for p in self.params]},
+                       self.dump_path)
         return None
 
 

@@ -21,7 +21,7 @@ ARGS = [
     "--micro-batch-size", "4", "--rollout-batch-size", "2", "--num-generations", "4",
     "--max-new-tokens", "12", "--lr", "1e-4", "--temperature", "1.0", "--kl-coef", "0.01",
     "--deepspeed_config", "ds_configs/cpu_adamw.json", "--no-tqdm", "--num-threads", "1",
-    "--boundary-codec", "mask", "--save-interval", "3",
+    "--boundary-codec", "mask", "--save-interval", "3", "--anchor-ranks", "0",
 ]
 
 

@@ -26,7 +26,7 @@ COMMON = [
     "--micro-batch-size", "4", "--rollout-batch-size", "2", "--num-generations", "4",
     "--max-new-tokens", "12", "--train-iters", "3", "--lr", "1e-4", "--temperature", "1.0",
     "--deepspeed_config", "ds_configs/cpu_adamw.json", "--no-tqdm", "--num-threads", "1",
-    "--drift-probe-interval", "2",
+    "--drift-probe-interval", "2", "--anchor-ranks", "0",
 ]
 
 

@@ -1,0 +1,143 @@
+"""The trainer ranks' side of the anchor circuit (DESIGN.md section 4).
+
+Every stage ships theta(s) every c iterations without waiting (``isend``), the driver
+adds the rollout batches, and on a fire the stages take sign(M) and hand it to the
+optimizer's pre-step correction hook. See ``anchor/transport.py`` for the schedule.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_cegrpo.anchor.signs import packed_nbytes, unpack_sign_list
+from megatron_cegrpo.anchor.transport import (
+    META_TAG, TAG_BATCH, TAG_PARAMS, TAG_SIGN_HDR, TAG_SIGNS, TAG_STATS,
+    flatten_params, is_fire_step, is_ship_step, isend_object, recv_object, send_object,
+)
+
+__all__ = ["AnchorClient", "ANCHOR_BATCH_KEYS"]
+
+# what the anchor needs to replay a batch: token ids, masks, advantages (no rewards, no text)
+ANCHOR_BATCH_KEYS = ("tokens", "position_ids", "labels", "loss_mask", "advantages", "sample_ids")
+
+
+class AnchorClient:
+    """One per trainer rank.
+
+    Args:
+        model: this rank's stage.
+        layer_offset: global index of the stage's first layer.
+        tied_output: True on the last stage of a tied-embedding model with PP > 1.
+        anchor_rank: global rank of the anchor.
+        is_driver: this rank also sends batches and receives the anchor's statistics.
+        cfg: the TrainConfig (``cfg.anchor``).
+        correction: the optimizer's SignCorrectionHook.
+    """
+
+    def __init__(self, model, layer_offset: int, tied_output: bool, anchor_rank: int, is_driver: bool,
+                 cfg, correction):
+        self.a = cfg.anchor
+        self.params = [p for p in model.parameters()]
+        self.shapes = [tuple(p.shape) for p in self.params]
+        self.anchor = anchor_rank
+        self.is_driver = is_driver
+        self.correction = correction
+        self._pending: List[list] = []
+        self._sent_batch_at: Optional[int] = None
+        self._awaiting: Optional[int] = None  # fire iteration whose signs are still to be received
+        self._fresh_for: Optional[int] = None
+        self.bytes_in = 0  # to the anchor
+        self.bytes_out = 0  # from the anchor
+        self.stats: Dict = {}
+        meta = {"params": [(n, tuple(p.shape)) for n, p in model.named_parameters()],
+                "layer_offset": int(layer_offset), "tied_output": bool(tied_output)}
+        self.bytes_in += send_object(meta, anchor_rank, META_TAG)
+        dump = os.environ.get("CEGRPO_ANCHOR_DUMP_DIR")
+        if dump:
+            torch.save(meta, os.path.join(dump, f"stage_meta_{layer_offset:04d}.pt"))
+
+    def _wait_pending(self) -> None:
+        for keep in self._pending:
+            for w in keep[0]:
+                w.wait()
+        self._pending = []
+
+    def after_rollout(self, t: int, batch: Dict[str, torch.Tensor]) -> None:
+        """Call on every trainer rank once iteration t's batch exists, before any update."""
+        c = self.a.anchor_interval
+        if is_ship_step(t, c):
+            self._wait_pending()  # the previous shipment must be out before its buffers go
+            flat = flatten_params(self.params)
+            self._pending.append([[dist.isend(flat, dst=self.anchor, tag=TAG_PARAMS)], flat])
+            self.bytes_in += flat.numel() * flat.element_size()
+            if self.is_driver:
+                self._send_batch(t, batch)
+        if is_fire_step(t, c):
+            if self.is_driver and self._sent_batch_at != t:
+                self._send_batch(t, batch)
+            self._awaiting = t
+
+    def _send_batch(self, t: int, batch) -> None:
+        keep, n = isend_object({k: batch[k] for k in ANCHOR_BATCH_KEYS}, self.anchor, TAG_BATCH)
+        self._pending.append(keep)
+        self.bytes_in += n
+        self._sent_batch_at = t
+
+    def before_optimizer_step(self, t: int, timers) -> None:
+        """Receive the sign where the apply mode says so; set the hook's signs for this step."""
+        due = self._awaiting is not None and (
+            self.a.anchor_apply == "fire-step" or t > self._awaiting)
+        if due:
+            with timers.phase("anchor_wait"):
+                self._receive_signs()
+            self._fresh_for = t
+            self._awaiting = None
+        if self.a.sign_fold == "fire-only" and self._fresh_for != t:
+            self.correction.set_signs(None)
+
+    def _receive_signs(self) -> None:
+        hdr = torch.zeros(1, dtype=torch.int64)
+        dist.recv(hdr, src=self.anchor, tag=TAG_SIGN_HDR)
+        self.bytes_out += 8
+        if int(hdr.item()):
+            numel = sum(int(torch.Size(s).numel()) for s in self.shapes)
+            packed = torch.empty(packed_nbytes(numel), dtype=torch.uint8)
+            dist.recv(packed, src=self.anchor, tag=TAG_SIGNS)
+            self.bytes_out += packed.numel()
+            self.correction.set_signs(unpack_sign_list(packed, self.shapes))
+        if self.is_driver:
+            self.stats, n = recv_object(self.anchor, TAG_STATS)
+            self.bytes_out += n
+
+    def finish(self, t_last: int, timers) -> None:
+        """Drain: a fire whose sign was never applied is still received (the anchor sent it)."""
+        if self._awaiting is not None:
+            with timers.phase("anchor_wait"):
+                self._receive_signs()
+            self._awaiting = None
+        self._wait_pending()
+
+    def state_dict(self) -> Dict:
+        """What a resumed run needs: the schedule position and the held sign."""
+        self._wait_pending()
+        signs = self.correction.signs
+        return {"sent_batch_at": self._sent_batch_at, "awaiting": self._awaiting, "fresh_for": self._fresh_for,
+                "signs": [s.to(torch.int8) for s in signs] if signs is not None else None}
+
+    def load_state_dict(self, state: Dict) -> None:
+        self._sent_batch_at, self._awaiting = state["sent_batch_at"], state["awaiting"]
+        self._fresh_for = state["fresh_for"]
+        signs = state["signs"]
+        self.correction.set_signs([s.float() for s in signs] if signs is not None else None)
+
+    def metrics(self, t: int) -> Dict:
+        out = {"anchor/fire": int(is_fire_step(t, self.a.anchor_interval)),
+               "anchor/bytes_in": self.bytes_in, "anchor/bytes_out": self.bytes_out,
+               "anchor/sign_applied": int(self.correction.signs is not None)}
+        self.bytes_in = self.bytes_out = 0
+        return out

@@ -1,0 +1,203 @@
+"""The anchor rank: dense replay at stale or forecast weights, M <- a M + (1 - a) G_anc, sign(M) out.
+
+Status 2026-07-31 section 1.3 and appendix A; DESIGN.md section 4; the 2026-07-04 report
+sections 3 and 10. The anchor holds the whole model densely (megatron-core GPTModel with
+PP=1, parameter names equal to the stages' up to the layer offset), a frozen reference,
+M in fp32 for every parameter and a ring of stale checkpoints. It takes no optimizer
+step, generates no rollouts and computes no rewards (the counters in its statistics
+say so); its only output is sign(M), one bit per parameter.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from typing import Dict, List, Optional
+
+import torch
+
+from megatron_cegrpo.anchor.forecast import get_forecast
+from megatron_cegrpo.anchor.memory import AnchorMemory
+from megatron_cegrpo.anchor.ring import CheckpointRing
+from megatron_cegrpo.anchor.signs import pack_sign_list
+from megatron_cegrpo.anchor.transport import (
+    META_TAG, TAG_BATCH, TAG_PARAMS, TAG_SIGN_HDR, TAG_SIGNS, TAG_STATS,
+    is_fire_step, is_ship_step, isend_object, recv_object, unflatten,
+)
+from megatron_cegrpo.grpo import core_algos as ca
+from megatron_cegrpo.grpo.batch import microbatches
+
+__all__ = ["AnchorWorker", "global_param_name"]
+
+_LAYER = re.compile(r"decoder\.layers\.(\d+)\.")
+
+
+def global_param_name(stage_name: str, layer_offset: int, tied_output: bool) -> str:
+    """A stage's parameter name as the PP=1 model names it (layer index + offset; the last
+    stage's copy of a tied output weight is the embedding)."""
+    if tied_output and stage_name == "output_layer.weight":
+        return "embedding.word_embeddings.weight"
+    return _LAYER.sub(lambda m: f"decoder.layers.{int(m.group(1)) + layer_offset}.", stage_name)
+
+
+class AnchorWorker:
+    """Runs on the anchor rank until the trainer's last iteration.
+
+    Args:
+        cfg: the TrainConfig (anchor, GRPO, batch settings).
+        model, ref_model: PP=1 GPTModels (policy replica, frozen reference).
+        stage_ranks: global ranks of the pipeline stages, stage order.
+        start_iteration: the iteration the trainer resumes from (0 for a new run).
+    """
+
+    def __init__(self, cfg, model, ref_model, stage_ranks: List[int], start_iteration: int = 0):
+        self.cfg, self.a = cfg, cfg.anchor
+        self.model, self.ref_model = model, ref_model
+        self.stage_ranks = stage_ranks
+        self.start = start_iteration
+        self.params = dict(model.named_parameters())
+        self.ring = CheckpointRing(capacity=max(4, self.a.anchor_forecast_points + 1), delay=self.a.anchor_delay)
+        self.memory = AnchorMemory([(n, p.shape) for n, p in self.params.items()], decay=self.a.anchor_ema_decay)
+        opts = {"n_points": self.a.anchor_forecast_points} if self.a.anchor_forecast == "lsq" else {}
+        name = "matching" if self.a.anchor_replay == "matching" else self.a.anchor_forecast
+        self.forecast = get_forecast(name, **opts)
+        self.batches: Dict[int, dict] = {}  # iteration -> replayable batch
+        self.bytes_in = self.bytes_out = 0
+        self.counters = {"anchor/num_optimizer_steps": 0, "anchor/num_rollouts": 0, "anchor/num_rewards": 0}
+        self.dump_dir = os.environ.get("CEGRPO_ANCHOR_DUMP_DIR")
+        self._pending: List[list] = []  # isends in flight (the trainer may take its sign later)
+        # names/shapes of every stage, in each stage's parameter order (sent once by the stages)
+        self.stage_meta = []
+        for r in stage_ranks:
+            meta, n = recv_object(r, META_TAG)
+            self.bytes_in += n
+            self.stage_meta.append(meta)
+
+    # ------------------------------------------------------------------ loop
+    def run(self, on_iteration_end=None) -> None:
+        """Follow the trainer's schedule to the last iteration; ``on_iteration_end(t)`` runs
+        after each iteration's messages (the runner saves checkpoints there)."""
+        c = self.a.anchor_interval
+        for t in range(self.start + 1, self.cfg.optim.train_iters + 1):
+            if is_ship_step(t, c):
+                self._receive_checkpoint(t - 1)
+                self._receive_batch(t)
+            if is_fire_step(t, c):
+                if t not in self.batches:
+                    self._receive_batch(t)
+                self._fire(t)
+            for k in [k for k in self.batches if k < t - self.a.anchor_delay - 2 * c]:
+                del self.batches[k]
+            if on_iteration_end is not None:
+                on_iteration_end(t)
+        self.wait_sends()
+
+    def wait_sends(self) -> None:
+        for keep in self._pending:
+            for w in keep[0]:
+                w.wait()
+        self._pending = []
+
+    def _receive_checkpoint(self, s: int) -> None:
+        theta: Dict[str, torch.Tensor] = {}
+        for r, meta in zip(self.stage_ranks, self.stage_meta):
+            numel = sum(int(torch.Size(shape).numel()) for _, shape in meta["params"])
+            flat = torch.empty(numel, dtype=torch.float32)
+            torch.distributed.recv(flat, src=r, tag=TAG_PARAMS)
+            self.bytes_in += flat.numel() * flat.element_size()
+            for (name, shape), tensor in zip(meta["params"], unflatten(flat, [s for _, s in meta["params"]])):
+                g = global_param_name(name, meta["layer_offset"], meta["tied_output"])
+                theta.setdefault(g, tensor.clone())  # the tied copy equals the embedding
+        missing = set(self.params) - set(theta)
+        assert not missing, f"checkpoint lacks {sorted(missing)[:4]}"
+        self.ring.put(s, theta)
+
+    def _receive_batch(self, t: int) -> None:
+        batch, n = recv_object(self.stage_ranks[0], TAG_BATCH)
+        self.bytes_in += n
+        self.batches[t] = batch
+
+    # ------------------------------------------------------------------ fire
+    def _fire(self, t: int) -> None:
+        t0 = time.perf_counter()
+        K, c = self.a.anchor_delay, self.a.anchor_interval
+        res = self.forecast(self.ring, t, K, c)
+        stats = {"anchor/fire": 1, "anchor/branch": "skipped", "anchor/staleness": None}
+        grads = None
+        if res is not None:
+            # forecast replays the newest batch (t); matching replays the batch theta(s1) generated (s1 + 1)
+            batch_t = t if res.branch == "forecast" else res.batch_step + 1
+            batch = self.batches[batch_t]
+            grads = self._dense_gradient(res.weights, batch)
+            self.memory.update(grads)
+            stats.update({"anchor/branch": res.branch, "anchor/staleness": t - max(res.source_steps),
+                          "anchor/source_steps": list(res.source_steps), "anchor/replay_batch": batch_t})
+            if self.dump_dir:
+                torch.save({"t": t, "weights": res.weights, "batch": batch, "grads": grads,
+                            "signs": self.memory.signs(), "branch": res.branch},
+                           os.path.join(self.dump_dir, f"anchor_fire_{t:05d}.pt"))
+        has = self.memory.is_set
+        self.wait_sends()
+        for r, meta in zip(self.stage_ranks, self.stage_meta):
+            hdr = torch.tensor([1 if has else 0], dtype=torch.int64)
+            self._pending.append([[torch.distributed.isend(hdr, dst=r, tag=TAG_SIGN_HDR)], hdr])
+            self.bytes_out += 8
+            if has:
+                names = [global_param_name(n, meta["layer_offset"], meta["tied_output"]) for n, _ in meta["params"]]
+                packed, _ = self.memory.packed_signs(names)
+                self._pending.append([[torch.distributed.isend(packed, dst=r, tag=TAG_SIGNS)], packed])
+                self.bytes_out += packed.numel()
+        stats.update({
+            "anchor/m_norm": self.memory.norm() if has else 0.0,
+            "anchor/no_peek_violations": self.ring.num_no_peek_violations,
+            "anchor/compute_s": time.perf_counter() - t0,
+            "anchor/received_bytes_total": self.bytes_in,
+            **self.counters,
+        })
+        keep, n = isend_object(stats, self.stage_ranks[0], TAG_STATS)
+        self._pending.append(keep)
+        self.bytes_out += n
+
+    def _dense_gradient(self, weights: Dict[str, torch.Tensor], batch: dict) -> Dict[str, torch.Tensor]:
+        """G_anc: one dense forward + backward of the GRPO objective at ``weights``.
+
+        Ratio against the anchor's own detached log-probs (so the clipped term's gradient
+        is -A grad log pi), k3 KL to its frozen reference, token-mean over the batch; no
+        optimizer step. Returns fp32 gradients by parameter name.
+        """
+        g = self.cfg.grpo
+        with torch.no_grad():
+            for n, p in self.params.items():
+                p.copy_(weights[n].to(p.dtype))
+        self.model.zero_grad(set_to_none=True)
+        num_tokens = float(batch["loss_mask"].sum())
+        temp = float(self.cfg.rollout.temperature)
+        for mb in microbatches(batch, self.cfg.parallel.micro_batch_size):
+            logits = self.model(input_ids=mb["tokens"], position_ids=mb["position_ids"], attention_mask=None)
+            logp = ca.logprobs_from_logits(logits.float() / temp, mb["labels"])
+            pol = ca.compute_policy_loss(logp.detach(), logp, mb["advantages"], mb["loss_mask"],
+                                         clip_ratio_low=g.clip_ratio_low, clip_ratio_high=g.clip_ratio_high)
+            loss_mat = pol["pg_losses"]
+            if g.kl_coef > 0:
+                with torch.no_grad():
+                    ref_logits = self.ref_model(input_ids=mb["tokens"], position_ids=mb["position_ids"],
+                                                attention_mask=None)
+                    ref_lp = ca.logprobs_from_logits(ref_logits.float() / temp, mb["labels"])
+                loss_mat = loss_mat + g.kl_coef * ca.kl_penalty(logp, ref_lp, g.kl_loss_type)
+            loss = ca.agg_loss(loss_mat, mb["loss_mask"], g.loss_agg_mode, global_num_tokens=num_tokens,
+                               global_num_seqs=float(batch["tokens"].shape[0]))
+            loss.backward()
+        return {n: (p.grad.detach().float().clone() if p.grad is not None else torch.zeros_like(p, dtype=torch.float32))
+                for n, p in self.params.items()}
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict:
+        return {"ring": self.ring.state_dict(), "memory": self.memory.state_dict(),
+                "batches": self.batches, "bytes_in": self.bytes_in, "bytes_out": self.bytes_out}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.ring.load_state_dict(state["ring"])
+        self.memory.load_state_dict(state["memory"])
+        self.batches = dict(state["batches"])
+        self.bytes_in, self.bytes_out = state["bytes_in"], state["bytes_out"]

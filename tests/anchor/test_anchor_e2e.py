@@ -1,0 +1,97 @@
+"""The anchor circuit in real processes: 2 pipeline stages + 1 anchor rank (gloo), tiny model.
+
+c = K = 2 over 6 iterations: fires at 2 (fallback: only theta(0) is old enough), 4 and 6
+(secant forecasts). Checks, from the run's dumps and metrics:
+- G_anc equals an independent single-process dense gradient (HF model, loss written out)
+  at the same forecast weights and batch;
+- on every fire step each stage's optimizer consumed G = 0.25 G_comp + 0.75 |G_comp| sign(M)
+  with exactly the anchor's sign(M) for that stage's parameters;
+- no-peek violations 0, staleness K, isolation counters 0, bytes per fire = 1 bit a parameter.
+"""
+
+import glob
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from distributed_util import REPO, free_port, run_single
+
+sys.path.insert(0, os.path.join(REPO, "tests", "e2e"))
+from test_train_launch import REWARD, _launcher  # noqa: E402
+
+from megatron_cegrpo.anchor.worker import global_param_name  # noqa: E402
+
+KL = 0.01
+
+
+def _run(tmp_path, *extra):
+    (tmp_path / "reward.py").write_text(REWARD)
+    dump = tmp_path / "dump"
+    dump.mkdir()
+    cmd = [_launcher("deepspeed"), "--num_gpus", "3", "--master_port", str(free_port()),
+           "megatron_cegrpo/train.py", "--model", "tiny-llama", "--train-data", "mawps/singleop",
+           "--pipeline-model-parallel-size", "2", "--micro-batch-size", "4", "--rollout-batch-size", "2",
+           "--num-generations", "4", "--max-new-tokens", "12", "--train-iters", "6", "--lr", "1e-4",
+           "--kl-coef", str(KL), "--boundary-codec", "mask", "--anchor-ranks", "1", "--anchor-interval", "2",
+           "--anchor-delay", "2", "--no-tqdm", "--num-threads", "1",
+           "--custom-reward-function", f"{tmp_path / 'reward.py'}:parity_reward",
+           "--deepspeed_config", "ds_configs/cpu_adamw.json", "--log-dir", str(tmp_path / "run"), *extra]
+    env = dict(os.environ, OMP_NUM_THREADS="1", CEGRPO_ANCHOR_DUMP_DIR=str(dump))
+    p = subprocess.run(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                       timeout=900)
+    assert p.returncode == 0, p.stdout[-8000:]
+    metrics = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    return metrics, dump
+
+
+def test_anchor_gradient_signs_and_correction(tmp_path):
+    metrics, dump = _run(tmp_path)
+    fires = [m for m in metrics if m["anchor/fire"]]
+    assert [m["step"] for m in fires] == [2, 4, 6]
+    assert [m["anchor/branch"] for m in fires] == ["fallback", "forecast", "forecast"]
+    assert [m["anchor/source_steps"] for m in fires] == [[0], [0, 2], [2, 4]]
+    for m in fires:
+        assert m["anchor/staleness"] == 2  # = K
+        assert m["anchor/no_peek_violations"] == 0
+        assert m["anchor/num_optimizer_steps"] == m["anchor/num_rollouts"] == m["anchor/num_rewards"] == 0
+        assert 0.0 < m["anchor/sign_agreement"] < 1.0 and m["anchor/m_norm"] > 0
+        assert m["timing_s/anchor_wait"] >= 0
+    # every step after the first sign folds the held sign (--sign-fold every-step)
+    assert [m["anchor/correction_applied"] for m in metrics] == [0, 1, 1, 1, 1, 1]
+
+    metas = [torch.load(f, weights_only=True) for f in sorted(glob.glob(str(dump / "stage_meta_*.pt")))]
+    numel = sum(int(torch.Size(s).numel()) for meta in metas for _, s in meta["params"])
+    header = 8 * len(metas)
+    for m in fires:
+        # sign(M) for each stage, packed 8 a byte, plus an 8-byte header per stage and the stats object
+        assert numel // 8 + header <= m["anchor/bytes_out"] <= (numel + 7) // 8 + len(metas) + header + 4096
+
+    for t in (2, 4, 6):
+        a = torch.load(dump / f"anchor_fire_{t:05d}.pt", weights_only=True)
+        # G_anc against an independent dense gradient at the same weights and batch
+        out = tmp_path / f"ref_{t}.pt"
+        run_single([os.path.join(REPO, "tests", "anchor", "anchor_reference.py"),
+                    str(dump / f"anchor_fire_{t:05d}.pt"), str(out), str(KL)])
+        ref = torch.load(out, weights_only=True)
+        assert set(ref) == set(a["grads"])
+        for k in ref:
+            torch.testing.assert_close(a["grads"][k], ref[k], rtol=1e-4, atol=1e-6, msg=lambda s: f"{k}: {s}")
+        # the optimizer consumed the formula with the anchor's signs, on every stage
+        for r, meta in enumerate(metas):
+            d = torch.load(dump / f"stage{r}_step{t:05d}.pt", weights_only=True)
+            for (name, _), g_comp, sign, g in zip(meta["params"], d["g_comp"], d["signs"], d["g"]):
+                gname = global_param_name(name, meta["layer_offset"], meta["tied_output"])
+                assert torch.equal(sign, a["signs"][gname]), name
+                torch.testing.assert_close(g, 0.25 * g_comp + 0.75 * g_comp.abs() * sign, rtol=0, atol=0)
+
+
+def test_fire_only_fold_and_next_step_apply(tmp_path):
+    metrics, _ = _run(tmp_path, "--sign-fold", "fire-only", "--anchor-apply", "next-step")
+    # the sign of fire t is taken at step t + 1 and folded only there
+    assert [m["anchor/correction_applied"] for m in metrics] == [0, 0, 1, 0, 1, 0]
+    assert [m["anchor/fire"] for m in metrics] == [0, 1, 0, 1, 0, 1]
+    assert all(m["anchor/no_peek_violations"] == 0 for m in metrics if "anchor/no_peek_violations" in m)
