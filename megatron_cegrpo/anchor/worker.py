@@ -151,7 +151,7 @@ class AnchorWorker:
         stats.update({
             "anchor/m_norm": self.memory.norm() if has else 0.0,
             "anchor/no_peek_violations": self.ring.num_no_peek_violations,
-            "anchor/compute_s": time.perf_counter() - t0,
+            "timing_s/anchor_compute": time.perf_counter() - t0,
             "anchor/received_bytes_total": self.bytes_in,
             **self.counters,
         })

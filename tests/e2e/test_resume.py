@@ -1,7 +1,9 @@
 """Resume bit for bit: 6 iterations straight == 3, SIGKILL, resume, 3 more.
 
 Through the deepspeed launcher, PP=2, mask codec, tiny random model, a custom reward
-with mixed scores (so gradients and Adam moments are non-trivial).
+with mixed scores (so gradients and Adam moments are non-trivial); once without the
+anchor and once with it (c = K = 2: the checkpoint at 3 sits between the fires at 2 and 4,
+so M, the checkpoint ring, the stored batches and the held sign must all survive).
 """
 
 import json
@@ -10,6 +12,7 @@ import signal
 import subprocess
 import time
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -21,13 +24,14 @@ ARGS = [
     "--micro-batch-size", "4", "--rollout-batch-size", "2", "--num-generations", "4",
     "--max-new-tokens", "12", "--lr", "1e-4", "--temperature", "1.0", "--kl-coef", "0.01",
     "--deepspeed_config", "ds_configs/cpu_adamw.json", "--no-tqdm", "--num-threads", "1",
-    "--boundary-codec", "mask", "--save-interval", "3", "--anchor-ranks", "0",
+    "--boundary-codec", "mask", "--save-interval", "3",
 ]
+ANCHOR = {0: ["--anchor-ranks", "0"], 1: ["--anchor-ranks", "1", "--anchor-interval", "2", "--anchor-delay", "2"]}
 
 
-def _cmd(tmp_path, *extra):
-    return [_launcher("deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()),
-            "megatron_cegrpo/train.py", *ARGS,
+def _cmd(tmp_path, anchors, *extra):
+    return [_launcher("deepspeed"), "--num_gpus", str(2 + anchors), "--master_port", str(free_port()),
+            "megatron_cegrpo/train.py", *ARGS, *ANCHOR[anchors],
             "--custom-reward-function", f"{tmp_path / 'reward.py'}:parity_reward", *extra]
 
 
@@ -47,10 +51,11 @@ def _weights(ckpt):
     return [load_file(os.path.join(ckpt, f"stage_{r:02d}", "model.safetensors")) for r in range(2)]
 
 
-def test_sigkill_and_resume_is_bit_identical(tmp_path):
+@pytest.mark.parametrize("anchors", [0, 1], ids=["fast-circuit", "with-anchor"])
+def test_sigkill_and_resume_is_bit_identical(tmp_path, anchors):
     (tmp_path / "reward.py").write_text(REWARD)
     straight = tmp_path / "straight"
-    p = subprocess.run(_cmd(tmp_path, "--train-iters", "6", "--save", str(straight / "ckpt"),
+    p = subprocess.run(_cmd(tmp_path, anchors, "--train-iters", "6", "--save", str(straight / "ckpt"),
                             "--log-dir", str(straight)),
                        cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                        timeout=600)
@@ -58,7 +63,7 @@ def test_sigkill_and_resume_is_bit_identical(tmp_path):
 
     # same run, killed with SIGKILL right after its iteration-3 checkpoint is committed
     killed = tmp_path / "killed"
-    proc = subprocess.Popen(_cmd(tmp_path, "--train-iters", "1000", "--save", str(killed / "ckpt"),
+    proc = subprocess.Popen(_cmd(tmp_path, anchors, "--train-iters", "1000", "--save", str(killed / "ckpt"),
                                  "--log-dir", str(killed)),
                             cwd=REPO, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
@@ -74,7 +79,7 @@ def test_sigkill_and_resume_is_bit_identical(tmp_path):
         proc.wait()
     assert latest.read_text().strip() == "iter_0000003"
 
-    p = subprocess.run(_cmd(tmp_path, "--train-iters", "6", "--load", str(killed / "ckpt"),
+    p = subprocess.run(_cmd(tmp_path, anchors, "--train-iters", "6", "--load", str(killed / "ckpt"),
                             "--save", str(killed / "ckpt"), "--log-dir", str(killed)),
                        cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                        timeout=600)
@@ -83,10 +88,16 @@ def test_sigkill_and_resume_is_bit_identical(tmp_path):
 
     a, b = _metrics(straight / "metrics.jsonl"), _metrics(killed / "metrics.jsonl")
     assert sorted(b) == [1, 2, 3, 4, 5, 6]  # lines written after the checkpoint were dropped
+    if anchors:
+        # the resumed stages describe their parameters to the anchor again (a few kB, once)
+        assert b[4].pop("anchor/bytes_in") > a[4].pop("anchor/bytes_in")
     for step in (4, 5, 6):
         assert a[step] == b[step], (step, {k: (a[step][k], b[step].get(k)) for k in a[step]
                                            if a[step][k] != b[step].get(k)})
     assert a[6]["actor/grad_norm"] > 0
+    if anchors:
+        assert [a[t]["anchor/fire"] for t in (4, 5, 6)] == [1, 0, 1]
+        assert a[4]["anchor/branch"] == "forecast" and a[4]["anchor/correction_applied"] == 1
     wa, wb = _weights(straight / "ckpt" / "iter_0000006"), _weights(killed / "ckpt" / "iter_0000006")
     for sa, sb in zip(wa, wb):
         assert sa.keys() == sb.keys()
