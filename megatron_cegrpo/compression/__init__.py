@@ -11,6 +11,7 @@ from .codecs import (
     DenseCodec,
     MaskCodec,
     available_codecs,
+    build_codec,
     get_codec,
     register_codec,
 )
@@ -24,6 +25,7 @@ __all__ = [
     "DenseCodec",
     "MaskCodec",
     "available_codecs",
+    "build_codec",
     "exact_k_indices",
     "get_codec",
     "keep_count",

@@ -18,6 +18,8 @@ torch.distributed.
 from __future__ import annotations
 
 import abc
+import inspect
+import warnings
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Tuple, Type
@@ -94,6 +96,24 @@ def get_codec(name: str, **kwargs) -> "BoundaryCodec":
     if cls is None:
         raise ValueError(f"unknown boundary codec {name!r}; valid names: {', '.join(available_codecs())}")
     return cls(**kwargs)
+
+
+def build_codec(name: str, keep_ratio: float) -> "BoundaryCodec":
+    """The codec for ``--boundary-codec name --boundary-keep-ratio keep_ratio``: the ratio goes
+    to codecs whose constructor takes ``keep_ratio``; for the others (``dense``) it does not
+    apply and a warning says so when it differs from the default 0.05.
+
+    Raises:
+        ValueError: unknown name (lists the valid ones).
+    """
+    cls = _REGISTRY.get(name)
+    if cls is None:
+        raise ValueError(f"unknown boundary codec {name!r}; valid names: {', '.join(available_codecs())}")
+    if "keep_ratio" in inspect.signature(cls).parameters:
+        return cls(keep_ratio=keep_ratio)
+    if keep_ratio != 0.05:
+        warnings.warn(f"--boundary-keep-ratio {keep_ratio} is ignored by --boundary-codec {name}")
+    return cls()
 
 
 def _check_shape(shape) -> Tuple[int, int, int]:
