@@ -118,6 +118,13 @@ class GRPOTrainer:
         self.optimizer.register_step_pre_hook(self.clip)
 
         self.gatherer = StageWeightGatherer(self.model, ctx.pp_group)
+        # a tied embedding's gradient is summed across the first and last stage every step: dense
+        # traffic between stages outside the boundary codec, metered as comm/embd_sync_bytes
+        tied = (ctx.pp_size > 1 and getattr(self.model, "share_embeddings_and_output_weights", False)
+                and (ctx.is_first_stage or ctx.is_last_stage))
+        w = self.model.shared_embedding_or_output_weight() if tied else None
+        self._tied_grad_bytes = w.numel() * w.element_size() if w is not None else 0
+        self._embd_sync_bytes = 0
         self.anchor = None
         if ctx.anchor_rank is not None:
             from megatron_cegrpo.anchor.client import AnchorClient
@@ -219,13 +226,9 @@ class GRPOTrainer:
             adv = ca.compute_grpo_outcome_advantage(scores, G, norm_adv_by_std=cfg.grpo.norm_adv_by_std)
         batch = pack_rollouts(out.prompt_ids, out.response_ids, out.response_logprobs, scores, adv,
                               pad_token_id=self.rollout.pad_token_id,
-                              max_seq_length=self.tf_config_max_positions())
+                              max_seq_length=int(self.hf_config.max_position_embeddings))
         batch["finished"] = out.finished.float()
-        self._last_texts = (recs[0].question, out.texts[0], float(scores[0]))
         return batch
-
-    def tf_config_max_positions(self) -> int:
-        return int(getattr(self.hf_config, "max_position_embeddings", 1 << 30))
 
     # ------------------------------------------------------------ loss fns
     def _logprob_loss_fn(self, want_entropy: bool, mb, logits):
@@ -363,6 +366,7 @@ class GRPOTrainer:
                             sums[k] += float(o[k])
                 if self.ctx.pp_size > 1:
                     allreduce_tied_embedding_grads(self.model, self.ctx.embd_group)
+                    self._embd_sync_bytes += self._tied_grad_bytes
                 self.optimizer.step()
                 norms.append(self.clip.last_grad_norm)
         self.scheduler.step()
@@ -383,7 +387,9 @@ class GRPOTrainer:
         obj = [stats if ctx.is_last_stage else None]
         dist.broadcast_object_list(obj, src=ctx.last_stage_rank, group=ctx.pp_group)
         last_stats = obj[0]
-        local = {"comm": self.meter.snapshot_and_reset(), "weight": self._weight_change_sums()}
+        local = {"comm": self.meter.snapshot_and_reset(), "weight": self._weight_change_sums(),
+                 "embd_sync_bytes": self._embd_sync_bytes}
+        self._embd_sync_bytes = 0
         if self.anchor is not None:
             local["anchor"] = self.anchor.metrics(t)
             local["agreement"] = self.correction.last_agreement if self._correction_applied else (0, 0)
@@ -423,6 +429,7 @@ class GRPOTrainer:
         m.update(merged)
         if self.anchor is not None:
             m.update(self._anchor_metrics(gathered, t))
+        m["comm/embd_sync_bytes"] = sum(d["embd_sync_bytes"] for d in gathered)
         m["sync/bytes"] = self.gatherer.last_bytes
         m.update(self.timers.snapshot_and_reset())
         m["timing_s/step"] = seconds

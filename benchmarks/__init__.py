@@ -1,0 +1,7 @@
+"""Benchmarks for megatron_cegrpo (not part of the test suite; see docs/benchmarks.md).
+
+    python -m benchmarks.bench_codec   bytes per token per boundary, codec cost vs one layer
+    python -m benchmarks.bench_link    the real GRPO step over a simulated / tbf-throttled link
+
+Everything here prints ratios measured in one run; nothing is a timed test.
+"""

@@ -1,0 +1,170 @@
+"""projection: what the measured bytes predict for a deep pipeline over a slow link (a model, not a run).
+
+    python -m benchmarks.projection [--stages 8] [--bandwidth-mbit 200] [--latency-ms 50]
+                                    [--tflops 250] [--codec-json codec.json]
+
+Default model: Qwen2.5-1.5B shape (d=1536, 28 layers, ffn 8960, 12 heads / 2 kv heads,
+vocab 151936, tied embeddings), 8 stages, one GRPO step = forward-only pass (old
+log-probs) + forward+backward pass (1F1B) + tied-embedding gradient all-reduce between the
+first and last stage + the grad-norm all-reduce over the pipeline.
+
+Per micro-batch of T tokens (b x s):
+    F   = per-stage forward time  = FLOPs_fwd(T) / S / throughput   (stages balanced, head included)
+    B   = 2 F (backward)
+    t_w = 8 * T * width * wire_bytes / bandwidth     width = d (dense) or k = ceil(ratio d) (mask)
+    C   = latency + t_w                               one boundary crossing
+Pipeline (M micro-batches, S stages), two bounds:
+    synchronous (blocking p2p, as megatron's 1F1B with wait_on_reqs; what the CPU runs do):
+        fwd-only  (M + S - 1)(F + C)
+        1F1B      (M + S - 1)(F + B + 2C)
+    overlapped (asynchronous p2p, full-duplex links, comm hidden behind compute when it can be):
+        fwd-only  (S - 1)(F + C) + M max(F, t_w)
+        1F1B      (S - 1)(F + B + 2C) + M max(F + B, t_w)
+Collectives: embedding all-reduce 2 latency + 8 V d grad_bytes / bandwidth (two ranks);
+grad-norm all-reduce 2 (S - 1) latency. Codec cost: ``--codec-share`` x (one layer's
+forward+backward) per micro-batch and stage (each stage is one end of two boundaries), added
+to B for the mask (0 by default for the GPU scenario; taken from bench_codec's JSON for the
+CPU scenario).
+Not modelled: the optimizer step, the weight sync to the sampler (a dense copy of the model
+per step, DESIGN.md section 1) and the anchor traffic.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+
+if __package__ in (None, ""):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def layer_params(d, ffn, heads, kv_heads):
+    hd = d // heads
+    return 2 * d * heads * hd + 2 * d * kv_heads * hd + 3 * d * ffn
+
+
+def step_time(a, width: int, codec_s: float, overlapped: bool, datacenter: bool = False) -> dict:
+    tokens = a.seq_len * a.micro_batch
+    flops_tok = a.layers * (2 * layer_params(a.d, a.ffn, a.heads, a.kv_heads) + 2 * a.seq_len * a.d) + 2 * a.vocab * a.d
+    if a.layer_fwd_bwd_ms is not None:  # measured compute (one layer f+b at this shape); head scaled by FLOPs
+        per_layer_fb = a.layer_fwd_bwd_ms / 1e3
+        layer_flops = 2 * layer_params(a.d, a.ffn, a.heads, a.kv_heads) + 2 * a.seq_len * a.d
+        total_fb = per_layer_fb * flops_tok / layer_flops
+        F = total_fb / 3 / a.stages
+    else:
+        F = flops_tok * tokens / a.stages / (a.tflops * 1e12)
+    B = 2 * F
+    B += codec_s  # both ends' encode/decode, charged to the backward slot
+    bw = a.bandwidth_mbit * 1e6
+    lat = 0.0 if datacenter else a.latency_ms / 1e3
+    t_w = 0.0 if datacenter else 8 * tokens * width * a.wire_bytes / bw
+    C = lat + t_w
+    M, S = a.micro_batches, a.stages
+    if overlapped:
+        fwd_only = (S - 1) * (F + C) + M * max(F, t_w)
+        update = (S - 1) * (F + B + 2 * C) + M * max(F + B, t_w)
+    else:
+        fwd_only = (M + S - 1) * (F + C)
+        update = (M + S - 1) * (F + B + 2 * C)
+    embd = 0.0
+    if a.tied and not datacenter:
+        embd = 2 * lat + 8 * a.vocab * a.d * a.grad_bytes / bw
+    norm = 2 * (S - 1) * lat
+    return {"F_ms": F * 1e3, "C_ms": C * 1e3, "t_wire_ms": t_w * 1e3, "fwd_only_s": fwd_only, "update_s": update,
+            "embd_sync_s": embd, "grad_norm_s": norm, "total_s": fwd_only + update + embd + norm,
+            "total_without_embd_s": fwd_only + update + norm}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--d", type=int, default=1536)
+    ap.add_argument("--layers", type=int, default=28)
+    ap.add_argument("--ffn", type=int, default=8960)
+    ap.add_argument("--heads", type=int, default=12)
+    ap.add_argument("--kv-heads", type=int, default=2)
+    ap.add_argument("--vocab", type=int, default=151936)
+    ap.add_argument("--untied", dest="tied", action="store_false", help="no tied-embedding all-reduce")
+    ap.add_argument("--stages", type=int, default=8)
+    ap.add_argument("--micro-batches", type=int, default=32, help="M per pass")
+    ap.add_argument("--micro-batch", type=int, default=4, help="sequences per micro-batch")
+    ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--bandwidth-mbit", type=float, default=200.0)
+    ap.add_argument("--latency-ms", type=float, default=50.0)
+    ap.add_argument("--wire-bytes", type=int, default=2, help="bytes per boundary element (bf16: 2)")
+    ap.add_argument("--grad-bytes", type=int, default=4, help="bytes per embedding-gradient element (fp32 main grads)")
+    ap.add_argument("--keep-ratio", type=float, default=0.05)
+    ap.add_argument("--tflops", type=float, default=250.0,
+                    help="effective per-stage throughput, TFLOP/s (assumed; 250 ~ an H100 at ~25%% MFU)")
+    ap.add_argument("--layer-fwd-bwd-ms", type=float, default=None,
+                    help="measured ms of one layer forward+backward at [seq-len, micro-batch, d] (replaces --tflops)")
+    ap.add_argument("--codec-share", type=float, default=0.0,
+                    help="mask codec time per micro-batch crossing as a fraction of one layer fwd+bwd")
+    ap.add_argument("--codec-json", default=None,
+                    help="bench_codec --out file: adds a CPU scenario with its measured layer time and codec share")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args(argv)
+    k = math.ceil(round(a.keep_ratio * a.d, 9))
+
+    scenarios = [("GPU (assumed %.0f TFLOP/s per stage)" % a.tflops, dict(layer_fwd_bwd_ms=None), a.codec_share)]
+    if a.codec_json:
+        with open(a.codec_json) as f:
+            rows = [r for r in json.load(f)["time"]
+                    if r.get("d") == a.d and r.get("codec") == "mask" and "note" not in r]
+        if not rows:
+            raise SystemExit(f"{a.codec_json} has no timed mask row for d={a.d} (run bench_codec with that d)")
+        r = rows[0]
+        if r["tokens"] != a.seq_len * a.micro_batch:
+            print(f"note: {a.codec_json} was timed at {r['tokens']} tokens per micro-batch, "
+                  f"the projection uses {a.seq_len * a.micro_batch}")
+        scenarios.append((f"this CPU (measured: layer f+b {r['layer_fwd_bwd_ms']:.0f} ms, mask codec "
+                          f"{100 * r['share_of_layer_fwd_bwd']:.2f}% of it)",
+                          dict(layer_fwd_bwd_ms=r["layer_fwd_bwd_ms"]), r["share_of_layer_fwd_bwd"]))
+
+    out = {"config": vars(a), "k": k, "scenarios": []}
+    print(f"projection: d={a.d}, {a.layers} layers, vocab {a.vocab}{' (tied)' if a.tied else ''}, "
+          f"{a.stages} stages, M={a.micro_batches} micro-batches of {a.micro_batch}x{a.seq_len} tokens per pass, "
+          f"{a.bandwidth_mbit:g} Mbit/s, {a.latency_ms:g} ms, wire {a.wire_bytes} B/elem, mask k={k}")
+    for name, over, share in scenarios:
+        for key, v in over.items():
+            setattr(a, key, v)
+        layer_fb_s = None
+        if a.layer_fwd_bwd_ms is not None:
+            layer_fb_s = a.layer_fwd_bwd_ms / 1e3
+        else:
+            lf = 2 * layer_params(a.d, a.ffn, a.heads, a.kv_heads) + 2 * a.seq_len * a.d
+            layer_fb_s = 3 * lf * a.seq_len * a.micro_batch / (a.tflops * 1e12)
+        codec_s = share * layer_fb_s  # a stage holds one end of two boundaries: ~ one full crossing's codec work
+        print(f"\n{name}")
+        print(f"  {'schedule':<13}{'codec':<7}{'F ms':>8}{'C ms':>8}{'fwd-only s':>11}{'1F1B s':>9}{'embd s':>8}"
+              f"{'norm s':>8}{'step s':>9}{'w/o embd':>9}")
+        res = {}
+        for overlapped in (False, True):
+            sched = "overlapped" if overlapped else "synchronous"
+            for codec, width, cs in (("dense", a.d, 0.0), ("mask", k, codec_s)):
+                r = step_time(a, width, cs, overlapped)
+                res[(sched, codec)] = r
+                print(f"  {sched:<13}{codec:<7}{r['F_ms']:>8.1f}{r['C_ms']:>8.1f}{r['fwd_only_s']:>11.2f}"
+                      f"{r['update_s']:>9.2f}{r['embd_sync_s']:>8.2f}{r['grad_norm_s']:>8.2f}{r['total_s']:>9.2f}"
+                      f"{r['total_without_embd_s']:>9.2f}")
+            dc = step_time(a, a.d, 0.0, overlapped, datacenter=True)
+            res[(sched, "datacenter")] = dc
+            m, d = res[(sched, "mask")], res[(sched, "dense")]
+            print(f"  {sched:<13}mask/dense step {m['total_s'] / d['total_s']:.3f} "
+                  f"(w/o embedding all-reduce {m['total_without_embd_s'] / d['total_without_embd_s']:.3f}); "
+                  f"datacenter (no link cost) {dc['total_s']:.2f} s -> mask/datacenter "
+                  f"{m['total_without_embd_s'] / dc['total_s']:.1f}x w/o embd")
+        out["scenarios"].append({"name": name, "codec_share": share,
+                                 "results": {f"{s}/{c}": v for (s, c), v in res.items()}})
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(out, f, indent=1)
+        print(f"\nwrote {a.out}")
+    return out
+
+
+if __name__ == "__main__":
+    main()
