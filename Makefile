@@ -6,7 +6,7 @@ VENV        := .venv
 BIN         := $(VENV)/bin
 # The CPU wheel of torch 2.13.0 (plain `torch` would pull a multi-GB CUDA build here).
 TORCH_SPEC  ?= torch==2.13.0
-STAMP       := $(VENV)/.installed-v1
+STAMP       := $(VENV)/.installed-v2
 
 .PHONY: demo test venv clean-venv
 

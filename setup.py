@@ -30,9 +30,11 @@ setup(
         "numpy",
     ],
     extras_require={
-        "test": ["pytest>=8"],
+        # the backend and plot tests run in CI, so their packages are test dependencies too
+        "test": ["pytest>=8", "wandb>=0.18", "tensorboard>=2.15", "matplotlib>=3.8", "pillow"],
         "gpu": ["vllm", "apex"],
-        "logging": ["wandb", "tensorboard"],
+        "logging": ["wandb>=0.18", "tensorboard>=2.15"],
+        "plot": ["matplotlib>=3.8", "pillow"],
     },
     entry_points={"console_scripts": ["cegrpo-train=megatron_cegrpo.train:main"]},
 )

@@ -110,6 +110,10 @@ class DataConfig:
     custom_reward_function: Optional[str] = None
     num_holdout: int = 0
     eval_max_new_tokens: int = 128
+    eval_interval: int = 0
+    eval_datasets: Optional[str] = None
+    eval_limit: Optional[int] = None
+    eval_batch_size: int = 16
     data_root: Optional[str] = None
 
 
@@ -125,6 +129,10 @@ class LoggingConfig:
     log_interval: int = 1
     tqdm: bool = True
     drift_probe_interval: int = 0
+    wandb_project: Optional[str] = None
+    wandb_run_name: Optional[str] = None
+    wandb_mode: Optional[str] = None
+    tensorboard_dir: Optional[str] = None
 
 
 @dataclass
@@ -283,6 +291,17 @@ class TrainConfig:
             raise ValueError("--save-interval needs --save DIR (where to write the checkpoints)")
         if ck.keep_last is not None and ck.keep_last < 1:
             raise ValueError(f"--keep-last must be >= 1, got {ck.keep_last}")
+        if self.data.eval_interval < 0:
+            raise ValueError(f"--eval-interval must be >= 0, got {self.data.eval_interval}")
+        if self.data.eval_interval and not self.data.eval_datasets:
+            raise ValueError("--eval-interval needs --eval-datasets (e.g. 'mawps,gsm8k/test' or 'default')")
+        if self.data.eval_datasets:
+            from megatron_cegrpo.evaluation import parse_dataset_specs
+
+            try:
+                parse_dataset_specs(self.data.eval_datasets)
+            except ValueError as e:
+                raise ValueError(f"--eval-datasets: {e}") from None
         if self.data.num_holdout < 0:
             raise ValueError(f"--num-holdout must be >= 0, got {self.data.num_holdout}")
         return self
@@ -362,6 +381,12 @@ def build_parser() -> argparse.ArgumentParser:
     da.add_argument("--num-holdout", type=int, default=d.data.num_holdout,
                     help="rows held out of training and scored greedily before and after")
     da.add_argument("--eval-max-new-tokens", type=int, default=d.data.eval_max_new_tokens)
+    da.add_argument("--eval-interval", type=int, default=0,
+                    help="dense-view evaluation every N iterations (and before training); 0: off")
+    da.add_argument("--eval-datasets", default=None,
+                    help="NAME[:MODE],... e.g. 'mawps,gsm8k/test,amc23:avg@8:0.7' or 'default' (the seeds' suite)")
+    da.add_argument("--eval-limit", type=int, default=None, help="rows per evaluation data set")
+    da.add_argument("--eval-batch-size", type=int, default=16)
     da.add_argument("--data-root", default=None, help="default: $CEGRPO_DATA_ROOT or ../shared/data")
 
     co = ap.add_argument_group("boundary compression")
@@ -398,6 +423,10 @@ def build_parser() -> argparse.ArgumentParser:
     lg.add_argument("--log-dir", default=d.logging.log_dir)
     lg.add_argument("--log-interval", type=int, default=d.logging.log_interval)
     lg.add_argument("--no-tqdm", dest="tqdm", action="store_false")
+    lg.add_argument("--wandb-project", default=None, help="also log to wandb (WANDB_MODE=offline works offline)")
+    lg.add_argument("--wandb-run-name", default=None)
+    lg.add_argument("--wandb-mode", default=None, choices=["online", "offline", "disabled"])
+    lg.add_argument("--tensorboard-dir", default=None, help="also log to TensorBoard event files here")
     lg.add_argument("--drift-probe-interval", type=int, default=0,
                     help="every N iterations repeat the log-prob passes with compression off "
                          "and log probe/* (0: never)")
@@ -496,6 +525,8 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
             prompt_template=args.prompt_template, custom_reward_function=args.custom_reward_function,
             num_holdout=args.num_holdout,
             eval_max_new_tokens=args.eval_max_new_tokens, data_root=args.data_root,
+            eval_interval=args.eval_interval, eval_datasets=args.eval_datasets, eval_limit=args.eval_limit,
+            eval_batch_size=args.eval_batch_size,
         ),
         anchor=AnchorConfig(
             anchor_ranks=args.anchor_ranks, anchor_interval=args.anchor_interval,
@@ -507,6 +538,8 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
                                     keep_last=args.keep_last),
         codec=CodecConfig(boundary_codec=args.boundary_codec, boundary_keep_ratio=args.boundary_keep_ratio),
         logging=LoggingConfig(log_dir=args.log_dir, log_interval=args.log_interval, tqdm=args.tqdm,
-                              drift_probe_interval=args.drift_probe_interval),
+                              drift_probe_interval=args.drift_probe_interval,
+                              wandb_project=args.wandb_project, wandb_run_name=args.wandb_run_name,
+                              wandb_mode=args.wandb_mode, tensorboard_dir=args.tensorboard_dir),
     )
     return cfg

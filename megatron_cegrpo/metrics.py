@@ -141,7 +141,11 @@ class WandbBackend:
         kwargs = dict(project=project, name=run_name, dir=dir, config=dict(config) if config else None)
         if mode is not None:
             kwargs["mode"] = mode
-        kwargs.setdefault("settings", wandb.Settings(console="off", silent=True, x_disable_stats=True))
+        if "settings" not in init_kwargs:
+            try:  # no console capture, no system-stats sampler (older wandb may lack a field)
+                kwargs["settings"] = wandb.Settings(console="off", silent=True, x_disable_stats=True)
+            except Exception:
+                pass
         kwargs.update(init_kwargs)
         self._wandb = wandb
         self.run = wandb.init(**kwargs)

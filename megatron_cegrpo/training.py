@@ -29,7 +29,7 @@ from megatron_cegrpo.compression import ByteMeter, build_codec, get_codec
 from megatron_cegrpo.grpo import core_algos as ca
 from megatron_cegrpo.grpo.batch import pack_rollouts, slice_batch
 from megatron_cegrpo.initialize import DistContext
-from megatron_cegrpo.metrics import MetricsWriter, PhaseTimers, format_progress
+from megatron_cegrpo.metrics import PhaseTimers, build_writers, format_progress
 from megatron_cegrpo.models import (
     allreduce_tied_embedding_grads,
     build_stage,
@@ -200,7 +200,16 @@ class GRPOTrainer:
             self.get_reward_fn = lambda _name: fn
         self.rollout = get_rollout_engine(cfg.rollout.engine, hf_config=hf_config, hf_state_dict=hf_sd,
                                           tokenizer=self.tokenizer)
-        self.writer = MetricsWriter(cfg.logging.log_dir, resume=bool(cfg.checkpoint.load))
+        lg = cfg.logging
+        self.writer = build_writers(lg.log_dir, wandb_project=lg.wandb_project, tensorboard_dir=lg.tensorboard_dir,
+                                    config=cfg.to_dict(), resume=bool(cfg.checkpoint.load),
+                                    run_name=lg.wandb_run_name, wandb_mode=lg.wandb_mode)
+        self.eval_modes = self.eval_sets = None
+        if cfg.data.eval_datasets:
+            from megatron_cegrpo.evaluation import load_eval_datasets, parse_dataset_specs
+
+            self.eval_modes = parse_dataset_specs(cfg.data.eval_datasets)
+            self.eval_sets = load_eval_datasets(list(self.eval_modes), cfg.data.eval_limit)
         with open(os.path.join(cfg.logging.log_dir, "config.json"), "w") as f:
             json.dump(cfg.to_dict(), f, indent=2)
         print(f"[cegrpo] data {path}: {len(kept)} train prompts, {len(holdout)} held out", flush=True)
@@ -433,6 +442,9 @@ class GRPOTrainer:
         m["sync/bytes"] = self.gatherer.last_bytes
         m.update(self.timers.snapshot_and_reset())
         m["timing_s/step"] = seconds
+        every = self.cfg.data.eval_interval
+        if every and t % every == 0:  # the other stages wait for the next batch meanwhile
+            m.update(self.evaluate_suite())
         self.writer.write(m)
         return m
 
@@ -464,24 +476,44 @@ class GRPOTrainer:
 
     # ------------------------------------------------------------ evaluation
     def evaluate_holdout(self) -> Optional[Dict[str, float]]:
-        """Greedy accuracy of the dense sampler on the held-out rows (driver only)."""
+        """Greedy accuracy of the dense sampler on the held-out training rows (driver only):
+        ``val/holdout/acc``, ``val/holdout/num_rows``."""
         if not self.ctx.is_driver or not self.holdout_records:
             return None
-        t0 = time.perf_counter()
+        from megatron_cegrpo.evaluation import evaluate
+
         with _all_cores():
-            out = self.rollout.generate(self.holdout_ids, max_new_tokens=self.cfg.data.eval_max_new_tokens,
-                                        temperature=1.0, greedy=True, batch_size=16)
-        correct = [self.get_verifier(r.verifier)(txt, r.ground_truth)
-                   for r, txt in zip(self.holdout_records, out.texts)]
-        return {"val/holdout/acc": sum(correct) / len(correct), "val/holdout/num_rows": len(correct),
-                "timing_s/eval": time.perf_counter() - t0}
+            return evaluate(self.rollout, self.tokenizer, {"holdout": self.holdout_records}, modes="greedy",
+                            max_new_tokens=self.cfg.data.eval_max_new_tokens,
+                            batch_size=self.cfg.data.eval_batch_size, template=self.cfg.data.prompt_template,
+                            progress=False, seed=self.cfg.optim.seed)
+
+    def evaluate_suite(self) -> Optional[Dict[str, float]]:
+        """Dense-view evaluation on ``--eval-datasets`` (greedy or avg@k per data set; driver
+        only): ``val/<dataset>/acc`` and friends (``megatron_cegrpo.evaluation``)."""
+        if not self.ctx.is_driver or not self.eval_sets:
+            return None
+        from megatron_cegrpo.evaluation import evaluate
+
+        with _all_cores():
+            ev = evaluate(self.rollout, self.tokenizer, self.eval_sets, modes=self.eval_modes,
+                          max_new_tokens=self.cfg.data.eval_max_new_tokens,
+                          batch_size=self.cfg.data.eval_batch_size, template=self.cfg.data.prompt_template,
+                          progress=self.cfg.logging.tqdm, seed=self.cfg.optim.seed)
+        accs = ", ".join(f"{k[4:-4]} {v:.3f}" for k, v in ev.items() if k.startswith("val/") and k.endswith("/acc"))
+        _log(self.ctx, f"dense-view evaluation at iteration {self.iteration}: {accs}")
+        return ev
 
     # ------------------------------------------------------------ the loop
     def train(self) -> Optional[Dict]:
         cfg, ctx = self.cfg, self.ctx
         summary = {}
+        if cfg.data.eval_interval and self.iteration == 0:
+            ev = self._barrier_after(self.evaluate_suite)
+            if ev:
+                self.writer.write({"step": 0, **ev})
         if cfg.data.num_holdout and self.iteration == 0:
-            before = self._eval_barrier()
+            before = self._barrier_after(self.evaluate_holdout)
             if before:
                 summary["initial"] = before
                 _log(ctx, f"held-out greedy accuracy before training: {before['val/holdout/acc']:.3f} "
@@ -513,7 +545,7 @@ class GRPOTrainer:
         if self.anchor is not None:
             self.anchor.finish(self.iteration, self.timers)
         if cfg.data.num_holdout:
-            after = self._eval_barrier()
+            after = self._barrier_after(self.evaluate_holdout)
             if after:
                 summary["final"] = after
                 _log(ctx, f"held-out greedy accuracy after {self.iteration} iterations: "
@@ -523,6 +555,7 @@ class GRPOTrainer:
             with open(os.path.join(cfg.logging.log_dir, "summary.json"), "w") as f:
                 json.dump(summary, f, indent=2)
             _log(ctx, f"metrics: {self.writer.path}")
+            self.writer.close()
         return summary if ctx.is_driver else None
 
     # ------------------------------------------------------------ checkpoints
@@ -635,8 +668,9 @@ class GRPOTrainer:
         if self._resume_rng is not None:
             set_rng_state(self._resume_rng)
 
-    def _eval_barrier(self):
-        res = self.evaluate_holdout()
+    def _barrier_after(self, fn):
+        """Run a driver-only phase while the other stages wait."""
+        res = fn()
         dist.barrier(group=self.ctx.pp_group)
         return res
 

@@ -19,6 +19,7 @@ The suite used by the seeds' harness is :data:`DEFAULT_SUITE`.
 
 from __future__ import annotations
 
+import inspect
 import math
 import re
 import sys
@@ -308,6 +309,13 @@ def _encode(tokenizer, question: str, template: str):
     return torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
 
 
+def _accepts(fn, param: str) -> bool:
+    try:
+        return param in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
 def _seed_for(seed: int, name: str) -> int:
     return (int(seed) * 1_000_003 + zlib.crc32(name.encode())) % (2 ** 31)
 
@@ -343,6 +351,9 @@ def evaluate_detailed(
         validate_records(name, recs)
 
     t_all = time.perf_counter()
+    # Scoring needs only the text: an engine that can skip its per-token log-probs (whose
+    # [batch, new tokens, vocab] logits dominate its memory) is asked to.
+    extra = {"return_logprobs": False} if _accepts(engine.generate, "return_logprobs") else {}
     # prompts, longest first (padding waste is lowest when lengths are grouped)
     plans = []
     for name, recs in datasets.items():
@@ -377,7 +388,7 @@ def evaluate_detailed(
                 out = engine.generate(
                     [ids[i] for i, _ in chunk], max_new_tokens=max_new_tokens,
                     temperature=1.0 if mode.greedy else float(mode.temperature), top_p=top_p,
-                    greedy=mode.greedy, generator_seed=base_seed + c)
+                    greedy=mode.greedy, generator_seed=base_seed + c, **extra)
                 if len(out.texts) != len(chunk):
                     raise RuntimeError(f"evaluate {name!r}: the engine returned {len(out.texts)} responses "
                                        f"for {len(chunk)} prompts")
@@ -434,7 +445,8 @@ def evaluate(
     Args:
         engine: a built rollout engine: ``generate(prompt_ids, *, max_new_tokens, temperature,
             top_p, greedy, generator_seed)`` returning ``.texts`` (and ``.response_ids``,
-            ``.finished`` when it has them), e.g. the trainer's ``HFRolloutEngine``.
+            ``.finished`` when it has them), e.g. the trainer's ``HFRolloutEngine``.  If its
+            ``generate`` has a ``return_logprobs`` parameter it is passed ``False``.
         tokenizer: the model's tokenizer (prompts go through its chat template).
         datasets: ``{name: [PromptRecord, ...]}`` (see :func:`load_eval_datasets`).
         modes: one mode for all data sets, or ``{name: mode}``; a mode is ``"greedy"``,

@@ -51,7 +51,7 @@ class HFRolloutEngine(RolloutEngine):
     @torch.no_grad()
     def generate(self, prompt_ids: List[torch.Tensor], *, max_new_tokens: int, temperature: float,
                  top_p: float = 1.0, greedy: bool = False, generator_seed: Optional[int] = None,
-                 batch_size: Optional[int] = None) -> RolloutOutput:
+                 batch_size: Optional[int] = None, return_logprobs: bool = True) -> RolloutOutput:
         """Sample one response per prompt (pass each prompt G times for a group).
 
         Prompts are left-padded into one batch (``batch_size`` rows at a time).
@@ -60,7 +60,8 @@ class HFRolloutEngine(RolloutEngine):
 
         Returns:
             RolloutOutput; ``response_logprobs`` are log softmax(logits / T) of
-            the drawn tokens (T = 1 when greedy).
+            the drawn tokens (T = 1 when greedy), or empty tensors when
+            ``return_logprobs`` is False (evaluation: no per-step vocabulary scores are kept).
         """
         n = len(prompt_ids)
         bs = batch_size or n
@@ -70,10 +71,11 @@ class HFRolloutEngine(RolloutEngine):
                 torch.manual_seed(generator_seed)
             for start in range(0, n, bs):
                 chunk = prompt_ids[start:start + bs]
-                self._generate_chunk(chunk, out, start, max_new_tokens, temperature, top_p, greedy)
+                self._generate_chunk(chunk, out, start, max_new_tokens, temperature, top_p, greedy,
+                                     return_logprobs)
         return out
 
-    def _generate_chunk(self, chunk, out, offset, max_new_tokens, temperature, top_p, greedy):
+    def _generate_chunk(self, chunk, out, offset, max_new_tokens, temperature, top_p, greedy, return_logprobs):
         plen = max(int(p.numel()) for p in chunk)
         ids = torch.full((len(chunk), plen), self.pad_token_id, dtype=torch.long)
         attn = torch.zeros((len(chunk), plen), dtype=torch.long)
@@ -81,16 +83,21 @@ class HFRolloutEngine(RolloutEngine):
             ids[i, plen - p.numel():] = p
             attn[i, plen - p.numel():] = 1
         kwargs = dict(max_new_tokens=max_new_tokens, eos_token_id=self.eos_token_ids,
-                      pad_token_id=self.pad_token_id, return_dict_in_generate=True, output_logits=True)
+                      pad_token_id=self.pad_token_id, return_dict_in_generate=True,
+                      output_logits=return_logprobs)
         if greedy:
             kwargs.update(do_sample=False)
         else:
             kwargs.update(do_sample=True, temperature=temperature, top_p=top_p, top_k=0)
         gen = self.model.generate(input_ids=ids, attention_mask=attn, **kwargs)
         resp = gen.sequences[:, plen:]
-        logits = torch.stack(gen.logits, dim=1).float()  # [n, T, V] raw (unprocessed) logits
-        temp = 1.0 if greedy else float(temperature)
-        logp = torch.log_softmax(logits / temp, dim=-1).gather(-1, resp.unsqueeze(-1)).squeeze(-1)
+        if return_logprobs:
+            logits = torch.stack(gen.logits, dim=1).float()  # [n, T, V] raw (unprocessed) logits
+            temp = 1.0 if greedy else float(temperature)
+            logp = torch.log_softmax(logits / temp, dim=-1).gather(-1, resp.unsqueeze(-1)).squeeze(-1)
+            del logits
+        else:
+            logp = torch.zeros(resp.shape, dtype=torch.float32)
         eos = torch.zeros_like(resp, dtype=torch.bool)
         for e in self.eos_token_ids:
             eos |= resp == e
@@ -101,7 +108,7 @@ class HFRolloutEngine(RolloutEngine):
             r = resp[i, :length].clone()
             out.prompt_ids.append(p.clone())
             out.response_ids.append(r)
-            out.response_logprobs.append(logp[i, :length].clone())
+            out.response_logprobs.append(logp[i, :length].clone() if return_logprobs else torch.zeros(0))
             out.texts.append(self.tokenizer.decode(r, skip_special_tokens=True))
             out.finished[offset + i] = finished
 

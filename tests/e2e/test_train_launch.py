@@ -89,7 +89,13 @@ def test_torchrun_dense_codec_has_no_mismatch(tmp_path):
            "--master-port", str(free_port()), "megatron_cegrpo/train.py", *COMMON,
            "--boundary-codec", "dense", "--custom-reward-function", f"{tmp_path / 'reward.py'}:parity_reward",
            "--log-dir", str(tmp_path / "run")]
+    cmd += ["--eval-interval", "3", "--eval-datasets", "mawps,gsm8k/test", "--eval-limit", "2",
+            "--eval-max-new-tokens", "4"]
     metrics, _ = _run(cmd, tmp_path)
+    evals = [m for m in metrics if "val/mawps/acc" in m]
+    assert [m["step"] for m in evals] == [0, 3]  # before training and at --eval-interval
+    assert all(m["val/mawps/num_rows"] == 2 and m["val/gsm8k/test/num_rows"] == 2 for m in evals)
+    metrics = [m for m in metrics if m["step"] > 0]
     _common_checks(metrics)
     for m in metrics:
         assert m["comm/bytes_ratio"] == 1.0

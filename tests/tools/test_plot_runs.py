@@ -1,0 +1,123 @@
+"""tools/plot_runs.py: PNGs from two short runs' metrics and from two evaluation summaries."""
+
+import importlib.util
+import json
+import math
+import random
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("matplotlib", reason="matplotlib not installed (pip install matplotlib)")
+PIL_Image = pytest.importorskip("PIL.Image", reason="pillow not installed (pip install pillow)")
+
+from megatron_cegrpo.data import PromptRecord  # noqa: E402
+from megatron_cegrpo.evaluation import DatasetResult, EvalMode, EvalReport, write_summary  # noqa: E402
+
+_TOOL = Path(__file__).resolve().parents[2] / "tools" / "plot_runs.py"
+
+
+def _tool():
+    spec = importlib.util.spec_from_file_location("plot_runs_tool", _TOOL)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _write_run(d: Path, codec: dict, steps: int, seed: int, mismatch: float, probe: bool, nan_step: int = 0):
+    d.mkdir(parents=True)
+    (d / "config.json").write_text(json.dumps({"codec": codec, "optim": {"seed": seed}}))
+    rng = random.Random(seed)
+    with open(d / "metrics.jsonl", "w") as f:
+        for t in range(1, steps + 1):
+            rec = {"step": t, "critic/score/mean": 0.35 + 0.02 * t + 0.03 * rng.random(),
+                   "actor/entropy": 7.8 + 0.1 * rng.random(), "actor/kl_loss": 0.001 * t,
+                   "mismatch/abs_logprob_diff_mean": mismatch + 0.01 * rng.random(),
+                   "comm/bytes_ratio": codec.get("boundary_keep_ratio", 1.0), "timing_s/step": 1.0}
+            if t == nan_step:
+                rec["actor/kl_loss"] = "nan"     # how MetricsWriter writes a non-finite float
+                del rec["actor/entropy"]         # and a missing key
+            if probe and t % 5 == 0:
+                rec["probe/kl_to_ref"] = 0.0005 * t
+                rec["probe/abs_logprob_diff_mean"] = 0.0002
+            if t % 10 == 0:
+                rec["val/mawps/acc"] = 0.3 + 0.01 * t
+            f.write(json.dumps(rec) + "\n")
+        f.write('{"step": 99, "critic/sco')  # a run killed mid-write
+
+
+def _png_ok(path: Path):
+    assert path.is_file(), path
+    assert path.stat().st_size > 5 * 1024, (path, path.stat().st_size)
+    with PIL_Image.open(path) as im:
+        im.verify()
+    with PIL_Image.open(path) as im:
+        assert im.format == "PNG" and im.size[0] > 300 and im.size[1] > 200
+
+
+def test_training_curves_from_two_runs(tmp_path, capsys):
+    dense, mask = tmp_path / "runs" / "dense", tmp_path / "runs" / "mask"
+    _write_run(dense, {"boundary_codec": "dense"}, 20, 1, 0.0002, probe=False)
+    _write_run(mask, {"boundary_codec": "mask", "boundary_keep_ratio": 0.05}, 20, 2, 10.0, probe=True,
+               nan_step=7)
+    tool = _tool()
+    assert tool.run_labels([str(dense), str(mask)]) == ["dense (dense)", "mask (mask 5%)"]
+    series, bad = tool.read_metrics(str(mask))
+    assert bad == 1
+    assert math.isnan(dict(series["actor/kl_loss"])[7.0])
+    assert 7.0 not in dict(series["actor/entropy"]) and len(series["actor/entropy"]) == 19
+    assert len(series["probe/kl_to_ref"]) == 4
+
+    out = tmp_path / "figs"
+    assert tool.main([str(dense), str(mask), "--out", str(out)]) == 0
+    for stem in ["reward", "entropy", "kl_to_ref", "mismatch", "training_curves", "val_acc"]:
+        _png_ok(out / f"{stem}.png")
+    assert "skipped 1 unreadable line" in capsys.readouterr().err
+
+
+def test_runs_without_a_metric_or_config_still_plot(tmp_path):
+    d = tmp_path / "bare"
+    d.mkdir()
+    (d / "metrics.jsonl").write_text(json.dumps({"step": 1, "critic/score/mean": "nan"}) + "\n"
+                                     + json.dumps({"critic/score/mean": 0.5}) + "\n")
+    tool = _tool()
+    assert tool.run_labels([str(d)]) == ["bare"]
+    written = tool.plot_training([str(d)], str(tmp_path / "out"))
+    assert [Path(p).name for p in written] == ["reward.png", "entropy.png", "kl_to_ref.png", "mismatch.png",
+                                               "training_curves.png"]
+    for p in written:
+        _png_ok(Path(p))
+    with pytest.raises(FileNotFoundError, match="no metrics.jsonl"):
+        tool.read_metrics(str(tmp_path))
+
+
+def _summary(path: Path, label: str, accs: dict):
+    """An evaluation summary written by the real writer: per data set, rows scored to hit ``accs``."""
+    report = EvalReport(metrics={}, settings={"max_new_tokens": 16})
+    for name, (acc, k) in accs.items():
+        n = 10
+        scores = [[1.0 if (i * k + j) < round(acc * n * k) else 0.0 for j in range(k)] for i in range(n)]
+        recs = [PromptRecord(f"q{i}", "1", "numeric", name, i + 1) for i in range(n)]
+        mode = EvalMode() if k == 1 else EvalMode(greedy=False, k=k, temperature=0.7)
+        r = DatasetResult(name, mode, recs, scores, [["\\boxed{1}"] * k for _ in recs], [[4] * k for _ in recs],
+                          [[False] * k for _ in recs], 1.0)
+        assert r.acc == pytest.approx(acc)
+        report.datasets[name] = r
+        report.metrics.update(r.metrics())
+    write_summary(str(path), report, {"label": label})
+
+
+def test_eval_bar_chart_from_two_summaries(tmp_path):
+    _summary(tmp_path / "dense.json", "dense", {"gsm8k/test": (0.6, 1), "mawps": (0.8, 1), "amc23": (0.3, 8)})
+    _summary(tmp_path / "mask.json", "mask 5%", {"gsm8k/test": (0.5, 1), "mawps": (0.8, 1), "amc23": (0.35, 8),
+                                                   "aime24": (0.1, 8)})
+    out = tmp_path / "figs"
+    tool = _tool()
+    assert tool.main(["--eval", str(tmp_path / "dense.json"), str(tmp_path / "mask.json"), "--out", str(out)]) == 0
+    _png_ok(out / "eval_accuracy.png")
+    # both kinds at once, with explicit labels
+    _write_run(tmp_path / "r1", {"boundary_codec": "mask", "boundary_keep_ratio": 0.05}, 5, 3, 10.0, probe=False)
+    assert tool.main([str(tmp_path / "r1"), "--labels", "compressed", "--eval", str(tmp_path / "dense.json"),
+                      "--eval-labels", "dense-final", "--out", str(tmp_path / "both")]) == 0
+    _png_ok(tmp_path / "both" / "eval_accuracy.png")
+    _png_ok(tmp_path / "both" / "reward.png")
