@@ -280,7 +280,7 @@ def format_progress(m: Dict, total_iters: int) -> str:
         v = m.get(k)
         return fmt.format(v) if isinstance(v, (int, float)) else "-"
 
-    return (
+    line = (
         f"iter {m['step']:>4}/{total_iters} | score {g('critic/score/mean')} | "
         f"pg_loss {g('actor/pg_loss', '{:+.4f}')} | kl {g('actor/kl_loss', '{:.4f}')} | "
         f"ent {g('actor/entropy', '{:.2f}')} | gnorm {g('actor/grad_norm', '{:.3f}')} | "
@@ -288,3 +288,9 @@ def format_progress(m: Dict, total_iters: int) -> str:
         f"resp_len {g('response_length/mean', '{:.0f}')} | bytes_ratio {g('comm/bytes_ratio', '{:.4f}')} | "
         f"{g('timing_s/step', '{:.1f}')} s"
     )
+    if m.get("anchor/fire"):
+        line += (f" | anchor fire: {m.get('anchor/branch', '-')}, staleness {m.get('anchor/staleness', '-')}, "
+                 f"sign agreement {g('anchor/sign_agreement')}")
+    if "probe/view_abs_logprob_diff" in m:
+        line += f" | probe: dense-view mismatch {g('probe/abs_logprob_diff_mean', '{:.4f}')}"
+    return line
