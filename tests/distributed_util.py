@@ -1,6 +1,7 @@
 """Spawn real gloo processes for multi-rank tests."""
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -49,3 +50,19 @@ def run_single(cmd: List[str], timeout: float = 600, env: Optional[Dict[str, str
     if p.returncode != 0:
         raise AssertionError(f"exited {p.returncode}:\n{p.stdout[-6000:]}")
     return p.stdout
+
+
+#: A custom reward (--custom-reward-function FILE:parity_reward) with mixed scores for a random
+#: model, whose responses never solve a math problem: groups get non-zero advantages.
+PARITY_REWARD = '''
+def parity_reward(response, ground_truth):
+    return float(len(response) % 2 == 0)
+'''
+
+
+def launcher(name: str) -> str:
+    """Path of the ``deepspeed`` (or other) launcher installed beside this interpreter."""
+    exe = shutil.which(name, path=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+    if exe is None:
+        raise AssertionError(f"{name} launcher not found next to {sys.executable}; install with `make test`")
+    return exe

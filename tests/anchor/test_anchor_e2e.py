@@ -13,17 +13,14 @@ import glob
 import json
 import os
 import subprocess
-import sys
 
-import pytest
 import torch
 
+from distributed_util import PARITY_REWARD as REWARD
 from distributed_util import REPO, free_port, run_single
+from distributed_util import launcher as _launcher
 
-sys.path.insert(0, os.path.join(REPO, "tests", "e2e"))
-from test_train_launch import REWARD, _launcher  # noqa: E402
-
-from megatron_cegrpo.anchor.worker import global_param_name  # noqa: E402
+from megatron_cegrpo.anchor.worker import global_param_name
 
 KL = 0.01
 

@@ -7,10 +7,8 @@ import pytest
 import torch
 
 _REPO = Path(__file__).resolve().parents[2]
-if str(_REPO) not in sys.path:
-    sys.path.insert(0, str(_REPO))
 
-from megatron_cegrpo.compression import BoundaryContext, ByteMeter, get_codec  # noqa: E402
+from megatron_cegrpo.compression import BoundaryContext, ByteMeter, get_codec
 
 
 def _run_codec(meter, codec, shape, boundary, dtype=torch.bfloat16, step=0):

@@ -10,10 +10,8 @@ import pytest
 import torch
 
 _REPO = Path(__file__).resolve().parents[2]
-if str(_REPO) not in sys.path:
-    sys.path.insert(0, str(_REPO))
 
-from megatron_cegrpo.compression.prf import (  # noqa: E402
+from megatron_cegrpo.compression.prf import (
     exact_k_indices,
     keep_count,
     prf_channel_scores,

@@ -10,10 +10,8 @@ from pathlib import Path
 import pytest
 
 _REPO = Path(__file__).resolve().parents[2]
-if str(_REPO) not in sys.path:
-    sys.path.insert(0, str(_REPO))
 
-from megatron_cegrpo.data import (  # noqa: E402
+from megatron_cegrpo.data import (
     DATA_ROOT_ENV,
     DATASETS,
     DatasetError,
@@ -30,7 +28,7 @@ from megatron_cegrpo.data import (  # noqa: E402
     load_prompts,
     split_holdout,
 )
-from megatron_cegrpo.rewards import get_verifier  # noqa: E402
+from megatron_cegrpo.rewards import get_verifier
 
 needs_data = pytest.mark.skipif(
     not os.path.isdir(default_data_root()),

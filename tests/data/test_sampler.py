@@ -7,10 +7,8 @@ import pytest
 import torch
 
 _REPO = Path(__file__).resolve().parents[2]
-if str(_REPO) not in sys.path:
-    sys.path.insert(0, str(_REPO))
 
-from megatron_cegrpo.data import PromptSampler  # noqa: E402
+from megatron_cegrpo.data import PromptSampler
 
 
 def test_resume_gives_identical_batches():

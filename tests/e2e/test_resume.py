@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from distributed_util import REPO, free_port
-from test_train_launch import REWARD, _launcher
+from distributed_util import PARITY_REWARD as REWARD, launcher as _launcher
 
 ARGS = [
     "--model", "tiny-llama", "--train-data", "mawps/singleop", "--pipeline-model-parallel-size", "2",

@@ -8,18 +8,13 @@ parity: groups get mixed rewards, advantages are non-zero and every stage must m
 import json
 import math
 import os
-import shutil
 import subprocess
 import sys
 
-import pytest
 
-from distributed_util import REPO, free_port
+from distributed_util import PARITY_REWARD, REPO, free_port, launcher
 
-REWARD = '''
-def parity_reward(response, ground_truth):
-    return float(len(response) % 2 == 0)
-'''
+REWARD = PARITY_REWARD
 
 COMMON = [
     "--model", "tiny-llama", "--train-data", "mawps/singleop", "--pipeline-model-parallel-size", "2",
@@ -37,13 +32,6 @@ def _run(cmd, tmp_path):
     assert p.returncode == 0, p.stdout[-8000:]
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     return [json.loads(x) for x in lines], p.stdout
-
-
-def _launcher(name):
-    exe = shutil.which(name, path=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
-    if exe is None:
-        pytest.fail(f"{name} launcher not found next to {sys.executable}; install the project with `make test`")
-    return exe
 
 
 def _common_checks(metrics):
@@ -64,7 +52,7 @@ def _common_checks(metrics):
 
 def test_deepspeed_launcher_mask_codec(tmp_path):
     (tmp_path / "reward.py").write_text(REWARD)
-    cmd = [_launcher("deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()),
+    cmd = [launcher("deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()),
            "megatron_cegrpo/train.py", *COMMON, "--boundary-codec", "mask", "--boundary-keep-ratio", "0.05",
            "--custom-reward-function", f"{tmp_path / 'reward.py'}:parity_reward",
            "--log-dir", str(tmp_path / "run")]

@@ -8,11 +8,9 @@ from pathlib import Path
 import pytest
 
 _REPO = Path(__file__).resolve().parents[2]
-if str(_REPO) not in sys.path:
-    sys.path.insert(0, str(_REPO))
 
-from megatron_cegrpo.data import default_data_root, load_dataset  # noqa: E402
-from megatron_cegrpo.rewards import (  # noqa: E402
+from megatron_cegrpo.data import default_data_root, load_dataset
+from megatron_cegrpo.rewards import (
     available_verifiers,
     extract_boxed,
     extract_numeric_answer,
