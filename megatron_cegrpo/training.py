@@ -516,6 +516,7 @@ class GRPOTrainer:
             before = self._barrier_after(self.evaluate_holdout)
             if before:
                 summary["initial"] = before
+                self.writer.write({"step": 0, **before})
                 _log(ctx, f"held-out greedy accuracy before training: {before['val/holdout/acc']:.3f} "
                           f"({before['val/holdout/num_rows']} rows, {before['timing_s/eval']:.0f} s)")
         bar = None
@@ -548,6 +549,7 @@ class GRPOTrainer:
             after = self._barrier_after(self.evaluate_holdout)
             if after:
                 summary["final"] = after
+                self.writer.write({"step": self.iteration, **after})
                 _log(ctx, f"held-out greedy accuracy after {self.iteration} iterations: "
                           f"{after['val/holdout/acc']:.3f} ({after['val/holdout/num_rows']} rows)")
         if ctx.is_driver:
