@@ -86,6 +86,8 @@ def initialize_distributed(pipeline_model_parallel_size: int, seed: int,
 
     if not dist.is_initialized():
         deepspeed.init_distributed(dist_backend="gloo" if cpu else "nccl", verbose=False)
+        if cpu:
+            _unlink_deepspeed_shm_buffer()
     world = dist.get_world_size()
     if anchor_ranks not in (0, 1):
         raise ValueError(f"--anchor-ranks must be 0 or 1 in this version, got {anchor_ranks}")
@@ -132,6 +134,23 @@ def initialize_distributed(pipeline_model_parallel_size: int, seed: int,
         pg_collection=pg,
         device=device,
     )
+
+
+def _unlink_deepspeed_shm_buffer() -> None:
+    """DeepSpeed's CPU backend maps a 66 MB ``/dev/shm/deepspeed_allreduce_buffer_*`` per rank
+    (for its shared-memory inference all-reduce, which this trainer never calls) and never
+    removes the file, so every launch leaks tmpfs memory until the machine runs out. Once
+    every rank has mapped its peers' buffers, unlink ours: the mapping lives until exit."""
+    import glob
+
+    dist.barrier()
+    pattern = (f"/dev/shm/deepspeed_allreduce_buffer_*_{os.environ.get('MASTER_ADDR', '*')}_"
+               f"{os.environ.get('MASTER_PORT', '*')}_{dist.get_rank()}")
+    for path in glob.glob(pattern):
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
 
 
 def _grid_collection(grid) -> Any:

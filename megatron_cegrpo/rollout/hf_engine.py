@@ -92,10 +92,12 @@ class HFRolloutEngine(RolloutEngine):
         gen = self.model.generate(input_ids=ids, attention_mask=attn, **kwargs)
         resp = gen.sequences[:, plen:]
         if return_logprobs:
-            logits = torch.stack(gen.logits, dim=1).float()  # [n, T, V] raw (unprocessed) logits
+            # one step at a time: gen.logits is T raw (unprocessed) [n, V] tensors; stacking them
+            # and a log-softmax copy would hold 2 more [n, T, V] buffers at the peak
             temp = 1.0 if greedy else float(temperature)
-            logp = torch.log_softmax(logits / temp, dim=-1).gather(-1, resp.unsqueeze(-1)).squeeze(-1)
-            del logits
+            logp = torch.stack([torch.log_softmax(step.float() / temp, dim=-1).gather(-1, resp[:, i:i + 1]).squeeze(-1)
+                                for i, step in enumerate(gen.logits)], dim=1)
+            del gen
         else:
             logp = torch.zeros(resp.shape, dtype=torch.float32)
         eos = torch.zeros_like(resp, dtype=torch.bool)
