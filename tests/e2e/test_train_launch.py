@@ -25,12 +25,16 @@ COMMON = [
 ]
 
 
+RUNS = {}  # run dirs of this module's training runs, for the plotting test at the end
+
+
 def _run(cmd, tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     p = subprocess.run(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                        timeout=900)
     assert p.returncode == 0, p.stdout[-8000:]
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    RUNS[cmd[cmd.index("--boundary-codec") + 1]] = tmp_path / "run"
     return [json.loads(x) for x in lines], p.stdout
 
 
@@ -93,3 +97,22 @@ def test_torchrun_dense_codec_has_no_mismatch(tmp_path):
     # drift probe with the dense codec: both views are the same computation
     assert metrics[1]["probe/view_abs_logprob_diff"] == 0.0
     assert metrics[1]["probe/kl_to_ref"] == metrics[1]["probe/kl_to_ref_compressed"]
+
+
+def test_plot_runs_on_the_two_real_runs(tmp_path):
+    """tools/plot_runs.py on the metrics of the two launches above (mask and dense)."""
+    import pytest
+    from PIL import Image
+
+    if set(RUNS) != {"mask", "dense"}:
+        pytest.skip("needs the two training runs of this module (run the whole file)")
+    out = tmp_path / "figs"
+    p = subprocess.run([sys.executable, "tools/plot_runs.py", str(RUNS["mask"]), str(RUNS["dense"]),
+                        "--out", str(out)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                       text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-4000:]
+    for name in ("reward.png", "entropy.png", "kl_to_ref.png", "mismatch.png"):
+        path = out / name
+        assert path.stat().st_size > 5000, name
+        with Image.open(path) as im:
+            assert im.size[0] > 300 and im.size[1] > 200
