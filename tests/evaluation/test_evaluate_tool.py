@@ -29,7 +29,8 @@ def test_tiny_llama_smoke_run_writes_the_summary(tmp_path):
     assert data["datasets"]["mawps"]["mode"] == "greedy"
     assert [r["row"] for r in data["datasets"]["mawps"]["rows"]] == [1, 2, 3, 4]
     # every response hit the 8-token limit or ended earlier
-    assert 1 <= m["val/mawps/response_length/mean"] <= 8
+    length = m["val/mawps/response_length/mean"]
+    assert length >= 1 and length <= 8
     assert data["meta"]["model"] == "tiny-llama" and data["settings"]["max_new_tokens"] == 8
     assert "mawps" in proc.stdout and "greedy" in proc.stdout and str(out) in proc.stdout
 
