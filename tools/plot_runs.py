@@ -43,6 +43,8 @@ _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _REPO not in sys.path:
     sys.path.insert(0, _REPO)
 
+from megatron_cegrpo.evaluation.summary import as_float as _float  # noqa: E402
+
 #: (metric, title, y label, file stem, drift-probe metric or None)
 PANELS = [
     ("critic/score/mean", "Training reward", "mean verifier score", "reward", None),
@@ -51,19 +53,6 @@ PANELS = [
     ("mismatch/abs_logprob_diff_mean", "Train-inference mismatch |sampler - trainer log-prob|",
      "nats / token", "mismatch", "probe/abs_logprob_diff_mean"),
 ]
-
-
-def _float(v) -> Optional[float]:
-    if isinstance(v, bool):
-        return float(v)
-    if isinstance(v, (int, float)):
-        return float(v)
-    if isinstance(v, str):
-        try:
-            return float(v)  # "nan", "inf", "0.5"
-        except ValueError:
-            return None
-    return None
 
 
 def read_metrics(run_dir: str) -> Tuple[Dict[str, List[Tuple[float, float]]], int]:

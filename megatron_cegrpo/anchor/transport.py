@@ -23,6 +23,8 @@ from typing import Any, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from megatron_cegrpo.pipeline.weight_sync import flatten_params, unflatten  # noqa: F401  (re-exported)
+
 __all__ = ["TAG_PARAMS", "TAG_BATCH", "TAG_SIGN_HDR", "TAG_SIGNS", "TAG_STATS", "META_TAG",
            "is_ship_step", "is_fire_step", "send_object", "recv_object", "isend_object",
            "flatten_params", "unflatten"]
@@ -68,17 +70,3 @@ def recv_object(src: int, tag: int) -> Tuple[Any, int]:
     dist.recv(data, src=src, tag=tag)
     obj = torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=True)
     return obj, 8 + data.numel()
-
-
-def flatten_params(params: List[torch.Tensor]) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1).float() for p in params])
-
-
-def unflatten(flat: torch.Tensor, shapes: List[Tuple[int, ...]]) -> List[torch.Tensor]:
-    out, off = [], 0
-    for shape in shapes:
-        n = int(torch.Size(shape).numel())
-        out.append(flat[off:off + n].view(shape))
-        off += n
-    assert off == flat.numel(), (off, flat.numel())
-    return out

@@ -93,7 +93,9 @@ def write_summary(path: str, report: EvalReport, meta: Optional[Mapping[str, Any
     return path
 
 
-def _num(v) -> Optional[float]:
+def as_float(v) -> Optional[float]:
+    """A logged value as float: numbers, bools and numeric strings (MetricsWriter writes
+    non-finite floats as "nan"/"inf"); None for anything else."""
     if isinstance(v, bool):
         return float(v)
     if isinstance(v, (int, float)):
@@ -135,12 +137,12 @@ def load_summary(path: str) -> Dict[str, Any]:
     for k, v in metrics.items():
         m = re.match(r"^val/(.+)/acc$", k)
         if m:
-            x = _num(v)
+            x = as_float(v)
             if x is not None:
                 acc[m.group(1)] = x
         m = re.match(r"^val/(.+)/acc_stderr$", k)
         if m:
-            x = _num(v)
+            x = as_float(v)
             if x is not None:
                 err[m.group(1)] = x
     if not acc:

@@ -9,12 +9,28 @@ construction.
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["StageWeightGatherer"]
+__all__ = ["StageWeightGatherer", "flatten_params", "unflatten"]
+
+
+def flatten_params(params: List[torch.Tensor]) -> torch.Tensor:
+    """One fp32 buffer [sum numel] holding ``params`` in order (what crosses the wire)."""
+    return torch.cat([p.detach().reshape(-1).float() for p in params])
+
+
+def unflatten(flat: torch.Tensor, shapes: List[Tuple[int, ...]]) -> List[torch.Tensor]:
+    """Views of ``flat`` with ``shapes``, in order (inverse of :func:`flatten_params`)."""
+    out, off = [], 0
+    for shape in shapes:
+        n = int(torch.Size(shape).numel())
+        out.append(flat[off:off + n].view(shape))
+        off += n
+    assert off == flat.numel(), (off, flat.numel())
+    return out
 
 
 class StageWeightGatherer:
@@ -41,9 +57,8 @@ class StageWeightGatherer:
     @torch.no_grad()
     def gather(self) -> Optional[List[Dict[str, torch.Tensor]]]:
         """Returns on the driver one state dict per stage (stage order); None elsewhere."""
-        params = [p.detach() for p in self.model.parameters()]
         if self.pp_rank != 0:
-            flat = torch.cat([p.reshape(-1).float() for p in params])
+            flat = flatten_params(list(self.model.parameters()))
             dist.send(flat, dst=self.driver, group=self.group)
             self.last_bytes = flat.numel() * flat.element_size()
             return None
@@ -55,11 +70,7 @@ class StageWeightGatherer:
             flat = torch.empty(numel, dtype=torch.float32)
             dist.recv(flat, src=dist.get_global_rank(self.group, r), group=self.group)
             total += flat.numel() * flat.element_size()
-            sd, off = {}, 0
-            for name, shape, dtype in meta:
-                n = int(torch.Size(shape).numel())
-                sd[name] = flat[off:off + n].view(shape).to(dtype)
-                off += n
-            out.append(sd)
+            views = unflatten(flat, [shape for _, shape, _ in meta])
+            out.append({name: v.to(dtype) for (name, _, dtype), v in zip(meta, views)})
         self.last_bytes = total
         return out
