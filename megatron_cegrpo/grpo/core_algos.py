@@ -24,6 +24,7 @@ from typing import Callable, Dict
 import torch
 
 __all__ = [
+    "TIE_RTOL_EPS",
     "compute_grpo_outcome_advantage",
     "logprobs_from_logits",
     "entropy_from_logits",
@@ -45,6 +46,11 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (values * mask).sum() / mask.sum().clamp(min=1.0)
 
 
+#: A group whose scores span at most this many units of the computing dtype's
+#: epsilon, relative to their magnitude, counts as tied (advantage exactly 0).
+TIE_RTOL_EPS = 4
+
+
 def compute_grpo_outcome_advantage(
     scores: torch.Tensor,
     group_size: int,
@@ -56,17 +62,31 @@ def compute_grpo_outcome_advantage(
 
     A_i = (r_i - mean_group(r)) / (std_group(r) + epsilon), or without the
     division when ``norm_adv_by_std`` is False (Dr. GRPO). ``std`` is the
-    unbiased sample standard deviation (torch.std default), as in verl; a group
-    of identical scores gets advantage 0 for every member.
+    unbiased sample standard deviation (torch.std default), as in verl.
+
+    Tied groups get exactly 0 for every member, with or without the std
+    division. A group is tied when ``max - min <= TIE_RTOL_EPS * eps *
+    max(|max|, |min|)`` (``eps`` of the computing dtype, 1.19e-7 for fp32):
+    the scores are equal, or differ only by a few ulps, the size of the
+    rounding of the reward itself. The formula cannot resolve such groups:
+    the rounded mean of equal non-dyadic values (8 x 0.35) is not the value,
+    its fp32 std is ~3e-8 rather than 0, and the division amplifies that
+    rounding into advantages of ~0.03 (0.35) or ~0.8 (7 x 100.3). Every other
+    group gets the formula's value bit for bit as before this rule.
+
+    Computation runs in the scores' dtype for fp32/fp64, in fp32 for
+    bf16/fp16 (then cast back), and in fp32 for integer or bool scores.
 
     Args:
-        scores: float tensor [b] with b = num_prompts * group_size, grouped
+        scores: tensor [b] with b = num_prompts * group_size, grouped
             contiguously (responses of prompt j are rows j*G .. j*G+G-1).
-        group_size: G >= 1.
+            Every value must be finite.
+        group_size: G >= 1 (G = 1 gives advantage 0).
     Returns:
-        float tensor [b], same dtype as ``scores``.
+        tensor [b], same dtype as ``scores`` for floating scores, fp32 otherwise.
     Raises:
-        ValueError: if b is not a multiple of ``group_size`` or group_size < 1.
+        ValueError: group_size < 1; b not a multiple of ``group_size``; a
+            NaN or +-inf score (names the first bad row and its group).
     """
     if group_size < 1:
         raise ValueError(f"group_size must be >= 1, got {group_size}")
@@ -75,7 +95,19 @@ def compute_grpo_outcome_advantage(
             f"scores must be 1-D with a length divisible by group_size={group_size}; "
             f"got shape {tuple(scores.shape)}"
         )
-    grouped = scores.view(-1, group_size)
+    finite = torch.isfinite(scores)
+    if not bool(finite.all()):
+        i = int((~finite).nonzero()[0, 0])
+        raise ValueError(
+            f"scores[{i}] = {scores[i].item()} is not finite (group {i // group_size}); "
+            "rewards must be finite numbers: fix the reward function "
+            "(megatron_cegrpo.rewards.score_responses rejects such values with the row named)"
+        )
+    out_dtype = scores.dtype if scores.is_floating_point() else torch.float32
+    if scores.numel() == 0:
+        return scores.to(out_dtype)
+    work = scores if scores.dtype in (torch.float32, torch.float64) else scores.float()
+    grouped = work.reshape(-1, group_size)
     mean = grouped.mean(dim=1, keepdim=True)
     centred = grouped - mean
     if norm_adv_by_std:
@@ -84,7 +116,12 @@ def compute_grpo_outcome_advantage(
         else:
             std = grouped.std(dim=1, keepdim=True)
         centred = centred / (std + epsilon)
-    return centred.reshape(-1)
+    hi = grouped.amax(dim=1, keepdim=True)
+    lo = grouped.amin(dim=1, keepdim=True)
+    tol = TIE_RTOL_EPS * torch.finfo(work.dtype).eps
+    tied = (hi - lo) <= tol * torch.maximum(hi.abs(), lo.abs())
+    centred = centred.masked_fill(tied, 0.0)
+    return centred.reshape(-1).to(out_dtype)
 
 
 def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

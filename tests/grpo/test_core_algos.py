@@ -28,6 +28,125 @@ def test_group_advantage_constant_group_is_zero_and_dr_grpo():
     torch.testing.assert_close(nostd[3:], torch.tensor([-1 / 3, 2 / 3, -1 / 3]))
 
 
+def _advantage_before_tie_rule(scores, group_size, norm_adv_by_std=True, epsilon=1e-6):
+    """compute_grpo_outcome_advantage as it was before tied groups were zeroed
+    (commit 945baa9): the formula the tie rule must leave untouched."""
+    grouped = scores.view(-1, group_size)
+    mean = grouped.mean(dim=1, keepdim=True)
+    centred = grouped - mean
+    if norm_adv_by_std:
+        std = torch.ones_like(mean) if group_size == 1 else grouped.std(dim=1, keepdim=True)
+        centred = centred / (std + epsilon)
+    return centred.reshape(-1)
+
+
+def _bits(t):
+    return t.view(torch.int32 if t.dtype == torch.float32 else torch.int64)
+
+
+@pytest.mark.parametrize("norm", [True, False])
+@pytest.mark.parametrize(
+    "value,group_size",
+    [(0.35, 8), (0.3, 7), (0.2, 16), (0.1, 3), (100.3, 7), (-0.35, 5), (0.123456789, 64), (1e-30, 6), (12345.678, 12)],
+)
+def test_tied_fractional_group_is_exactly_zero(value, group_size, norm):
+    scores = torch.full((2 * group_size,), value)
+    scores[group_size:] = torch.tensor([1.0, 0.0] * group_size)[:group_size]  # second group ordinary
+    before = _advantage_before_tie_rule(scores, group_size, norm)
+    adv = ca.compute_grpo_outcome_advantage(scores, group_size, norm_adv_by_std=norm)
+    assert torch.equal(adv[:group_size], torch.zeros(group_size))
+    assert torch.equal(_bits(adv[group_size:]), _bits(before[group_size:]))
+
+
+def test_tied_group_regression_values():
+    # the reported failures: fp32 rounding turned into advantages up to ~0.03,
+    # and ~0.8 for a group of 7 x 100.3
+    for value, g, old_max in [(0.35, 8, 0.0288), (0.3, 7, 0.0288), (0.2, 16, 0.0146), (100.3, 7, 0.8256)]:
+        scores = torch.full((g,), value)
+        assert _advantage_before_tie_rule(scores, g).abs().max().item() == pytest.approx(old_max, abs=1e-4)
+        assert ca.compute_grpo_outcome_advantage(scores, g).abs().max().item() == 0.0
+
+
+@pytest.mark.parametrize("norm", [True, False])
+@pytest.mark.parametrize("group_size", [1, 2, 3, 4, 5, 6, 7, 8])
+def test_binary_rewards_bit_identical_to_formula(group_size, norm):
+    # every 0/1 pattern of a group, all in one batch
+    rows = [[(k >> j) & 1 for j in range(group_size)] for k in range(2**group_size)]
+    scores = torch.tensor(rows, dtype=torch.float32).reshape(-1)
+    adv = ca.compute_grpo_outcome_advantage(scores, group_size, norm_adv_by_std=norm)
+    assert adv.dtype == torch.float32
+    assert torch.equal(_bits(adv), _bits(_advantage_before_tie_rule(scores, group_size, norm)))
+
+
+@pytest.mark.parametrize("norm", [True, False])
+def test_ordinary_groups_bit_identical_to_formula(norm):
+    gen = torch.Generator().manual_seed(0)
+    binary = (torch.rand(64 * 16, generator=gen) > 0.5).float()  # 64 groups of 16
+    fractional = torch.rand(32 * 8, generator=gen) * 10 - 3  # 32 groups of 8
+    partial = (torch.randint(0, 11, (40 * 5,), generator=gen) / 10.0)  # 0.0 .. 1.0 in tenths
+    for scores, g in [(binary, 16), (fractional, 8), (partial, 5)]:
+        adv = ca.compute_grpo_outcome_advantage(scores, g, norm_adv_by_std=norm)
+        ref = _advantage_before_tie_rule(scores, g, norm)
+        tied = scores.view(-1, g).amax(1) == scores.view(-1, g).amin(1)
+        keep = (~tied).repeat_interleave(g)
+        assert torch.equal(_bits(adv[keep]), _bits(ref[keep]))
+        assert torch.equal(adv[~keep], torch.zeros(int((~keep).sum())))
+
+
+def test_near_equal_groups():
+    x = torch.tensor(0.35)
+    up = torch.nextafter(x, torch.tensor(1.0))
+    # a one-ulp spread is rounding, not signal: tied
+    one_ulp = torch.stack([x] * 7 + [up])
+    assert _advantage_before_tie_rule(one_ulp, 8).abs().max().item() > 0.01
+    assert torch.equal(ca.compute_grpo_outcome_advantage(one_ulp, 8), torch.zeros(8))
+    # a spread of 1e-4 (~840 ulps) is a real difference: the formula applies
+    near = torch.tensor([0.35] * 7 + [0.3501])
+    adv = ca.compute_grpo_outcome_advantage(near, 8)
+    d = near.double()
+    exact = (d - d.mean()) / (d.std() + 1e-6)  # fp32 inputs, fp64 formula
+    torch.testing.assert_close(adv.double(), exact, rtol=0, atol=1e-3)
+    # by hand: spread u ~ 1e-4, std = u / sqrt(8), so A_odd = (7u/8) / (u/sqrt(8) + 1e-6) ~ 2.41
+    assert adv[7].item() == pytest.approx(2.407, abs=2e-3)
+    assert adv[0].item() == pytest.approx(-2.407 / 7, abs=1e-3)
+
+
+def test_group_size_one_and_empty():
+    scores = torch.tensor([0.35, 1.0, -2.5])
+    for norm in (True, False):
+        assert torch.equal(ca.compute_grpo_outcome_advantage(scores, 1, norm_adv_by_std=norm), torch.zeros(3))
+    assert ca.compute_grpo_outcome_advantage(torch.zeros(0), 4).shape == (0,)
+
+
+def test_fp64_bf16_and_integer_scores():
+    tied64 = torch.full((7,), 100.3, dtype=torch.float64)
+    assert _advantage_before_tie_rule(tied64, 7).abs().max().item() > 1e-9  # rounding in fp64 too
+    adv64 = ca.compute_grpo_outcome_advantage(tied64, 7)
+    assert adv64.dtype == torch.float64 and torch.equal(adv64, torch.zeros(7, dtype=torch.float64))
+    s64 = torch.tensor([1.0, 0.0, 0.0, 0.25, 0.5, 0.75], dtype=torch.float64)
+    assert torch.equal(ca.compute_grpo_outcome_advantage(s64, 3), _advantage_before_tie_rule(s64, 3))
+    # bf16: computed in fp32, rounded once. [1,0,0] -> 1.1547 rounds to 1.1562 in
+    # bf16 (bf16 arithmetic gave 1.1484)
+    sb = torch.tensor([1.0, 0.0, 0.0, 0.35, 0.35, 0.35], dtype=torch.bfloat16)
+    advb = ca.compute_grpo_outcome_advantage(sb, 3)
+    assert advb.dtype == torch.bfloat16
+    assert advb[:3].tolist() == [1.15625, -0.578125, -0.578125]
+    assert torch.equal(advb[3:], torch.zeros(3, dtype=torch.bfloat16))
+    # integer / bool scores: fp32 result
+    si = torch.tensor([1, 0, 0, 1])
+    advi = ca.compute_grpo_outcome_advantage(si, 2)
+    assert advi.dtype == torch.float32
+    assert torch.equal(advi, ca.compute_grpo_outcome_advantage(si.float(), 2))
+    assert torch.equal(ca.compute_grpo_outcome_advantage(si.bool(), 2), advi)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_scores_raise(bad):
+    scores = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.0, bad])
+    with pytest.raises(ValueError, match=r"scores\[5\] = .* is not finite \(group 1\)"):
+        ca.compute_grpo_outcome_advantage(scores, 3)
+
+
 def test_group_advantage_rejects_bad_shape():
     with pytest.raises(ValueError, match="group_size"):
         ca.compute_grpo_outcome_advantage(torch.zeros(5), 2)
