@@ -15,6 +15,7 @@ from megatron_cegrpo.rewards import (
     extract_boxed,
     extract_numeric_answer,
     get_verifier,
+    parse_number,
     register_verifier,
 )
 
@@ -134,8 +135,9 @@ def test_numeric_extraction_priority():
     assert extract_numeric_answer("\\boxed{3 \\text{ and } 4}") is None  # two numbers: ambiguous
     # a box without a number is binding: no answer
     assert extract_numeric_answer("7 + 7 = 14, so \\boxed{x}") is None
-    # unterminated box (truncated generation) is ignored -> last number
-    assert extract_numeric_answer("7 + 7 = 14 so \\boxed{1") == 1.0
+    # unterminated last box (generation cut off inside the final answer): no
+    # answer. The "1" is a fragment of it (1? 14? 1/2?), not a stated number
+    assert extract_numeric_answer("7 + 7 = 14 so \\boxed{1") is None
     assert extract_numeric_answer("") is None
     assert extract_numeric_answer("no digits here") is None
 
@@ -296,6 +298,159 @@ def test_olympiad_malformed_ground_truth_raises(bad):
     with pytest.raises(ValueError) as e:
         olympiad("\\boxed{2}", bad)
     assert repr(bad) in str(e.value)
+
+
+# --------------------------------------------------------------------------
+# answer kinds: cut-off boxes, units, powers, scientific notation, percent,
+# separators, signs, tolerance of tiny / huge values
+# --------------------------------------------------------------------------
+TRUNC = "First \\boxed{5}. Wait, recheck: the answer is \\boxed{7"
+_ANSWER_CASES = [
+    # --- a cut-off last box is no answer; the retracted earlier box must not win
+    ("numeric", TRUNC, "5", 0.0),
+    ("boxed", TRUNC, "5", 0.0),
+    ("gsm8k", TRUNC, "5", 0.0),
+    ("numeric", TRUNC, "7", 0.0),  # "\boxed{7" may have become 75
+    ("gsm8k", "The answer is 72. \\boxed{7", "72", 0.0),
+    ("gsm8k", "#### 72\n\\boxed{7", "72", 0.0),
+    ("boxed", "\\boxed{\\frac{1}{2}", "\\frac{1}{2}", 0.0),
+    ("olympiad_list", "\\boxed{69}, \\boxed{8", '["$69$,$84$"]', 0.0),
+    ("numeric", "\\boxed{5 is wrong. Final: \\boxed{7}", "7", 1.0),  # only the last box counts
+    # --- a unit's exponent is not a number
+    ("numeric", "\\boxed{12 \\text{ cm}^2}", "12", 1.0),
+    ("boxed", "\\boxed{12 \\text{ cm}^2}", "12", 1.0),
+    ("numeric", "\\boxed{12\\,\\mathrm{m}^2}", "12", 1.0),
+    ("boxed", "\\boxed{12\\,\\mathrm{m}^2}", "12", 1.0),
+    ("numeric", "\\boxed{12 \\text{ cm}^{2}}", "12", 1.0),
+    ("numeric", "\\boxed{8 \\text{ m}^3}", "8", 1.0),
+    ("numeric", "\\boxed{5 \\text{ m/s}^2}", "5", 1.0),
+    ("numeric", "\\boxed{9.81 \\, \\mathrm{m/s^2}}", "9.81", 1.0),
+    ("numeric", "\\boxed{9.8 \\text{ m s}^{-2}}", "9.8", 1.0),
+    ("numeric", "\\boxed{60 \\text{ km/h}}", "60", 1.0),
+    ("numeric", "\\boxed{90^\\circ}", "90", 1.0),
+    ("numeric", "\\boxed{90^{\\circ}}", "90", 1.0),
+    ("numeric", "The temperature is -40^\\circ C", "-40", 1.0),
+    ("numeric", "The area is 12 cm^2", "12", 1.0),  # last-number rule
+    ("numeric", "so the area is 12 m^{2}.", "12", 1.0),
+    # --- powers and scientific notation are one number
+    ("numeric", "\\boxed{2^{10}}", "1024", 1.0),
+    ("numeric", "\\boxed{10^{3}}", "1000", 1.0),
+    ("numeric", "\\boxed{2^{-10}}", "0.0009765625", 1.0),
+    ("numeric", "The answer is 2^{10}.", "1024", 1.0),
+    ("numeric", "\\boxed{1.5 \\times 10^{-3}}", "0.0015", 1.0),
+    ("numeric", "\\boxed{1.2 \\cdot 10^{5}}", "120000", 1.0),
+    ("numeric", "\\boxed{1.5e-3}", "0.0015", 1.0),
+    ("numeric", "\\boxed{6.02 \\times 10^{23}}", "6.02e23", 1.0),
+    ("numeric", "It is 3 x 10^8 m/s.", "3e8", 1.0),
+    ("numeric", "\\boxed{0.00001}", "1e-05", 1.0),  # str(float) form of a MAWPS target
+    ("numeric", "\\boxed{3}", "1e-05", 0.0),
+    ("numeric", "\\boxed{2^{2000}}", "4", 0.0),  # huge power: evaluated by math-verify, not hung
+    ("boxed", "\\boxed{4.5 \\times 10^{33}}", "4.5e33", 1.0),  # Minerva's e-notation
+    ("boxed", "\\boxed{1.5e-3}", "0.0015", 1.0),
+    ("boxed", "The final answer is $4.5e33$.", "4.5e33", 1.0),
+    ("boxed", "\\boxed{3.8 \\times 10^{35}}", "3.83e35", 0.0),
+    # --- LaTeX is read as a whole, not as its digits
+    ("numeric", "\\boxed{\\sqrt{2}}", "2", 0.0),
+    ("numeric", "\\boxed{\\sqrt{2}}", "1.41421356", 1.0),
+    ("numeric", "\\boxed{2x}", "2", 0.0),
+    ("numeric", "\\boxed{3,4}", "34", 0.0),
+    ("numeric", "\\boxed{\\frac{1}{2^{80}}}", "\\frac{1}{2^{80}}", 1.0),
+    # --- tiny and huge values: relative tolerance, exact whole numbers
+    ("boxed", "\\boxed{\\frac{1}{2^{80}}}", "\\frac{1}{2^{81}}", 0.0),
+    ("numeric", "\\boxed{\\frac{1}{2^{80}}}", "\\frac{1}{2^{81}}", 0.0),
+    ("olympiad_list", "\\boxed{2^{-80}}", '["$2^{-81}$"]', 0.0),
+    ("boxed", "\\boxed{1e-8}", "2e-8", 0.0),
+    ("boxed", "\\boxed{0.0000001}", "0.0000002", 0.0),
+    ("boxed", "\\boxed{3.0000001 \\times 10^{-9}}", "3 \\times 10^{-9}", 1.0),
+    ("numeric", "\\boxed{2e-10}", "1e-10", 0.0),
+    ("numeric", "\\boxed{1.00005e-10}", "1e-10", 1.0),
+    ("numeric", "\\boxed{1e-12}", "0", 0.0),  # written exactly: not zero
+    ("numeric", "\\boxed{123456789012345678901}", "123456789012345678902", 0.0),
+    ("numeric", "\\boxed{2^{80}}", "1208925819614629174706176", 1.0),
+    ("numeric", "\\boxed{2^{80}}", "1208925819614629174706177", 0.0),
+    ("numeric", "\\boxed{43.004}", "43", 0.0),
+    ("boxed", "\\boxed{27.00001}", "27", 0.0),
+    ("boxed", "\\boxed{27.0}", "27", 1.0),
+    # --- percent: "45%" is right for 45 and for 0.45
+    ("numeric", "\\boxed{45\\%}", "45", 1.0),
+    ("numeric", "\\boxed{50\\%}", "0.5", 1.0),
+    ("numeric", "\\boxed{5\\%}", "0.5", 0.0),
+    ("numeric", "The answer is 45%.", "0.45", 1.0),
+    ("boxed", "\\boxed{50\\%}", "0.5", 1.0),
+    ("boxed", "\\boxed{9\\%}", "9", 1.0),
+    # --- thousands separators
+    ("numeric", "\\boxed{1,000,000}", "1000000", 1.0),
+    ("numeric", "\\boxed{1{,}000}", "1000", 1.0),
+    ("numeric", "\\boxed{1\\,000}", "1000", 1.0),
+    ("boxed", "\\boxed{1\\,000}", "1000", 1.0),
+    ("numeric", "\\boxed{1,234.5}", "1234.5", 1.0),
+    # --- negative numbers
+    ("numeric", "\\boxed{-3}", "-3", 1.0),
+    ("numeric", "\\boxed{3}", "-3", 0.0),
+    ("numeric", "\\boxed{\u22125}", "-5", 1.0),  # U+2212 minus sign
+    ("numeric", "The answer is \u22125.", "-5", 1.0),
+    ("numeric", "\\boxed{-2^{3}}", "-8", 1.0),
+    ("numeric", "\\boxed{(-2)^{2}}", "4", 1.0),
+    ("numeric", "\\boxed{-\\frac{3}{4}}", "-0.75", 1.0),
+    ("numeric", "\\boxed{-.5}", "-1/2", 1.0),
+]
+
+
+@pytest.mark.parametrize("name,response,gold,expected", _ANSWER_CASES)
+def test_answer_kinds(name, response, gold, expected):
+    assert get_verifier(name)(response, gold) == expected
+
+
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("\\boxed{2^{10}}", 1024.0),
+        ("\\boxed{12 \\text{ cm}^2}", 12.0),
+        ("The area is 12 cm^2", 12.0),
+        ("\\boxed{1.5 \\times 10^{-3}}", 0.0015),
+        ("\\boxed{45\\%}", 45.0),
+        ("\\boxed{\\sqrt{2}}", 2**0.5),
+        ("\\boxed{2x}", None),
+        ("First \\boxed{5}. Wait, recheck: the answer is \\boxed{7", None),
+    ],
+)
+def test_extract_numeric_answer_kinds(text, expected):
+    assert extract_numeric_answer(text) == expected
+
+
+def test_parse_number_forms():
+    assert parse_number("1.5e-3") == 0.0015
+    assert parse_number("2^{10}") == 1024.0
+    assert parse_number("1.5 \\times 10^{-3}") == 0.0015
+    assert parse_number("45\\%") == 45.0
+    assert parse_number("12 \\text{ cm}^2") is None  # a number with a unit is not a number
+    assert parse_number("1e400") == float("inf")
+    assert parse_number("3,4") is None and parse_number("2x") is None
+
+
+def test_numeric_ground_truth_forms():
+    assert numeric("\\boxed{1024}", "2^{10}") == 1.0
+    assert numeric("\\boxed{0.5}", "\\frac{1}{2}") == 1.0
+    assert numeric("\\boxed{0.0015}", "1.5 \\times 10^{-3}") == 1.0
+    for bad in ("inf", "\\infty", "1e400", "x", "twelve apples"):
+        with pytest.raises(ValueError) as e:
+            numeric("\\boxed{1}", bad)
+        assert repr(bad) in str(e.value)
+
+
+@needs_data
+def test_boxed_minerva_scientific_notation():
+    """58 Minerva answers are in e-notation ("4.5e33"), which math-verify reads
+    as 4.5 * e * 33 (Euler's e): the same value written 4.5 \\times 10^{33}
+    scored 0 before the verifier rewrote e-notation."""
+    import re
+
+    sci = [r for r in load_dataset("minerva_math") if re.fullmatch(r"\d+(\.\d+)?e-?\d+", r.ground_truth)]
+    assert len(sci) == 58
+    for r in sci:
+        mant, exp = r.ground_truth.split("e")
+        assert boxed(f"\\boxed{{{mant} \\times 10^{{{exp}}}}}", r.ground_truth) == 1.0, r.row
+        assert boxed(f"\\boxed{{{float(mant) * 2:g}e{exp}}}", r.ground_truth) == 0.0, r.row
 
 
 def test_math_verify_verifiers_work_off_the_main_thread():
