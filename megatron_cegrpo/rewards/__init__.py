@@ -1,5 +1,8 @@
-"""Reward functions: rule-based verifiers for math answers."""
+"""Reward functions: rule-based verifiers for math answers, user reward functions
+loaded from a file, and checked scoring of a rollout batch."""
 
+from megatron_cegrpo.rewards.custom import load_custom_reward_function
+from megatron_cegrpo.rewards.scoring import RewardError, score_responses
 from megatron_cegrpo.rewards.verifiers import (
     REL_TOL,
     Verifier,
@@ -18,6 +21,7 @@ from megatron_cegrpo.rewards.verifiers import (
 
 __all__ = [
     "REL_TOL",
+    "RewardError",
     "Verifier",
     "available_verifiers",
     "boxed_verifier",
@@ -26,8 +30,10 @@ __all__ = [
     "get_verifier",
     "gsm8k_verifier",
     "last_boxed",
+    "load_custom_reward_function",
     "numeric_verifier",
     "olympiad_list_verifier",
     "parse_number",
     "register_verifier",
+    "score_responses",
 ]
