@@ -60,9 +60,10 @@ def compute_grpo_outcome_advantage(
 ) -> torch.Tensor:
     """Group-normalised outcome advantages.
 
-    A_i = (r_i - mean_group(r)) / (std_group(r) + epsilon), or without the
-    division when ``norm_adv_by_std`` is False (Dr. GRPO). ``std`` is the
-    unbiased sample standard deviation (torch.std default), as in verl.
+    A_i = (r_i - mean_group(r)) / (std_group(r) + epsilon) (Shao et al. 2024,
+    DeepSeekMath eq. (3)), or without the division when ``norm_adv_by_std``
+    is False (Liu et al. 2025, Dr. GRPO). ``std`` is the unbiased sample
+    standard deviation (torch.std default), as in verl.
 
     Tied groups get exactly 0 for every member, with or without the std
     division. A group is tied when ``max - min <= TIE_RTOL_EPS * eps *
