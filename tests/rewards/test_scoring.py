@@ -89,8 +89,8 @@ def test_raising_reward_is_wrapped_and_chained():
         score_responses(lambda _n: boom, "my_rewards.py:score", [_rec(question="What is 2+2?")], ["4"])
     msg = str(e.value)
     assert "\n" not in msg
-    assert msg.startswith("reward function 'my_rewards.py:score' raised ValueError: no score for this response on row 0 "
-                          "of the batch (question 'What is 2+2?'); fix the reward function")
+    assert msg.startswith("reward function 'my_rewards.py:score' raised ValueError: no score for this "
+                          "response on row 0 of the batch (question 'What is 2+2?'); fix the reward function")
     assert isinstance(e.value.__cause__, ValueError) and not isinstance(e.value.__cause__, RewardError)
 
 
