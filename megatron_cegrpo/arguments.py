@@ -55,6 +55,7 @@ class ParallelConfig:
     decoder_last_pipeline_num_layers: Optional[int] = None
     micro_batch_size: int = 4
     num_threads: Optional[int] = None
+    distributed_timeout_minutes: float = 10.0
 
 
 @dataclass
@@ -148,6 +149,7 @@ class AnchorConfig:
     sign_blend_beta: float = 0.75
     sign_fold: str = "every-step"
     anchor_apply: str = "fire-step"
+    anchor_timeout_minutes: float = 0.0
 
 
 @dataclass
@@ -262,6 +264,19 @@ class TrainConfig:
         if a.anchor_interval < 1 or a.anchor_delay < 0:
             raise ValueError(f"--anchor-interval must be >= 1 and --anchor-delay >= 0; got "
                              f"{a.anchor_interval}, {a.anchor_delay}")
+        if a.anchor_ranks and (a.anchor_delay < a.anchor_interval or a.anchor_delay % a.anchor_interval):
+            # checkpoints are shipped at s = 0, c, 2c, ...: at fire t the newest is theta(t - c), and
+            # theta(t - K) exists (with the forecast's K/c steps) only when K is a positive multiple of c
+            raise ValueError(f"--anchor-delay (K={a.anchor_delay}) must be a positive multiple of "
+                             f"--anchor-interval (c={a.anchor_interval}): the anchor reads the shipped "
+                             f"checkpoint theta(t - K), shipped every c iterations; e.g. --anchor-delay "
+                             f"{max(a.anchor_interval, a.anchor_delay // a.anchor_interval * a.anchor_interval)}")
+        if not (a.anchor_timeout_minutes >= 0 and math.isfinite(a.anchor_timeout_minutes)):
+            raise ValueError(f"--anchor-timeout-minutes must be a finite number >= 0 (0: wait as long as "
+                             f"the anchor lives), got {a.anchor_timeout_minutes}")
+        if not (p.distributed_timeout_minutes > 0 and math.isfinite(p.distributed_timeout_minutes)):
+            raise ValueError(f"--distributed-timeout-minutes must be a finite number > 0, got "
+                             f"{p.distributed_timeout_minutes}")
         if not (0.0 <= a.anchor_ema_decay < 1.0):
             raise ValueError(f"--anchor-ema-decay must be in [0, 1), got {a.anchor_ema_decay}")
         for flag, value, valid in (("--anchor-replay", a.anchor_replay, ("forecast", "matching")),
@@ -328,6 +343,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="sequences per pipeline micro-batch")
     pa.add_argument("--num-threads", type=int, default=None,
                     help="torch intra-op threads per rank (default: cores / local ranks)")
+    pa.add_argument("--distributed-timeout-minutes", type=float, default=d.parallel.distributed_timeout_minutes,
+                    help="timeout of the trainer's collectives and pipeline transfers (Megatron's flag); "
+                         "the anchor's link and the stages' waits for the driver's rollouts are not bound by it")
 
     op = ap.add_argument_group("optimizer")
     op.add_argument("--lr", type=float, default=None, help=f"default {d.optim.lr} (or the DeepSpeed config's)")
@@ -410,6 +428,10 @@ def build_parser() -> argparse.ArgumentParser:
     an.add_argument("--sign-blend-beta", type=float, default=d.anchor.sign_blend_beta)
     an.add_argument("--sign-fold", default=d.anchor.sign_fold, choices=["every-step", "fire-only"])
     an.add_argument("--anchor-apply", default=d.anchor.anchor_apply, choices=["fire-step", "next-step"])
+    an.add_argument("--anchor-timeout-minutes", type=float, default=d.anchor.anchor_timeout_minutes,
+                    help="longest a stage waits for one fire's signs before it goes on without the anchor "
+                         "(0, the default: as long as the anchor process lives; a dead anchor is noticed "
+                         "at once by its closed connection)")
 
     ck = ap.add_argument_group("checkpointing")
     ck.add_argument("--save", default=None, help="directory for checkpoints (written atomically)")
@@ -507,6 +529,7 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
             decoder_last_pipeline_num_layers=args.decoder_last_pipeline_num_layers,
             micro_batch_size=args.micro_batch_size,
             num_threads=args.num_threads,
+            distributed_timeout_minutes=args.distributed_timeout_minutes,
         ),
         optim=optim,
         grpo=GRPOConfig(
@@ -533,7 +556,8 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
             anchor_delay=args.anchor_delay, anchor_replay=args.anchor_replay,
             anchor_forecast=args.anchor_forecast, anchor_forecast_points=args.anchor_forecast_points,
             anchor_ema_decay=args.anchor_ema_decay, sign_blend_alpha=args.sign_blend_alpha,
-            sign_blend_beta=args.sign_blend_beta, sign_fold=args.sign_fold, anchor_apply=args.anchor_apply),
+            sign_blend_beta=args.sign_blend_beta, sign_fold=args.sign_fold, anchor_apply=args.anchor_apply,
+            anchor_timeout_minutes=args.anchor_timeout_minutes),
         checkpoint=CheckpointConfig(save=args.save, save_interval=args.save_interval, load=args.load,
                                     keep_last=args.keep_last),
         codec=CodecConfig(boundary_codec=args.boundary_codec, boundary_keep_ratio=args.boundary_keep_ratio),

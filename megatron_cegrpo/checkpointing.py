@@ -370,6 +370,12 @@ def _meta_path(meta: dict) -> str:
 # ----------------------------------------------------------------------------- save
 
 
+def is_save_iteration(iteration: int, save: Optional[str], save_interval: int, train_iters: int) -> bool:
+    """The save cadence, for the stages and the anchor rank alike: with ``--save``, every
+    ``--save-interval`` iterations (0: never in between) and after the last one."""
+    return bool(save) and ((save_interval and iteration % save_interval == 0) or iteration == train_iters)
+
+
 def begin_save(save_dir: str, iteration: int, *, group=None) -> str:
     """Create the temporary directory of a new checkpoint and return its path.
 

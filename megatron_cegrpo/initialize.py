@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import random
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, Optional
 
 import numpy as np
@@ -20,7 +21,15 @@ import torch.distributed as dist
 
 from megatron_cegrpo.compat import apply_cpu_compat
 
-__all__ = ["DistContext", "initialize_distributed", "shutdown_distributed", "set_seed"]
+__all__ = ["DistContext", "initialize_distributed", "shutdown_distributed", "set_seed", "PEER_LIFETIME_TIMEOUT"]
+
+#: Timeout of the groups whose waits last as long as the schedule makes them (DESIGN.md section 4):
+#: the stages waiting while the driver generates or evaluates, the anchor waiting c iterations for
+#: the next shipment, a stage waiting for the anchor's fire. These waits are bounded by the peer's
+#: life, not by a timer: a peer that dies closes its connections and the wait fails at once (gloo
+#: and NCCL report "connection closed"), so the timer only has to outlast any healthy wait.
+#: (A gloo timeout is not retryable: it closes the pair, so it cannot serve as a poll either.)
+PEER_LIFETIME_TIMEOUT = timedelta(days=30)
 
 
 @dataclass
@@ -37,6 +46,11 @@ class DistContext:
     device: torch.device
     anchor_rank: Optional[int] = None  # global rank of the anchor (None: no anchor circuit)
     is_anchor: bool = False
+    # the trainer ranks again, with PEER_LIFETIME_TIMEOUT: the rollout batch broadcast and the
+    # barriers after driver-only phases (generation and evaluation take as long as they take)
+    rollout_group: Any = None
+    # every rank (stages + anchor), with PEER_LIFETIME_TIMEOUT: all anchor traffic (anchor/transport.py)
+    anchor_group: Any = None
 
     @property
     def is_driver(self) -> bool:
@@ -64,7 +78,8 @@ def set_seed(seed: int) -> None:
 
 
 def initialize_distributed(pipeline_model_parallel_size: int, seed: int,
-                           num_threads: Optional[int] = None, anchor_ranks: int = 0) -> DistContext:
+                           num_threads: Optional[int] = None, anchor_ranks: int = 0,
+                           timeout_minutes: float = 10.0) -> DistContext:
     """Init torch.distributed through DeepSpeed, then megatron-core's model-parallel groups.
 
     Backend: gloo without CUDA (the compat layer is applied first), nccl with it.
@@ -74,6 +89,10 @@ def initialize_distributed(pipeline_model_parallel_size: int, seed: int,
     ``0 .. P-1`` and the anchor gets a grid of its own (P stages + 1 anchor is not a
     shape ``parallel_state`` can express); the groups travel in the DistContext's
     ``pg_collection`` like in the plain case.
+
+    ``timeout_minutes`` (``--distributed-timeout-minutes``) bounds the trainer's collectives
+    and pipeline transfers; the waits the schedule sizes (driver-only phases, the anchor
+    link) use ``rollout_group`` / ``anchor_group`` with :data:`PEER_LIFETIME_TIMEOUT`.
 
     Raises:
         ValueError: world size != pipeline size + anchor ranks, or more than one anchor rank.
@@ -85,7 +104,8 @@ def initialize_distributed(pipeline_model_parallel_size: int, seed: int,
     import deepspeed
 
     if not dist.is_initialized():
-        deepspeed.init_distributed(dist_backend="gloo" if cpu else "nccl", verbose=False)
+        deepspeed.init_distributed(dist_backend="gloo" if cpu else "nccl", verbose=False,
+                                   timeout=timedelta(minutes=timeout_minutes))
         if cpu:
             _unlink_deepspeed_shm_buffer()
     world = dist.get_world_size()
@@ -120,6 +140,7 @@ def initialize_distributed(pipeline_model_parallel_size: int, seed: int,
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=1, pipeline_model_parallel_size=pipeline_model_parallel_size
         )
+    rollout_group = _pipeline_groups_with_peer_lifetime_timeout(world, pipeline_model_parallel_size)
     set_seed(seed)
     model_parallel_cuda_manual_seed(seed)
     pg = ProcessGroupCollection.use_mpu_process_groups(
@@ -133,7 +154,26 @@ def initialize_distributed(pipeline_model_parallel_size: int, seed: int,
         embd_group=parallel_state.get_embedding_group(check_initialized=False),
         pg_collection=pg,
         device=device,
+        rollout_group=rollout_group,
     )
+
+
+def _pipeline_groups_with_peer_lifetime_timeout(world: int, pp: int) -> Any:
+    """A copy of this rank's pipeline group with :data:`PEER_LIFETIME_TIMEOUT` (every rank creates
+    every copy, in the same order, as ``new_group`` requires; TP = 1, so megatron's pipeline groups
+    are ``range(i, world, world // pp)``)."""
+    from megatron.core import parallel_state
+
+    mine = None
+    n = world // pp
+    for i in range(n):
+        ranks = list(range(i, world, n))
+        g = dist.new_group(ranks, timeout=PEER_LIFETIME_TIMEOUT)
+        if dist.get_rank() in ranks:
+            mine = g
+            if ranks != dist.get_process_group_ranks(parallel_state.get_pipeline_model_parallel_group()):
+                raise RuntimeError(f"pipeline group {ranks} differs from megatron's; rank layout changed")
+    return mine
 
 
 def _unlink_deepspeed_shm_buffer() -> None:
@@ -177,6 +217,8 @@ def _initialize_with_anchor(pp: int, seed: int, world: int, local_rank: int, loc
     trainer = _grid_collection(HyperCommGrid([1, 1, 1, pp], dims, rank_offset=0))
     anchor = _grid_collection(HyperCommGrid([1, 1, 1, 1], dims, rank_offset=pp))
     embd = dist.new_group(list(range(pp))[:: max(1, pp - 1)]) if pp > 1 else None
+    rollout_group = dist.new_group(list(range(pp)), timeout=PEER_LIFETIME_TIMEOUT)
+    anchor_group = dist.new_group(list(range(world)), timeout=PEER_LIFETIME_TIMEOUT)
     rank = dist.get_rank()
     is_anchor = rank >= pp
     pgc = anchor if is_anchor else trainer
@@ -189,6 +231,7 @@ def _initialize_with_anchor(pp: int, seed: int, world: int, local_rank: int, loc
         rank=rank, world_size=world, local_rank=local_rank, local_world_size=local_world,
         pp_rank=0 if is_anchor else rank, pp_size=1 if is_anchor else pp, pp_group=pgc.pp,
         embd_group=pgc.embd, pg_collection=pgc, device=device, anchor_rank=pp, is_anchor=is_anchor,
+        rollout_group=None if is_anchor else rollout_group, anchor_group=anchor_group,
     )
 
 

@@ -22,6 +22,11 @@ def _quiet_known_warnings() -> None:
 
 
 def main(argv=None):
+    if argv is None:
+        from megatron_cegrpo.supervisor import should_supervise, supervise
+
+        if should_supervise():
+            sys.exit(supervise())
     _quiet_known_warnings()
     from megatron_cegrpo.arguments import build_config, parse_args
 
@@ -32,7 +37,8 @@ def main(argv=None):
     from megatron_cegrpo.initialize import initialize_distributed, shutdown_distributed
 
     ctx = initialize_distributed(cfg.parallel.pipeline_model_parallel_size, cfg.optim.seed,
-                                 cfg.parallel.num_threads, anchor_ranks=cfg.anchor.anchor_ranks)
+                                 cfg.parallel.num_threads, anchor_ranks=cfg.anchor.anchor_ranks,
+                                 timeout_minutes=cfg.parallel.distributed_timeout_minutes)
     try:
         cfg.validate(world_size=ctx.world_size)
         if ctx.is_anchor:

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_cegrpo.arguments import TrainConfig
+from megatron_cegrpo.checkpointing import is_save_iteration
 from megatron_cegrpo.compression import ByteMeter, build_codec, get_codec
 from megatron_cegrpo.grpo import core_algos as ca
 from megatron_cegrpo.grpo.batch import pack_rollouts, slice_batch
@@ -46,6 +47,7 @@ from megatron_cegrpo.optim.hooks import GradClipHook, SignCorrectionHook
 from megatron_cegrpo.pipeline.communicator import CompressedP2PCommunicator
 from megatron_cegrpo.pipeline.schedule import PipelineRunner
 from megatron_cegrpo.pipeline.weight_sync import StageWeightGatherer
+from megatron_cegrpo.rewards import score_responses
 
 __all__ = ["GRPOTrainer"]
 
@@ -132,11 +134,14 @@ class GRPOTrainer:
 
             tied_copy = any(self._is_duplicate_tied_weight(p) for p in params)
             self.anchor = AnchorClient(self.model, stage_layer_range(self.tf_config, ctx.pp_rank, ctx.pp_size)[0],
-                                       tied_copy, ctx.anchor_rank, ctx.is_driver, cfg, self.correction)
+                                       tied_copy, ctx.anchor_rank, ctx.is_driver, cfg, self.correction,
+                                       group=ctx.anchor_group, rank=ctx.rank)
         self.timers = PhaseTimers()
         self.iteration = 0
         if cfg.checkpoint.load:
             self.load_checkpoint(cfg.checkpoint.load)
+        if self.anchor is not None:
+            self.anchor.connect()
 
         # driver: data, tokenizer, sampler, verifier, log
         if ctx.is_driver:
@@ -230,8 +235,7 @@ class GRPOTrainer:
                                             generator_seed=cfg.optim.seed * 1_000_003 + t)
         with self.timers.phase("reward"):
             recs = [self.train_records[i] for i in idx for _ in range(G)]
-            scores = torch.tensor([float(self.get_reward_fn(r.verifier)(text, r.ground_truth))
-                                   for r, text in zip(recs, out.texts)], dtype=torch.float32)
+            scores = score_responses(self.get_reward_fn, cfg.data.custom_reward_function, recs, out.texts)
             adv = ca.compute_grpo_outcome_advantage(scores, G, norm_adv_by_std=cfg.grpo.norm_adv_by_std)
         batch = pack_rollouts(out.prompt_ids, out.response_ids, out.response_logprobs, scores, adv,
                               pad_token_id=self.rollout.pad_token_id,
@@ -273,8 +277,9 @@ class GRPOTrainer:
         t_start = time.perf_counter()
         batch = self._generate_and_score(t) if ctx.is_driver else None
         with self.timers.phase("broadcast"):
+            # over the rollout group: the other stages wait here as long as the driver generates
             obj = [batch]
-            dist.broadcast_object_list(obj, src=dist.get_global_rank(ctx.pp_group, 0), group=ctx.pp_group)
+            dist.broadcast_object_list(obj, src=dist.get_global_rank(ctx.rollout_group, 0), group=ctx.rollout_group)
             batch = obj[0]
 
         if self.anchor is not None:
@@ -376,11 +381,16 @@ class GRPOTrainer:
                 if self.ctx.pp_size > 1:
                     allreduce_tied_embedding_grads(self.model, self.ctx.embd_group)
                     self._embd_sync_bytes += self._tied_grad_bytes
+                skipped = self.clip.num_skipped
                 self.optimizer.step()
                 norms.append(self.clip.last_grad_norm)
+                if self.clip.num_skipped > skipped and self.ctx.is_driver:
+                    print(f"[cegrpo] warning: iteration {t}: the gradient norm is {self.clip.last_grad_norm} "
+                          f"(NaN or inf); the optimizer step was skipped ({self.clip.num_skipped} so far)",
+                          flush=True)
         self.scheduler.step()
         out = {"actor/grad_norm": float(sum(norms) / len(norms)), "actor/lr": self.optimizer.param_groups[0]["lr"],
-               "actor/num_optimizer_steps": len(norms)}
+               "actor/num_optimizer_steps": len(norms), "actor/skipped_steps": self.clip.num_skipped}
         self._correction_applied = self.correction.num_applied - applied_before
         if self.ctx.is_last_stage:
             tok = max(sums["tokens"], 1.0)
@@ -454,7 +464,8 @@ class GRPOTrainer:
         m = {"anchor/fire": gathered[0]["anchor"]["anchor/fire"],
              "anchor/bytes_in": sum(d["anchor"]["anchor/bytes_in"] for d in gathered),
              "anchor/bytes_out": sum(d["anchor"]["anchor/bytes_out"] for d in gathered),
-             "anchor/correction_applied": int(min(d["applied"] for d in gathered) > 0)}
+             "anchor/correction_applied": int(min(d["applied"] for d in gathered) > 0),
+             "anchor/alive": min(d["anchor"]["anchor/alive"] for d in gathered)}
         agree = sum(d["agreement"][0] for d in gathered)
         total = sum(d["agreement"][1] for d in gathered)
         if total:
@@ -527,9 +538,8 @@ class GRPOTrainer:
         last = None
         while self.iteration < cfg.optim.train_iters:
             m = self.train_step()
-            ck = cfg.checkpoint
-            if ck.save and ((ck.save_interval and self.iteration % ck.save_interval == 0)
-                            or self.iteration == cfg.optim.train_iters):
+            c = cfg.checkpoint
+            if is_save_iteration(self.iteration, c.save, c.save_interval, cfg.optim.train_iters):
                 with self.timers.phase("save"):
                     self.save_checkpoint()
             if ctx.is_driver:
@@ -577,7 +587,12 @@ class GRPOTrainer:
         from megatron_cegrpo.rng_state import get_rng_state
 
         cfg, ctx, it = self.cfg, self.ctx, self.iteration
-        tmp = ck.begin_save(cfg.checkpoint.save, it)
+        bad = [n for n, p in self.model.named_parameters() if not bool(torch.isfinite(p.detach()).all())]
+        if bad:
+            raise ck.CheckpointError(f"stage {ctx.pp_rank}: refusing to save non-finite weights ({bad[:3]}); "
+                                     f"resume from the last checkpoint with a lower --lr")
+        # the stages' collectives only: a dead or slow anchor cannot block a save
+        tmp = ck.begin_save(cfg.checkpoint.save, it, group=ctx.pp_group)
         ck.write_stage_file(tmp, ctx.pp_rank, ck.MODEL_FILE, ck.stage_model_state_dict(self.model))
         ck.write_stage_file(tmp, ctx.pp_rank, "reference", self._reference_tensors())
         state = {
@@ -593,13 +608,15 @@ class GRPOTrainer:
         if self.anchor is not None:
             state["anchor_client"] = self.anchor.state_dict()
         ck.write_stage_blob(tmp, ctx.pp_rank, "trainer_state", state)
+        if self.anchor is not None and ctx.is_driver:
+            self.anchor.save_anchor_state(tmp, ck.ANCHOR_DIR)
         meta = ck.make_meta(
             hf_config=self.hf_config, pp_size=ctx.pp_size,
             num_layers_in_first=cfg.parallel.decoder_first_pipeline_num_layers,
             num_layers_in_last=cfg.parallel.decoder_last_pipeline_num_layers,
             codec=cfg.codec, model_name=cfg.model.model, params_dtype=cfg.model.params_dtype,
             extra={"seed": cfg.optim.seed, "train_data": cfg.data.train_data})
-        path = ck.commit_save(cfg.checkpoint.save, tmp, it, meta, cfg.checkpoint.keep_last)
+        path = ck.commit_save(cfg.checkpoint.save, tmp, it, meta, cfg.checkpoint.keep_last, group=ctx.pp_group)
         _log(ctx, f"saved checkpoint {path}")
         return path
 
@@ -673,7 +690,7 @@ class GRPOTrainer:
     def _barrier_after(self, fn):
         """Run a driver-only phase while the other stages wait."""
         res = fn()
-        dist.barrier(group=self.ctx.pp_group)
+        dist.barrier(group=self.ctx.rollout_group)
         return res
 
 

@@ -3,21 +3,26 @@
 Every stage ships theta(s) every c iterations without waiting (``isend``), the driver
 adds the rollout batches, and on a fire the stages take sign(M) and hand it to the
 optimizer's pre-step correction hook. See ``anchor/transport.py`` for the schedule.
+
+The anchor is advisory: when it dies (its connection closes) or a fire's signs take longer
+than ``--anchor-timeout-minutes``, each stage drops the held sign, stops all anchor traffic,
+says so once, logs ``anchor/alive`` 0 and trains on without the correction.
 """
 
 from __future__ import annotations
 
 import os
-import time
-from typing import Dict, List, Optional
+import shutil
+from datetime import timedelta
+from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
 
 from megatron_cegrpo.anchor.signs import packed_nbytes, unpack_sign_list
 from megatron_cegrpo.anchor.transport import (
-    META_TAG, TAG_BATCH, TAG_PARAMS, TAG_SIGN_HDR, TAG_SIGNS, TAG_STATS,
-    flatten_params, is_fire_step, is_ship_step, isend_object, recv_object, send_object,
+    META_TAG, TAG_BATCH, TAG_PARAMS, TAG_SAVE, TAG_SAVE_DONE, TAG_SIGN_HDR, TAG_SIGNS, TAG_STATS,
+    flatten_params, is_fire_step, is_ship_step, isend_object, recv_object, recv_tensor, send_object,
 )
 
 __all__ = ["AnchorClient", "ANCHOR_BATCH_KEYS"]
@@ -37,16 +42,23 @@ class AnchorClient:
         is_driver: this rank also sends batches and receives the anchor's statistics.
         cfg: the TrainConfig (``cfg.anchor``).
         correction: the optimizer's SignCorrectionHook.
+        group: the anchor group (``DistContext.anchor_group``).
+        rank: this rank's global rank (for messages).
     """
 
     def __init__(self, model, layer_offset: int, tied_output: bool, anchor_rank: int, is_driver: bool,
-                 cfg, correction):
+                 cfg, correction, group=None, rank: int = 0):
         self.a = cfg.anchor
         self.params = [p for p in model.parameters()]
         self.shapes = [tuple(p.shape) for p in self.params]
         self.anchor = anchor_rank
         self.is_driver = is_driver
         self.correction = correction
+        self.group = group
+        self.rank = rank
+        self.alive = True
+        self.timeout = (timedelta(minutes=self.a.anchor_timeout_minutes) if self.a.anchor_timeout_minutes > 0
+                        else None)
         self._pending: List[list] = []
         self._sent_batch_at: Optional[int] = None
         self._awaiting: Optional[int] = None  # fire iteration whose signs are still to be received
@@ -54,36 +66,76 @@ class AnchorClient:
         self.bytes_in = 0  # to the anchor
         self.bytes_out = 0  # from the anchor
         self.stats: Dict = {}
-        meta = {"params": [(n, tuple(p.shape)) for n, p in model.named_parameters()],
-                "layer_offset": int(layer_offset), "tied_output": bool(tied_output)}
-        self.bytes_in += send_object(meta, anchor_rank, META_TAG)
+        self._meta = {"params": [(n, tuple(p.shape)) for n, p in model.named_parameters()],
+                      "layer_offset": int(layer_offset), "tied_output": bool(tied_output)}
         dump = os.environ.get("CEGRPO_ANCHOR_DUMP_DIR")
         if dump:
-            torch.save(meta, os.path.join(dump, f"stage_meta_{layer_offset:04d}.pt"))
+            torch.save(self._meta, os.path.join(dump, f"stage_meta_{layer_offset:04d}.pt"))
+
+    # ------------------------------------------------------------------ liveness
+    def _guard(self, what: str, fn: Callable[[], None]) -> bool:
+        """Run one exchange with the anchor; on a closed connection or a timeout, go on without it.
+
+        Returns True when ``fn`` ran to completion, False when the anchor is (now) gone.
+        """
+        if not self.alive:
+            return False
+        try:
+            fn()
+            return True
+        except RuntimeError as e:  # gloo/NCCL: "Connection closed by peer", timeouts
+            self._lose(f"{what}: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+            return False
+
+    def _lose(self, why: str) -> None:
+        self.alive = False
+        self._pending = []
+        self._awaiting = None
+        self.correction.set_signs(None)
+        print(f"[cegrpo] rank {self.rank}: lost the anchor rank {self.anchor} ({why}); training goes on "
+              f"without the sign correction (anchor/alive = 0)", flush=True)
+
+    def connect(self) -> None:
+        """Send this stage's parameter names/shapes and, after a resume, the fire whose signs it
+        still awaits (the anchor sends those again). Call once, after ``load_state_dict``."""
+        meta = dict(self._meta, awaiting=self._awaiting)
+        self._guard("hello", lambda: self._count_in(send_object(meta, self.anchor, META_TAG, self.group)))
+
+    def _count_in(self, n: int) -> None:
+        self.bytes_in += n
 
     def _wait_pending(self) -> None:
-        for keep in self._pending:
-            for w in keep[0]:
-                w.wait()
-        self._pending = []
+        def wait():
+            for keep in self._pending:
+                for w in keep[0]:
+                    w.wait()
+            self._pending = []
 
+        self._guard("waiting for sends", wait)
+
+    # ------------------------------------------------------------------ the schedule
     def after_rollout(self, t: int, batch: Dict[str, torch.Tensor]) -> None:
         """Call on every trainer rank once iteration t's batch exists, before any update."""
         c = self.a.anchor_interval
-        if is_ship_step(t, c):
+        if is_ship_step(t, c) and self.alive:
             self._wait_pending()  # the previous shipment must be out before its buffers go
-            flat = flatten_params(self.params)
-            self._pending.append([[dist.isend(flat, dst=self.anchor, tag=TAG_PARAMS)], flat])
-            self.bytes_in += flat.numel() * flat.element_size()
-            if self.is_driver:
-                self._send_batch(t, batch)
-        if is_fire_step(t, c):
+
+            def ship():
+                flat = flatten_params(self.params)
+                self._pending.append([[dist.isend(flat, dst=self.anchor, tag=TAG_PARAMS, group=self.group)], flat])
+                self.bytes_in += flat.numel() * flat.element_size()
+                if self.is_driver:
+                    self._send_batch(t, batch)
+
+            self._guard(f"shipping theta({t - 1})", ship)
+        if is_fire_step(t, c) and self.alive:
             if self.is_driver and self._sent_batch_at != t:
-                self._send_batch(t, batch)
-            self._awaiting = t
+                self._guard(f"sending batch {t}", lambda: self._send_batch(t, batch))
+            if self.alive:
+                self._awaiting = t
 
     def _send_batch(self, t: int, batch) -> None:
-        keep, n = isend_object({k: batch[k] for k in ANCHOR_BATCH_KEYS}, self.anchor, TAG_BATCH)
+        keep, n = isend_object({k: batch[k] for k in ANCHOR_BATCH_KEYS}, self.anchor, TAG_BATCH, self.group)
         self._pending.append(keep)
         self.bytes_in += n
         self._sent_batch_at = t
@@ -93,34 +145,59 @@ class AnchorClient:
         due = self._awaiting is not None and (
             self.a.anchor_apply == "fire-step" or t > self._awaiting)
         if due:
+            fire = self._awaiting
             with timers.phase("anchor_wait"):
-                self._receive_signs()
-            self._fresh_for = t
+                if self._guard(f"waiting for the signs of fire {fire}", self._receive_signs):
+                    self._fresh_for = t
             self._awaiting = None
         if self.a.sign_fold == "fire-only" and self._fresh_for != t:
             self.correction.set_signs(None)
 
     def _receive_signs(self) -> None:
         hdr = torch.zeros(1, dtype=torch.int64)
-        dist.recv(hdr, src=self.anchor, tag=TAG_SIGN_HDR)
+        recv_tensor(hdr, self.anchor, TAG_SIGN_HDR, self.group, self.timeout)
         self.bytes_out += 8
         if int(hdr.item()):
             numel = sum(int(torch.Size(s).numel()) for s in self.shapes)
             packed = torch.empty(packed_nbytes(numel), dtype=torch.uint8)
-            dist.recv(packed, src=self.anchor, tag=TAG_SIGNS)
+            recv_tensor(packed, self.anchor, TAG_SIGNS, self.group, self.timeout)
             self.bytes_out += packed.numel()
             self.correction.set_signs(unpack_sign_list(packed, self.shapes))
         if self.is_driver:
-            self.stats, n = recv_object(self.anchor, TAG_STATS)
+            self.stats, n = recv_object(self.anchor, TAG_STATS, self.group, self.timeout)
             self.bytes_out += n
 
     def finish(self, t_last: int, timers) -> None:
         """Drain: a fire whose sign was never applied is still received (the anchor sent it)."""
         if self._awaiting is not None:
             with timers.phase("anchor_wait"):
-                self._receive_signs()
+                self._guard("draining the last fire", self._receive_signs)
             self._awaiting = None
         self._wait_pending()
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_anchor_state(self, tmp_dir: str, anchor_subdir: str) -> bool:
+        """Driver only: have the anchor write its state into the checkpoint being saved.
+
+        Sends ``tmp_dir`` and waits for the anchor's answer. When the anchor is gone (or
+        fails to write), ``tmp_dir/anchor_subdir`` is removed so that the checkpoint holds
+        no partial anchor file; a resume then starts the anchor empty. Returns True when
+        the anchor's state is in the checkpoint.
+        """
+        reply = {}
+
+        def exchange():
+            self.bytes_in += send_object(tmp_dir, self.anchor, TAG_SAVE, self.group)
+            reply["v"], n = recv_object(self.anchor, TAG_SAVE_DONE, self.group)
+            self.bytes_out += n
+
+        ok = self._guard("saving its state", exchange) and reply.get("v") == "ok"
+        if not ok:
+            if self.alive:
+                print(f"[cegrpo] warning: the anchor could not save its state ({reply.get('v')}); "
+                      f"the checkpoint holds none", flush=True)
+            shutil.rmtree(os.path.join(tmp_dir, anchor_subdir), ignore_errors=True)
+        return ok
 
     def state_dict(self) -> Dict:
         """What a resumed run needs: the schedule position and the held sign."""
@@ -136,8 +213,9 @@ class AnchorClient:
         self.correction.set_signs([s.float() for s in signs] if signs is not None else None)
 
     def metrics(self, t: int) -> Dict:
-        out = {"anchor/fire": int(is_fire_step(t, self.a.anchor_interval)),
+        out = {"anchor/fire": int(is_fire_step(t, self.a.anchor_interval) and self.alive),
                "anchor/bytes_in": self.bytes_in, "anchor/bytes_out": self.bytes_out,
-               "anchor/sign_applied": int(self.correction.signs is not None)}
+               "anchor/sign_applied": int(self.correction.signs is not None),
+               "anchor/alive": int(self.alive)}
         self.bytes_in = self.bytes_out = 0
         return out

@@ -6,7 +6,11 @@ import time
 
 import torch
 
+from megatron_cegrpo import checkpointing as ck
+from megatron_cegrpo.anchor.transport import TAG_SAVE, TAG_SAVE_DONE, recv_object, send_object
 from megatron_cegrpo.anchor.worker import AnchorWorker
+from megatron_cegrpo.models import (build_stage, hf_to_megatron, load_hf_state_dict, load_stage_weights,
+                                    resolve_model, transformer_config_from_hf)
 
 __all__ = ["run_anchor"]
 
@@ -16,14 +20,12 @@ ANCHOR_BLOB = "anchor_state"
 def run_anchor(cfg, ctx) -> None:
     """Run the anchor circuit on this rank until the trainer's last iteration.
 
-    Joins the trainer's checkpoint collectives at the same iterations (its state, M, the
-    ring and the pending batches, goes to ``stage_<P>/anchor_state.pt``), and on ``--load``
-    restores that state.
+    On each checkpoint iteration the driver sends the checkpoint's temporary directory and
+    the anchor writes its state (M, the ring and the pending batches) to
+    ``anchor/anchor_state.pt`` there before the stages commit it (``anchor/transport.py``);
+    on ``--load`` it restores that state. When the trainer's connection closes (the run
+    ended or a stage died) it stops with one line instead of a traceback.
     """
-    from megatron_cegrpo import checkpointing as ck
-    from megatron_cegrpo.models import (build_stage, hf_to_megatron, load_hf_state_dict, load_stage_weights,
-                                        resolve_model, transformer_config_from_hf)
-
     t0 = time.perf_counter()
     hf_config, hf_sd = load_hf_state_dict(resolve_model(cfg.model.model))
     dtype = torch.bfloat16 if cfg.model.params_dtype == "bf16" else torch.float32
@@ -48,19 +50,30 @@ def run_anchor(cfg, ctx) -> None:
         elif "trainer_state.pt" in ck.stage_file_names(meta, 0):
             start = it  # saved without an anchor: the anchor starts empty at the trainer's iteration
             print(f"[cegrpo anchor] {ckpt_dir} has no anchor state; M and the ring start empty", flush=True)
-    worker = AnchorWorker(cfg, model, ref, stage_ranks=list(range(pp)), start_iteration=start)
-    if state is not None:
-        worker.load_state_dict(state)
+    try:
+        worker = AnchorWorker(cfg, model, ref, stage_ranks=list(range(pp)), start_iteration=start,
+                              group=ctx.anchor_group)
+        if state is not None:
+            worker.load_state_dict(state)
 
-    def on_iteration_end(t: int) -> None:
-        c = cfg.checkpoint
-        if c.save and ((c.save_interval and t % c.save_interval == 0) or t == cfg.optim.train_iters):
-            worker.wait_sends()
-            tmp = ck.begin_save(c.save, t)
-            ck.write_stage_blob(tmp, ck.ANCHOR, ANCHOR_BLOB, worker.state_dict())
-            # rank 0 (a trainer rank) writes meta.json and publishes; every rank joins the collective
-            ck.commit_save(c.save, tmp, t, {}, c.keep_last)
+        def on_iteration_end(t: int) -> None:
+            c = cfg.checkpoint
+            if not ck.is_save_iteration(t, c.save, c.save_interval, cfg.optim.train_iters):
+                return
+            tmp, _ = recv_object(0, TAG_SAVE, ctx.anchor_group)
+            try:
+                ck.write_stage_blob(tmp, ck.ANCHOR, ANCHOR_BLOB, worker.state_dict())
+                reply = "ok"
+            except (OSError, ck.CheckpointError) as e:
+                reply = f"{type(e).__name__}: {e}"
+            send_object(reply, 0, TAG_SAVE_DONE, ctx.anchor_group)
 
-    print(f"[cegrpo anchor] rank {ctx.rank}: dense replica ready in {time.perf_counter() - t0:.1f} s, "
-          f"interval c={cfg.anchor.anchor_interval}, delay K={cfg.anchor.anchor_delay}", flush=True)
-    worker.run(on_iteration_end)
+        print(f"[cegrpo anchor] rank {ctx.rank}: dense replica ready in {time.perf_counter() - t0:.1f} s, "
+              f"interval c={cfg.anchor.anchor_interval}, delay K={cfg.anchor.anchor_delay}", flush=True)
+        worker.run(on_iteration_end)
+    except RuntimeError as e:
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        if "closed" not in first.lower():
+            raise
+        print(f"[cegrpo anchor] rank {ctx.rank}: the trainer's connection closed ({first[:160]}); stopping",
+              flush=True)

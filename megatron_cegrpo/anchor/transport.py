@@ -9,7 +9,19 @@ needed: for iteration t,
 - fire (t is a multiple of c): the driver sends batch(t) unless it went out at ship time;
   the anchor answers each stage with a header (``TAG_SIGN_HDR``: 1 = signs follow) and
   sign(M) packed 8 parameters a byte (``TAG_SIGNS``), and the driver with its statistics
-  (``TAG_STATS``).
+  (``TAG_STATS``);
+- save (a checkpoint iteration): the driver sends the checkpoint's temporary directory
+  (``TAG_SAVE``), the anchor writes its state there and answers ``"ok"`` or an error
+  (``TAG_SAVE_DONE``); the stages' checkpoint collectives never include the anchor, so a
+  dead anchor cannot block a save.
+
+Once, at start-up, every stage sends its parameter names and shapes and, on a resume, the
+fire whose signs it still awaits (``META_TAG``): the anchor sends those signs again.
+
+Every message goes over the anchor group (``DistContext.anchor_group``), whose timeout is
+the peers' lifetime (``initialize.PEER_LIFETIME_TIMEOUT``): the anchor waits c iterations
+for the next shipment and the stages wait for a fire as long as the other side lives; a
+peer that dies closes its connection, and the waiting side gets a ``RuntimeError`` at once.
 
 Python objects travel as ``torch.save`` bytes behind an int64 length; the meter counts
 every byte of every message, both ways.
@@ -18,6 +30,7 @@ every byte of every message, both ways.
 from __future__ import annotations
 
 import io
+from datetime import timedelta
 from typing import Any, List, Optional, Tuple
 
 import torch
@@ -25,11 +38,12 @@ import torch.distributed as dist
 
 from megatron_cegrpo.pipeline.weight_sync import flatten_params, unflatten  # noqa: F401  (re-exported)
 
-__all__ = ["TAG_PARAMS", "TAG_BATCH", "TAG_SIGN_HDR", "TAG_SIGNS", "TAG_STATS", "META_TAG",
-           "is_ship_step", "is_fire_step", "send_object", "recv_object", "isend_object",
+__all__ = ["TAG_PARAMS", "TAG_BATCH", "TAG_SIGN_HDR", "TAG_SIGNS", "TAG_STATS", "META_TAG", "TAG_SAVE",
+           "TAG_SAVE_DONE", "is_ship_step", "is_fire_step", "send_object", "recv_object", "recv_tensor", "isend_object",
            "flatten_params", "unflatten"]
 
 TAG_PARAMS, TAG_BATCH, TAG_SIGN_HDR, TAG_SIGNS, TAG_STATS, META_TAG = 11, 12, 13, 14, 15, 16
+TAG_SAVE, TAG_SAVE_DONE = 17, 18
 
 
 def is_ship_step(t: int, c: int) -> bool:
@@ -48,25 +62,45 @@ def _to_bytes(obj: Any) -> torch.Tensor:
     return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
 
 
-def isend_object(obj: Any, dst: int, tag: int) -> Tuple[list, int]:
-    """Non-blocking send; returns (works and buffers to keep alive, bytes sent)."""
+def isend_object(obj: Any, dst: int, tag: int, group=None) -> Tuple[list, int]:
+    """Non-blocking send of a picklable-by-torch.save object to global rank ``dst``.
+
+    Returns (works and buffers to keep alive until the works are waited, bytes sent).
+    Raises RuntimeError (from the backend) when the peer's connection is gone.
+    """
     data = _to_bytes(obj)
     n = torch.tensor([data.numel()], dtype=torch.int64)
-    works = [dist.isend(n, dst=dst, tag=tag), dist.isend(data, dst=dst, tag=tag)]
+    works = [dist.isend(n, dst=dst, tag=tag, group=group), dist.isend(data, dst=dst, tag=tag, group=group)]
     return [works, n, data], n.numel() * 8 + data.numel()
 
 
-def send_object(obj: Any, dst: int, tag: int) -> int:
-    keep, nbytes = isend_object(obj, dst, tag)
+def send_object(obj: Any, dst: int, tag: int, group=None) -> int:
+    """Blocking :func:`isend_object`; returns the bytes sent."""
+    keep, nbytes = isend_object(obj, dst, tag, group)
     for w in keep[0]:
         w.wait()
     return nbytes
 
 
-def recv_object(src: int, tag: int) -> Tuple[Any, int]:
+def recv_object(src: int, tag: int, group=None, timeout: Optional[timedelta] = None) -> Tuple[Any, int]:
+    """Receive one object sent by :func:`isend_object` from global rank ``src``.
+
+    ``timeout`` bounds the wait (None: the group's timeout); a gloo timeout closes the
+    connection, so the caller must treat it like a dead peer. Returns (object, bytes).
+    Raises RuntimeError when the peer's connection is gone or the timeout expires.
+    """
     n = torch.zeros(1, dtype=torch.int64)
-    dist.recv(n, src=src, tag=tag)
+    recv_tensor(n, src, tag, group, timeout)
     data = torch.empty(int(n.item()), dtype=torch.uint8)
-    dist.recv(data, src=src, tag=tag)
+    recv_tensor(data, src, tag, group, timeout)
     obj = torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=True)
     return obj, 8 + data.numel()
+
+
+def recv_tensor(buf: torch.Tensor, src: int, tag: int, group=None, timeout: Optional[timedelta] = None) -> None:
+    """Blocking receive into ``buf`` from global rank ``src``, optionally bounded by ``timeout``."""
+    work = dist.irecv(buf, src=src, tag=tag, group=group)
+    if timeout is None:
+        work.wait()
+    else:
+        work.wait(timeout)

@@ -4,8 +4,8 @@ Status 2026-07-31 section 1.3 and appendix A; DESIGN.md section 4; the 2026-07-0
 sections 3 and 10. The anchor holds the whole model densely (megatron-core GPTModel with
 PP=1, parameter names equal to the stages' up to the layer offset), a frozen reference,
 M in fp32 for every parameter and a ring of stale checkpoints. It takes no optimizer
-step, generates no rollouts and computes no rewards (the counters in its statistics
-say so); its only output is sign(M), one bit per parameter.
+step, generates no rollouts and computes no rewards (it holds no optimizer, sampler or
+verifier); its only output is sign(M), one bit per parameter.
 """
 
 from __future__ import annotations
@@ -23,12 +23,12 @@ from megatron_cegrpo.anchor.ring import CheckpointRing
 from megatron_cegrpo.anchor.signs import pack_sign_list
 from megatron_cegrpo.anchor.transport import (
     META_TAG, TAG_BATCH, TAG_PARAMS, TAG_SIGN_HDR, TAG_SIGNS, TAG_STATS,
-    is_fire_step, is_ship_step, isend_object, recv_object, unflatten,
+    is_fire_step, is_ship_step, isend_object, recv_object, recv_tensor, unflatten,
 )
 from megatron_cegrpo.grpo import core_algos as ca
 from megatron_cegrpo.grpo.batch import microbatches
 
-__all__ = ["AnchorWorker", "global_param_name"]
+__all__ = ["AnchorWorker", "global_param_name", "ring_capacity"]
 
 _LAYER = re.compile(r"decoder\.layers\.(\d+)\.")
 
@@ -49,28 +49,31 @@ class AnchorWorker:
         model, ref_model: PP=1 GPTModels (policy replica, frozen reference).
         stage_ranks: global ranks of the pipeline stages, stage order.
         start_iteration: the iteration the trainer resumes from (0 for a new run).
+        group: the anchor group (``DistContext.anchor_group``).
     """
 
-    def __init__(self, cfg, model, ref_model, stage_ranks: List[int], start_iteration: int = 0):
+    def __init__(self, cfg, model, ref_model, stage_ranks: List[int], start_iteration: int = 0, group=None):
         self.cfg, self.a = cfg, cfg.anchor
         self.model, self.ref_model = model, ref_model
         self.stage_ranks = stage_ranks
         self.start = start_iteration
+        self.group = group
         self.params = dict(model.named_parameters())
-        self.ring = CheckpointRing(capacity=max(4, self.a.anchor_forecast_points + 1), delay=self.a.anchor_delay)
+        self.ring = CheckpointRing(capacity=ring_capacity(self.a), delay=self.a.anchor_delay)
         self.memory = AnchorMemory([(n, p.shape) for n, p in self.params.items()], decay=self.a.anchor_ema_decay)
         opts = {"n_points": self.a.anchor_forecast_points} if self.a.anchor_forecast == "lsq" else {}
         name = "matching" if self.a.anchor_replay == "matching" else self.a.anchor_forecast
         self.forecast = get_forecast(name, **opts)
         self.batches: Dict[int, dict] = {}  # iteration -> replayable batch
         self.bytes_in = self.bytes_out = 0
-        self.counters = {"anchor/num_optimizer_steps": 0, "anchor/num_rollouts": 0, "anchor/num_rewards": 0}
+        self.num_replayed_sequences = 0  # sequences through the dense forward + backward, this run
+        self.last_stats: Optional[dict] = None  # the newest fire's statistics (sent again after a resume)
         self.dump_dir = os.environ.get("CEGRPO_ANCHOR_DUMP_DIR")
         self._pending: List[list] = []  # isends in flight (the trainer may take its sign later)
         # names/shapes of every stage, in each stage's parameter order (sent once by the stages)
         self.stage_meta = []
         for r in stage_ranks:
-            meta, n = recv_object(r, META_TAG)
+            meta, n = recv_object(r, META_TAG, group)
             self.bytes_in += n
             self.stage_meta.append(meta)
 
@@ -79,6 +82,11 @@ class AnchorWorker:
         """Follow the trainer's schedule to the last iteration; ``on_iteration_end(t)`` runs
         after each iteration's messages (the runner saves checkpoints there)."""
         c = self.a.anchor_interval
+        # a checkpoint saved between a fire and the step that takes its signs (--anchor-apply
+        # next-step): the resumed stages wait for those signs, which M (restored) still gives
+        awaiting = [i for i, meta in enumerate(self.stage_meta) if meta.get("awaiting") is not None]
+        if awaiting:
+            self._send_signs(self.last_stats or {"anchor/fire": 1}, awaiting)
         for t in range(self.start + 1, self.cfg.optim.train_iters + 1):
             if is_ship_step(t, c):
                 self._receive_checkpoint(t - 1)
@@ -104,7 +112,7 @@ class AnchorWorker:
         for r, meta in zip(self.stage_ranks, self.stage_meta):
             numel = sum(int(torch.Size(shape).numel()) for _, shape in meta["params"])
             flat = torch.empty(numel, dtype=torch.float32)
-            torch.distributed.recv(flat, src=r, tag=TAG_PARAMS)
+            recv_tensor(flat, r, TAG_PARAMS, self.group)
             self.bytes_in += flat.numel() * flat.element_size()
             for (name, shape), tensor in zip(meta["params"], unflatten(flat, [s for _, s in meta["params"]])):
                 g = global_param_name(name, meta["layer_offset"], meta["tied_output"])
@@ -114,7 +122,7 @@ class AnchorWorker:
         self.ring.put(s, theta)
 
     def _receive_batch(self, t: int) -> None:
-        batch, n = recv_object(self.stage_ranks[0], TAG_BATCH)
+        batch, n = recv_object(self.stage_ranks[0], TAG_BATCH, self.group)
         self.bytes_in += n
         self.batches[t] = batch
 
@@ -138,26 +146,35 @@ class AnchorWorker:
                             "signs": self.memory.signs(), "branch": res.branch},
                            os.path.join(self.dump_dir, f"anchor_fire_{t:05d}.pt"))
         has = self.memory.is_set
-        self.wait_sends()
-        for r, meta in zip(self.stage_ranks, self.stage_meta):
-            hdr = torch.tensor([1 if has else 0], dtype=torch.int64)
-            self._pending.append([[torch.distributed.isend(hdr, dst=r, tag=TAG_SIGN_HDR)], hdr])
-            self.bytes_out += 8
-            if has:
-                names = [global_param_name(n, meta["layer_offset"], meta["tied_output"]) for n, _ in meta["params"]]
-                packed, _ = self.memory.packed_signs(names)
-                self._pending.append([[torch.distributed.isend(packed, dst=r, tag=TAG_SIGNS)], packed])
-                self.bytes_out += packed.numel()
         stats.update({
             "anchor/m_norm": self.memory.norm() if has else 0.0,
             "anchor/no_peek_violations": self.ring.num_no_peek_violations,
             "timing_s/anchor_compute": time.perf_counter() - t0,
             "anchor/received_bytes_total": self.bytes_in,
-            **self.counters,
+            "anchor/num_replayed_sequences": self.num_replayed_sequences,
         })
-        keep, n = isend_object(stats, self.stage_ranks[0], TAG_STATS)
-        self._pending.append(keep)
-        self.bytes_out += n
+        self.last_stats = stats
+        self._send_signs(stats, range(len(self.stage_ranks)))
+
+    def _send_signs(self, stats: dict, stages) -> None:
+        """sign(M) to each stage in ``stages`` (header 0 when M is unset), ``stats`` to the driver."""
+        has = self.memory.is_set
+        self.wait_sends()
+        for i in stages:
+            r, meta = self.stage_ranks[i], self.stage_meta[i]
+            hdr = torch.tensor([1 if has else 0], dtype=torch.int64)
+            self._pending.append([[torch.distributed.isend(hdr, dst=r, tag=TAG_SIGN_HDR, group=self.group)], hdr])
+            self.bytes_out += 8
+            if has:
+                names = [global_param_name(n, meta["layer_offset"], meta["tied_output"]) for n, _ in meta["params"]]
+                packed, _ = self.memory.packed_signs(names)
+                self._pending.append([[torch.distributed.isend(packed, dst=r, tag=TAG_SIGNS, group=self.group)],
+                                      packed])
+                self.bytes_out += packed.numel()
+            if i == 0:
+                keep, n = isend_object(stats, r, TAG_STATS, self.group)
+                self._pending.append(keep)
+                self.bytes_out += n
 
     def _dense_gradient(self, weights: Dict[str, torch.Tensor], batch: dict) -> Dict[str, torch.Tensor]:
         """G_anc: one dense forward + backward of the GRPO objective at ``weights``.
@@ -188,16 +205,33 @@ class AnchorWorker:
             loss = ca.agg_loss(loss_mat, mb["loss_mask"], g.loss_agg_mode, global_num_tokens=num_tokens,
                                global_num_seqs=float(batch["tokens"].shape[0]))
             loss.backward()
+        self.num_replayed_sequences += int(batch["tokens"].shape[0])
         return {n: (p.grad.detach().float().clone() if p.grad is not None else torch.zeros_like(p, dtype=torch.float32))
                 for n, p in self.params.items()}
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:
         return {"ring": self.ring.state_dict(), "memory": self.memory.state_dict(),
-                "batches": self.batches, "bytes_in": self.bytes_in, "bytes_out": self.bytes_out}
+                "batches": self.batches, "bytes_in": self.bytes_in, "bytes_out": self.bytes_out,
+                "last_stats": self.last_stats, "num_replayed_sequences": self.num_replayed_sequences}
 
     def load_state_dict(self, state: dict) -> None:
         self.ring.load_state_dict(state["ring"])
         self.memory.load_state_dict(state["memory"])
         self.batches = dict(state["batches"])
         self.bytes_in, self.bytes_out = state["bytes_in"], state["bytes_out"]
+        self.last_stats = state.get("last_stats")  # absent in checkpoints written before it existed
+        self.num_replayed_sequences = state.get("num_replayed_sequences", 0)
+
+
+def ring_capacity(a) -> int:
+    """Checkpoints the anchor keeps: enough for the forecast's points when only those written at
+    or before t - K are readable (``n_points + K / c``), and never fewer than the 4 (or
+    lsq points + 1) of earlier versions, so that their checkpoints still load.
+
+    Args:
+        a: the AnchorConfig (``anchor_interval`` c, ``anchor_delay`` K, a positive multiple of c).
+    """
+    points = {"matching": 1, "secant": 2, "lsq": a.anchor_forecast_points}
+    n = 1 if a.anchor_replay == "matching" else points[a.anchor_forecast]
+    return max(4, a.anchor_forecast_points + 1, n + a.anchor_delay // a.anchor_interval)

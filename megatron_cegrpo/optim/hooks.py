@@ -9,6 +9,7 @@ every pipeline stage). Hooks run in registration order.
 
 from __future__ import annotations
 
+import math
 from typing import Dict, List, Optional
 
 import torch
@@ -83,6 +84,13 @@ class GradClipHook:
         group: the process group spanning the pipeline stages (None: local only).
     Attributes:
         last_grad_norm: the pre-clip global norm of the last step (``actor/grad_norm``).
+        num_skipped: steps skipped because the global norm was NaN or inf (``actor/skipped_steps``).
+
+    A non-finite global norm (a NaN or inf anywhere in any stage's gradient; the all-reduce
+    makes every stage see the same value) skips the step: every gradient is set to None, so
+    the optimizer leaves the weights and its moments untouched (torch's and DeepSpeed's Adam
+    skip parameters without a gradient), as Megatron skips an iteration whose gradients
+    overflowed. ``max_norm > norm`` is False for NaN, so without this a NaN would reach the weights.
     """
 
     def __init__(self, params, norm_params, max_norm: float, group=None):
@@ -91,6 +99,7 @@ class GradClipHook:
         self.max_norm = float(max_norm)
         self.group = group
         self.last_grad_norm: float = float("nan")
+        self.num_skipped = 0
 
     @torch.no_grad()
     def __call__(self, optimizer, args, kwargs) -> None:
@@ -102,6 +111,11 @@ class GradClipHook:
             dist.all_reduce(sq, group=self.group)
         norm = float(sq.sqrt())
         self.last_grad_norm = norm
+        if not math.isfinite(norm):
+            for p in self.params:
+                p.grad = None
+            self.num_skipped += 1
+            return None
         if self.max_norm > 0 and norm > self.max_norm:
             coef = self.max_norm / (norm + 1e-6)
             for p in self.params:

@@ -6,7 +6,7 @@ c = K = 2 over 6 iterations: fires at 2 (fallback: only theta(0) is old enough),
   at the same forecast weights and batch;
 - on every fire step each stage's optimizer consumed G = 0.25 G_comp + 0.75 |G_comp| sign(M)
   with exactly the anchor's sign(M) for that stage's parameters;
-- no-peek violations 0, staleness K, isolation counters 0, bytes per fire = 1 bit a parameter.
+- no-peek violations 0, staleness K, the replayed-sequence count, bytes per fire = 1 bit a parameter.
 """
 
 import glob
@@ -54,7 +54,9 @@ def test_anchor_gradient_signs_and_correction(tmp_path):
     for m in fires:
         assert m["anchor/staleness"] == 2  # = K
         assert m["anchor/no_peek_violations"] == 0
-        assert m["anchor/num_optimizer_steps"] == m["anchor/num_rollouts"] == m["anchor/num_rewards"] == 0
+        # the anchor replays each fire's batch once: 2 prompts x 4 responses per fire so far
+        assert m["anchor/num_replayed_sequences"] == 8 * (m["step"] // 2)
+        assert m["anchor/alive"] == 1
         assert 0.0 < m["anchor/sign_agreement"] < 1.0 and m["anchor/m_norm"] > 0
         assert m["timing_s/anchor_wait"] >= 0
     # every step after the first sign folds the held sign (--sign-fold every-step)

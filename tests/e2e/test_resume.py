@@ -3,7 +3,10 @@
 Through the deepspeed launcher, PP=2, mask codec, tiny random model, a custom reward
 with mixed scores (so gradients and Adam moments are non-trivial); once without the
 anchor and once with it (c = K = 2: the checkpoint at 3 sits between the fires at 2 and 4,
-so M, the checkpoint ring, the stored batches and the held sign must all survive).
+so M, the checkpoint ring, the stored batches and the held sign must all survive); and once
+with ``--anchor-apply next-step`` and checkpoints at the fires (2, 4, 6): the checkpoint at 4
+is written while the stages still await fire 4's signs, which once deadlocked the save and
+must reach the resumed stages at step 5.
 """
 
 import json
@@ -51,36 +54,40 @@ def _weights(ckpt):
     return [load_file(os.path.join(ckpt, f"stage_{r:02d}", "model.safetensors")) for r in range(2)]
 
 
-@pytest.mark.parametrize("anchors", [0, 1], ids=["fast-circuit", "with-anchor"])
-def test_sigkill_and_resume_is_bit_identical(tmp_path, anchors):
+NEXT_STEP = ["--anchor-apply", "next-step", "--save-interval", "2"]
+
+
+@pytest.mark.parametrize("anchors,extra,kill_at", [(0, [], 3), (1, [], 3), (1, NEXT_STEP, 4)],
+                         ids=["fast-circuit", "with-anchor", "next-step-save-on-fire"])
+def test_sigkill_and_resume_is_bit_identical(tmp_path, anchors, extra, kill_at):
     (tmp_path / "reward.py").write_text(REWARD)
     straight = tmp_path / "straight"
     p = subprocess.run(_cmd(tmp_path, anchors, "--train-iters", "6", "--save", str(straight / "ckpt"),
-                            "--log-dir", str(straight)),
+                            "--log-dir", str(straight), *extra),
                        cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                        timeout=600)
     assert p.returncode == 0, p.stdout[-6000:]
 
-    # same run, killed with SIGKILL right after its iteration-3 checkpoint is committed
+    # same run, killed with SIGKILL right after its iteration-`kill_at` checkpoint is committed
     killed = tmp_path / "killed"
     proc = subprocess.Popen(_cmd(tmp_path, anchors, "--train-iters", "1000", "--save", str(killed / "ckpt"),
-                                 "--log-dir", str(killed)),
+                                 "--log-dir", str(killed), *extra),
                             cwd=REPO, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
     latest = killed / "ckpt" / "latest"
     deadline = time.time() + 600
     try:
-        while not (latest.exists() and latest.read_text().strip() == "iter_0000003"):
+        while not (latest.exists() and latest.read_text().strip() == f"iter_{kill_at:07d}"):
             assert proc.poll() is None, "training exited before its first checkpoint"
             assert time.time() < deadline, "no checkpoint within 10 minutes"
             time.sleep(0.02)
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
-    assert latest.read_text().strip() == "iter_0000003"
+    assert latest.read_text().strip() == f"iter_{kill_at:07d}"
 
     p = subprocess.run(_cmd(tmp_path, anchors, "--train-iters", "6", "--load", str(killed / "ckpt"),
-                            "--save", str(killed / "ckpt"), "--log-dir", str(killed)),
+                            "--save", str(killed / "ckpt"), "--log-dir", str(killed), *extra),
                        cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                        timeout=600)
     assert p.returncode == 0, p.stdout[-6000:]
@@ -88,21 +95,32 @@ def test_sigkill_and_resume_is_bit_identical(tmp_path, anchors):
 
     a, b = _metrics(straight / "metrics.jsonl"), _metrics(killed / "metrics.jsonl")
     assert sorted(b) == [1, 2, 3, 4, 5, 6]  # lines written after the checkpoint were dropped
+    resumed = list(range(kill_at + 1, 7))
     if anchors:
         # the resumed stages describe their parameters to the anchor again (a few kB, once)
-        assert b[4].pop("anchor/bytes_in") > a[4].pop("anchor/bytes_in")
-    for step in (4, 5, 6):
+        first = resumed[0]
+        assert b[first].pop("anchor/bytes_in") > a[first].pop("anchor/bytes_in")
+        if extra == NEXT_STEP:
+            # fire 4's signs, sent again by the resumed anchor: the same bytes, less the anchor's
+            # answer to the straight run's save at 4 (counted in step 5 there)
+            out_a, out_b = a[first].pop("anchor/bytes_out"), b[first].pop("anchor/bytes_out")
+            assert 0 < out_a - out_b < 2048 and out_b > 100_000, (out_a, out_b)
+    for step in resumed:
         assert a[step] == b[step], (step, {k: (a[step][k], b[step].get(k)) for k in a[step]
                                            if a[step][k] != b[step].get(k)})
     assert a[6]["actor/grad_norm"] > 0
-    if anchors:
+    if anchors and not extra:
         assert [a[t]["anchor/fire"] for t in (4, 5, 6)] == [1, 0, 1]
         assert a[4]["anchor/branch"] == "forecast" and a[4]["anchor/correction_applied"] == 1
+    if extra == NEXT_STEP:
+        # fire 4's sign (received and folded at step 5) is in the resumed trajectory
+        assert a[5]["anchor/correction_applied"] == b[5]["anchor/correction_applied"] == 1
+        assert b[5]["anchor/branch"] == "forecast"
     wa, wb = _weights(straight / "ckpt" / "iter_0000006"), _weights(killed / "ckpt" / "iter_0000006")
     for sa, sb in zip(wa, wb):
         assert sa.keys() == sb.keys()
         for k in sa:
             assert torch.equal(sa[k], sb[k]), k
     # and training really moved the weights between the two checkpoints
-    w3 = _weights(straight / "ckpt" / "iter_0000003")
+    w3 = _weights(straight / "ckpt" / f"iter_{kill_at:07d}")
     assert any(not torch.equal(w3[0][k], wa[0][k]) for k in wa[0])

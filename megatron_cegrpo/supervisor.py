@@ -1,0 +1,114 @@
+"""A rank's supervisor: run the rank's work in a child process and report how it ended.
+
+DeepSpeed's launcher (and torchrun) stop every rank as soon as one exits non-zero, and name
+only a command line. The anchor circuit is advisory (DESIGN.md section 4), so an anchor that
+dies (SIGKILL, out of memory, a bug) must not take the pipeline stages with it; and when a
+stage dies, the user needs to know which rank, why, and where the last checkpoint is.
+
+So under a launcher (``WORLD_SIZE`` > 1) each launched process re-runs its own command line
+in a child (``CEGRPO_SUPERVISED=1``; the child dies with its supervisor) and waits for it:
+
+- the child exits 0: exit 0;
+- the anchor rank's child dies in any way: one line saying so, exit 0 (the stages notice
+  the closed connection, log ``anchor/alive`` 0 and train on without the correction);
+- a stage's child is killed by a signal or fails: one line naming the rank, the stage, the
+  signal or status and the newest complete checkpoint, then the same non-zero status (a
+  signal N as 128 + N), so the launcher stops the run; status 2 (a configuration error,
+  already reported) is passed on silently.
+
+SIGTERM and SIGINT sent to the supervisor are passed to the child. Set
+``CEGRPO_NO_SUPERVISOR=1`` to run ranks unsupervised.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+from typing import List, Mapping, Optional
+
+__all__ = ["should_supervise", "supervise", "rank_role"]
+
+ENV_SUPERVISED = "CEGRPO_SUPERVISED"
+ENV_DISABLE = "CEGRPO_NO_SUPERVISOR"
+
+
+def should_supervise(env: Mapping[str, str] = os.environ) -> bool:
+    """True for a launched rank of a multi-rank run that is not already the supervised child."""
+    return (env.get(ENV_SUPERVISED) != "1" and env.get(ENV_DISABLE) != "1"
+            and int(env.get("WORLD_SIZE", "1")) > 1 and "RANK" in env)
+
+
+def rank_role(argv: List[str], rank: int, world_size: int) -> str:
+    """``"anchor"`` for the anchor ranks (the last ``--anchor-ranks`` of the world, DESIGN.md
+    section 1), else ``"pipeline stage <rank>"``."""
+    from megatron_cegrpo.arguments import AnchorConfig
+
+    ap = argparse.ArgumentParser(add_help=False)
+    ap.add_argument("--anchor-ranks", type=int, default=AnchorConfig.anchor_ranks)
+    args, _ = ap.parse_known_args(argv)
+    return "anchor" if args.anchor_ranks > 0 and rank >= world_size - args.anchor_ranks else f"pipeline stage {rank}"
+
+
+def _latest_checkpoint(argv: List[str]) -> Optional[str]:
+    ap = argparse.ArgumentParser(add_help=False)
+    ap.add_argument("--save", default=None)
+    args, _ = ap.parse_known_args(argv)
+    if not args.save:
+        return None
+    try:
+        with open(os.path.join(args.save, "latest")) as f:
+            return os.path.join(args.save, f.read().strip())
+    except OSError:
+        return None
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
+    """Linux: the child gets SIGKILL when its supervisor dies (prctl PR_SET_PDEATHSIG)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)
+    except OSError:
+        pass
+
+
+def _describe(rc: int) -> str:
+    if rc < 0:
+        try:
+            return f"was killed by {signal.Signals(-rc).name}"
+        except ValueError:
+            return f"was killed by signal {-rc}"
+    return f"exited with status {rc}"
+
+
+def supervise(env: Mapping[str, str] = os.environ) -> int:
+    """Run this process's own command line (``sys.orig_argv``) as a supervised child; return
+    the exit status this rank should report (see the module docstring)."""
+    argv = list(sys.argv[1:])
+    rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
+    role = rank_role(argv, rank, world)
+    child = subprocess.Popen(list(sys.orig_argv), env=dict(env, **{ENV_SUPERVISED: "1"}),
+                             preexec_fn=_die_with_parent)
+
+    def forward(signum, _frame):
+        if child.poll() is None:
+            child.send_signal(signum)
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    rc = child.wait()
+    if rc == 0:
+        return 0
+    what = f"[cegrpo] rank {rank} ({role}, pid {child.pid}) {_describe(rc)}"
+    if role == "anchor":
+        print(f"{what}; the pipeline stages go on without the sign correction (anchor/alive = 0)", flush=True)
+        return 0
+    if rc == 2:
+        return 2  # a configuration error, reported by the rank itself
+    ckpt = _latest_checkpoint(argv)
+    hint = (f"; the newest complete checkpoint is {ckpt}: rerun the same command with --load to resume"
+            if ckpt else "; no checkpoint was written (pass --save DIR --save-interval N to be able to resume)")
+    print(f"{what}; the run stops{hint}", flush=True)
+    return 128 - rc if rc < 0 else rc
