@@ -1,5 +1,8 @@
 """Optimizer pre-step hooks: the correction formula and global-norm clipping."""
 
+import math
+
+import pytest
 import torch
 
 from megatron_cegrpo.optim.hooks import GradClipHook, SignCorrectionHook
@@ -41,3 +44,36 @@ def test_clip_hook_global_norm():
     assert abs(hook.last_grad_norm - norm) < 1e-9
     new = torch.sqrt(sum(p.grad.double().square().sum() for p in ps)).item()
     assert abs(new - norm / 2) < 1e-5
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("optimizer", ["torch-adamw", "deepspeed-cpu-adam"])
+def test_non_finite_gradient_skips_the_step(bad, optimizer):
+    """A NaN/inf anywhere in the gradient: weights and Adam moments untouched, the skip counted;
+    the next finite step updates as usual."""
+    ps = _params()
+    if optimizer == "torch-adamw":
+        opt = torch.optim.AdamW(ps, lr=0.1, weight_decay=0.1)
+    else:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        opt = DeepSpeedCPUAdam(ps, lr=0.1, weight_decay=0.1, adamw_mode=True)
+    hook = GradClipHook(ps, ps, max_norm=1.0)
+    opt.register_step_pre_hook(hook)
+    opt.step()  # a finite step first, so Adam has moments to protect
+    weights = [p.detach().clone() for p in ps]
+    moments = [{k: v.clone() for k, v in opt.state[p].items() if torch.is_tensor(v)} for p in ps]
+    for p in ps:
+        p.grad = torch.randn_like(p)
+    ps[1].grad[3] = bad
+    opt.step()
+    assert hook.num_skipped == 1 and not math.isfinite(hook.last_grad_norm)
+    for p, w, mom in zip(ps, weights, moments):
+        assert torch.equal(p.detach(), w)
+        for k, v in mom.items():
+            assert torch.equal(opt.state[p][k], v), k
+    for p in ps:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    assert hook.num_skipped == 1 and math.isfinite(hook.last_grad_norm)
+    assert all(not torch.equal(p.detach(), w) for p, w in zip(ps, weights))
