@@ -1,0 +1,122 @@
+"""Behaviour-preservation runs for refactors (issue "one room per concern").
+
+Two recorded runs whose ``metrics.jsonl`` (timings and wall-clock keys aside) must not change
+when the code is restructured:
+
+- ``tiny``: tiny-llama, PP=2, mask codec, anchor c = K = 2, 5 iterations, checkpoint at 3,
+  killed there and resumed to 5 (the log then holds iterations 1-5 of the resumed run);
+- ``smollm2``: SmolLM2-135M-Instruct, PP=2, mask codec, anchor c = K = 2, 2 iterations
+  (about 5 minutes on 2 cores; a script, not part of ``make test``).
+
+Usage::
+
+    python tests/equivalence/equivalence_runs.py record tiny      # writes tests/equivalence/reference/tiny.jsonl
+    python tests/equivalence/equivalence_runs.py compare smollm2  # exits 1 and lists the differences
+
+The numbers are bit-exact on one machine and software stack (torch 2.13.0 CPU wheel); another
+CPU may round differently, in which case re-record the reference on it from the commit
+before the refactor.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, os.path.dirname(HERE))  # tests/: distributed_util
+
+from distributed_util import PARITY_REWARD, free_port, launcher  # noqa: E402
+
+COMMON = ["--pipeline-model-parallel-size", "2", "--micro-batch-size", "4", "--rollout-batch-size", "2",
+          "--num-generations", "4", "--lr", "1e-4", "--temperature", "1.0", "--kl-coef", "0.01",
+          "--boundary-codec", "mask", "--anchor-ranks", "1", "--anchor-interval", "2", "--anchor-delay", "2",
+          "--deepspeed_config", "ds_configs/cpu_adamw.json", "--no-tqdm", "--num-threads", "1",
+          "--train-data", "mawps/singleop"]
+RUNS = {
+    "tiny": {"args": ["--model", "tiny-llama", "--max-new-tokens", "12", "--save-interval", "3"],
+             "iters": 5, "resume_at": 3},
+    "smollm2": {"args": ["--model", "smollm2-135m-instruct", "--max-new-tokens", "24"], "iters": 2,
+                "resume_at": None},
+}
+#: keys that measure time, not behaviour
+VOLATILE_PREFIXES = ("timing_s/",)
+
+
+def _launch(work: str, args, *extra) -> subprocess.CompletedProcess:
+    cmd = [launcher("deepspeed"), "--num_gpus", "3", "--master_port", str(free_port()), "megatron_cegrpo/train.py",
+           *COMMON, *args, "--custom-reward-function", f"{work}/reward.py:parity_reward", *extra]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    return subprocess.run(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          timeout=1800)
+
+
+def run(name: str, work: str) -> list:
+    """Run ``name`` in the scratch directory ``work``; return its metrics records (volatile keys dropped)."""
+    spec = RUNS[name]
+    with open(os.path.join(work, "reward.py"), "w") as f:
+        f.write(PARITY_REWARD)
+    log, save = os.path.join(work, "run"), os.path.join(work, "ckpt")
+    if spec["resume_at"]:
+        first = _launch(work, spec["args"], "--train-iters", str(spec["resume_at"]), "--save", save,
+                        "--log-dir", log)
+        if first.returncode:
+            raise RuntimeError(first.stdout[-4000:])
+    p = _launch(work, spec["args"], "--train-iters", str(spec["iters"]), "--save", save, "--load", save,
+                "--log-dir", log)
+    if p.returncode:
+        raise RuntimeError(p.stdout[-4000:])
+    with open(os.path.join(log, "metrics.jsonl")) as f:
+        recs = [json.loads(x) for x in f if x.strip()]
+    return [{k: v for k, v in r.items() if not k.startswith(VOLATILE_PREFIXES)} for r in recs]
+
+
+def reference_path(name: str) -> str:
+    return os.path.join(HERE, "reference", f"{name}.jsonl")
+
+
+def differences(expected: list, got: list) -> list:
+    """Human-readable differences between two metric logs (empty: identical)."""
+    out = []
+    if len(expected) != len(got):
+        out.append(f"{len(expected)} records expected, got {len(got)}")
+    for e, g in zip(expected, got):
+        for k in sorted(set(e) | set(g)):
+            if e.get(k, "<absent>") != g.get(k, "<absent>"):
+                out.append(f"step {e.get('step')}: {k}: expected {e.get(k, '<absent>')!r}, got {g.get(k, '<absent>')!r}")
+    return out
+
+
+def main(argv) -> int:
+    if len(argv) != 2 or argv[0] not in ("record", "compare") or argv[1] not in RUNS:
+        print(f"usage: {os.path.basename(__file__)} record|compare {'|'.join(RUNS)}")
+        return 2
+    mode, name = argv
+    work = tempfile.mkdtemp(prefix=f"cegrpo_equiv_{name}_")
+    try:
+        recs = run(name, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    if mode == "record":
+        os.makedirs(os.path.dirname(reference_path(name)), exist_ok=True)
+        with open(reference_path(name), "w") as f:
+            for r in recs:
+                f.write(json.dumps(r, sort_keys=True) + "\n")
+        print(f"recorded {len(recs)} records to {reference_path(name)}")
+        return 0
+    with open(reference_path(name)) as f:
+        expected = [json.loads(x) for x in f if x.strip()]
+    diff = differences(expected, recs)
+    for line in diff:
+        print(line)
+    print(f"{name}: {'identical' if not diff else f'{len(diff)} differences'} ({len(recs)} records)")
+    return 1 if diff else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
