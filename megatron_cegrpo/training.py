@@ -19,7 +19,7 @@ import os
 import sys
 import time
 from functools import partial
-from typing import Dict, List, Optional
+from typing import Dict, Optional
 
 import torch
 import torch.distributed as dist
@@ -159,7 +159,7 @@ class GRPOTrainer:
                 and p is self.model.shared_embedding_or_output_weight())
 
     def _init_driver(self, source, hf_config, hf_sd) -> None:
-        from megatron_cegrpo.data import PromptSampler, build_prompt, dataset_path, load_prompts, split_holdout
+        from megatron_cegrpo.data import PromptSampler, build_prompt, load_train_split, select_prompts
         from megatron_cegrpo.rewards import get_verifier
         from megatron_cegrpo.rollout.base import get_rollout_engine
 
@@ -167,23 +167,12 @@ class GRPOTrainer:
         if cfg.data.data_root:
             os.environ["CEGRPO_DATA_ROOT"] = cfg.data.data_root
         self.tokenizer = load_tokenizer(source)
-        path = cfg.data.train_data
-        if not os.path.exists(path):
-            path = dataset_path(path)
-        records = load_prompts(path, format=cfg.data.train_data_format)
-        train, holdout = split_holdout(records, cfg.data.num_holdout, cfg.optim.seed)
-        self.prompt_ids: List[torch.Tensor] = []
-        kept, too_long = [], 0
-        for r in train:
-            ids = self._encode_prompt(r.question, build_prompt)
-            if ids.numel() > cfg.rollout.max_prompt_length:
-                too_long += 1
-                continue
-            kept.append(r)
-            self.prompt_ids.append(ids)
-        if not kept:
-            raise ValueError(f"--train-data {path}: every prompt is longer than --max-prompt-length="
-                             f"{cfg.rollout.max_prompt_length} tokens")
+        split = load_train_split(cfg.data.train_data, format=cfg.data.train_data_format,
+                                 num_holdout=cfg.data.num_holdout, seed=cfg.optim.seed, data_root=cfg.data.data_root)
+        path, holdout = split.path, split.holdout
+        kept, self.prompt_ids, too_long = select_prompts(
+            split.train, lambda q: self._encode_prompt(q, build_prompt), cfg.rollout.max_prompt_length,
+            source=f"--train-data {path}")
         if too_long:
             print(f"[cegrpo] warning: skipped {too_long} prompts longer than --max-prompt-length="
                   f"{cfg.rollout.max_prompt_length} tokens", flush=True)
