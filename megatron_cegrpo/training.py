@@ -587,7 +587,7 @@ class GRPOTrainer:
             num_layers_in_first=cfg.parallel.decoder_first_pipeline_num_layers,
             num_layers_in_last=cfg.parallel.decoder_last_pipeline_num_layers,
             codec=cfg.codec, model_name=cfg.model.model, params_dtype=cfg.model.params_dtype,
-            extra={"seed": cfg.optim.seed, "train_data": cfg.data.train_data})
+            extra={"seed": cfg.optim.seed, "train_data": cfg.data.train_data}, options=cfg.resume_options())
         path = ck.commit_save(cfg.checkpoint.save, tmp, it, meta, cfg.checkpoint.keep_last)
         _log(ctx, f"saved checkpoint {path}")
         return path
@@ -595,26 +595,37 @@ class GRPOTrainer:
     def load_checkpoint(self, load_dir: str) -> None:
         """Restore a checkpoint written by :meth:`save_checkpoint` (every rank, its stage).
 
+        ``--load`` without a checkpoint starts fresh only when it is the ``--save``
+        directory (auto-resume); options that shape the trajectory must equal the
+        checkpoint's (``checkpointing.check_resume``; weights-only checkpoints start a new
+        run and are not compared).
+
         Raises:
             CheckpointError: missing, corrupt (sha256 mismatch), or incompatible checkpoint
-                (another model, PP size / split, or codec), naming the file and the fix.
+                (another model, PP size / split, codec or trajectory option), or a --load
+                other than --save that holds no checkpoint, naming the file and the fix.
         """
         from megatron_cegrpo import checkpointing as ck
         from megatron_cegrpo.models import load_stage_weights as _load
 
         cfg, ctx = self.cfg, self.ctx
         self._resume_rng = self._resume_sampler = None
-        if not ck.has_checkpoint(load_dir):
-            _log(ctx, f"warning: --load {load_dir} holds no checkpoint yet; starting from --model "
-                      f"{cfg.model.model} (pass the same directory as --save to resume automatically)")
+        found = ck.find_resume_checkpoint(load_dir, cfg.checkpoint.save)
+        if found is None:
+            _log(ctx, f"--load {load_dir} holds no checkpoint yet (it is the --save directory): starting from "
+                      f"--model {cfg.model.model}")
             return
-        ckpt_dir, it = ck.resolve_load_dir(load_dir)
+        ckpt_dir, it = found
         meta = ck.read_meta(ckpt_dir)
         ck.check_compatible(meta, hf_config=self.hf_config, pp_size=ctx.pp_size,
                             num_layers_in_first=cfg.parallel.decoder_first_pipeline_num_layers,
                             num_layers_in_last=cfg.parallel.decoder_last_pipeline_num_layers, codec=cfg.codec)
+        weights_only = "trainer_state.pt" not in ck.stage_file_names(meta, ctx.pp_rank)
+        if not weights_only:
+            for warning in ck.check_resume(meta, cfg.resume_options(), train_iters=cfg.optim.train_iters):
+                _log(ctx, f"warning: {warning}")
         ck.load_stage_model(ckpt_dir, ctx.pp_rank, self.model, meta=meta)
-        if "trainer_state.pt" not in ck.stage_file_names(meta, ctx.pp_rank):
+        if weights_only:
             # a converted, weights-only checkpoint: the run starts at iteration 0 from these weights
             if self.ref_model is not None:
                 ck.load_stage_model(ckpt_dir, ctx.pp_rank, self.ref_model, meta=meta)
