@@ -29,7 +29,7 @@ from megatron_cegrpo.compression import ByteMeter, build_codec, get_codec
 from megatron_cegrpo.grpo import core_algos as ca
 from megatron_cegrpo.grpo.batch import pack_rollouts, slice_batch
 from megatron_cegrpo.initialize import DistContext
-from megatron_cegrpo.metrics import PhaseTimers, build_writers, format_progress
+from megatron_cegrpo.metrics import PhaseTimers, build_writers, format_progress, truncate_metrics
 from megatron_cegrpo.models import (
     allreduce_tied_embedding_grads,
     build_stage,
@@ -663,7 +663,8 @@ class GRPOTrainer:
         if self.ctx.is_driver:
             if self._resume_sampler is not None:
                 self.sampler.load_state_dict(self._resume_sampler)
-            _truncate_metrics(self.writer.path, self.iteration)
+            for warning in truncate_metrics(self.writer.path, self.iteration):
+                _log(self.ctx, f"warning: {warning}")
         stage_sds = self.gatherer.gather()
         if self.ctx.is_driver:
             self.rollout.update_weights(megatron_to_hf(stage_sds, self.hf_config, self.tf_config, self.ctx.pp_size))
@@ -675,19 +676,6 @@ class GRPOTrainer:
         res = fn()
         dist.barrier(group=self.ctx.pp_group)
         return res
-
-
-def _truncate_metrics(path: str, last_step: int) -> None:
-    """Drop log lines of iterations after ``last_step`` (written after the checkpoint by a
-    run that then died), so a resumed log has each step exactly once."""
-    if not os.path.exists(path):
-        return
-    with open(path) as f:
-        lines = [ln for ln in f if ln.strip() and json.loads(ln).get("step", 0) <= last_step]
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.writelines(lines)
-    os.replace(tmp, path)
 
 
 class _all_cores:
