@@ -586,6 +586,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="megatron_cegrpo.train",
         description="GRPO post-training through a compressed megatron-core pipeline.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        allow_abbrev=False,  # as Megatron-LM: --lr-warmup must not silently mean --lr-warmup-iters
     )
     m = ap.add_argument_group("model")
     m.add_argument("--model", default=d.model.model,
