@@ -936,6 +936,45 @@ def find_resume_checkpoint(load_dir: str, save_dir: Optional[str] = None) -> Opt
     return ckpt_dir, it
 
 
+def agree_on_errors(fn, *, group=None):
+    """Run ``fn()`` on every rank of ``group`` and agree on the outcome, so that a problem
+    one rank finds (say, a corrupt file of its stage) stops every rank at the same point
+    instead of leaving the others blocked in their next collective.
+
+    Returns ``fn()``'s result when every rank succeeded. When ``fn`` raised a
+    :class:`~megatron_cegrpo.errors.ConfigError` (CheckpointError included) on some rank,
+    every rank raises the lowest such rank's error, with ``agreed = True`` set on it (the
+    entry point then prints it once, from rank 0). Any other exception is re-raised
+    unchanged on its rank, and the ranks without one raise RuntimeError naming it. Without
+    torch.distributed it is ``fn()``. A collective over ``group``: call it on every rank.
+    """
+    is_dist, _, _ = _dist(group)
+    if not is_dist:
+        return fn()
+    result, error, status = None, None, ("ok", "")
+    try:
+        result = fn()
+    except ConfigError as e:
+        error, status = e, ("config", str(e))
+    except Exception as e:  # noqa: BLE001 - reported to the other ranks, re-raised here
+        error, status = e, ("other", f"{type(e).__name__}: {e}")
+    statuses = [None] * torch.distributed.get_world_size(group)
+    torch.distributed.all_gather_object(statuses, status, group=group)
+    if error is not None and status[0] == "other":
+        raise error
+    for kind, message in statuses:
+        if kind == "config":
+            agreed = error if isinstance(error, ConfigError) and str(error) == message else CheckpointError(message)
+            agreed.agreed = True
+            if agreed is error:
+                raise error
+            raise agreed from None
+    for rank, (kind, message) in enumerate(statuses):
+        if kind == "other":
+            raise RuntimeError(f"rank {rank} of the group failed: {message}")
+    return result
+
+
 def _fmt_option(value) -> str:
     if value is None:
         return "(not given)"

@@ -595,6 +595,9 @@ class GRPOTrainer:
     def load_checkpoint(self, load_dir: str) -> None:
         """Restore a checkpoint written by :meth:`save_checkpoint` (every rank, its stage).
 
+        A collective over the pipeline group: a problem one stage finds (a corrupt file of
+        its own) is raised on every stage (``checkpointing.agree_on_errors``).
+
         ``--load`` without a checkpoint starts fresh only when it is the ``--save``
         directory (auto-resume); options that shape the trajectory must equal the
         checkpoint's (``checkpointing.check_resume``; weights-only checkpoints start a new
@@ -605,6 +608,12 @@ class GRPOTrainer:
                 (another model, PP size / split, codec or trajectory option), or a --load
                 other than --save that holds no checkpoint, naming the file and the fix.
         """
+        from megatron_cegrpo import checkpointing as ck
+
+        ck.agree_on_errors(lambda: self._load_checkpoint_here(load_dir), group=self.ctx.pp_group)
+
+    def _load_checkpoint_here(self, load_dir: str) -> None:
+        """This rank's part of :meth:`load_checkpoint`."""
         from megatron_cegrpo import checkpointing as ck
         from megatron_cegrpo.models import load_stage_weights as _load
 

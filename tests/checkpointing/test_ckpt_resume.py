@@ -107,3 +107,54 @@ def test_sizes_only_verification_finds_a_truncated_file(tmp_path):
         ck.verify_checkpoint(meta["checkpoint_dir"], sizes_only=True)
     with open(os.path.join(meta["checkpoint_dir"], "meta.json")) as f:
         assert json.load(f)["options"]["--lr"] == 1e-6
+
+
+def _agree_worker(out_dir):
+    """One rank of test_agree_on_errors_stops_every_rank (gloo, 3 ranks)."""
+    import sys
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        def only_rank(r, exc):
+            def fn():
+                if rank == r:
+                    raise exc
+                return rank * 10
+            return fn
+
+        results = [ck.agree_on_errors(only_rank(-1, None))]  # nobody fails: each its own result
+        for name, fn in (("config", only_rank(2, CheckpointError("stage_02/model.safetensors is corrupt; fix: x"))),
+                         ("other", only_rank(1, KeyError("boom")))):
+            try:
+                ck.agree_on_errors(fn)
+                results.append(None)
+            except Exception as e:  # noqa: BLE001
+                results.append([name, type(e).__name__, str(e), getattr(e, "agreed", False)])
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump(results, f)
+    finally:
+        torch.distributed.destroy_process_group()
+    sys.exit(0)
+
+
+def test_agree_on_errors_stops_every_rank(tmp_path):
+    """A checkpoint problem one rank finds is raised on every rank (marked agreed, so only
+    rank 0 prints it); an unexpected error keeps its type on its rank, the others name it."""
+    from distributed_util import run_ranks
+
+    run_ranks([os.path.abspath(__file__), "--agree-worker", str(tmp_path)], 3, timeout=120)
+    res = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(3)]
+    assert [r[0] for r in res] == [0, 10, 20]
+    for r in range(3):
+        assert res[r][1] == ["config", "CheckpointError", "stage_02/model.safetensors is corrupt; fix: x", True]
+    assert res[1][2] == ["other", "KeyError", "'boom'", False]
+    for r in (0, 2):
+        assert res[r][2] == ["other", "RuntimeError", "rank 1 of the group failed: KeyError: 'boom'", False]
+
+
+if __name__ == "__main__":
+    import sys
+
+    if sys.argv[1:2] == ["--agree-worker"]:
+        _agree_worker(sys.argv[2])
