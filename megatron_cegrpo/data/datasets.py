@@ -374,8 +374,8 @@ def load_prompts(path: str, format: Optional[str] = None, limit: Optional[int] =
             if detected is None:
                 raise DatasetError(
                     f"{path}, line {lineno}: cannot detect the data format from fields "
-                    f"{sorted(row)}; fix: pass format= one of {', '.join(available_formats())} "
-                    "or use the fields of a known format"
+                    f"{sorted(row)}; fix: name the format (--train-data-format, or format=) as one of "
+                    f"{', '.join(available_formats())}, or use the fields of a known format"
                 )
             fmt = get_format(detected)
         if verifier is None:
