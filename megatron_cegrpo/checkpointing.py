@@ -936,6 +936,31 @@ def find_resume_checkpoint(load_dir: str, save_dir: Optional[str] = None) -> Opt
     return ckpt_dir, it
 
 
+def check_save_dir(save_dir: str, load_dir: Optional[str] = None) -> None:
+    """A run may write into ``save_dir`` only if it holds no checkpoint yet, or if the run
+    resumes from it (``load_dir`` is ``save_dir`` or one of its ``iter_`` directories).
+
+    Otherwise the new run's checkpoints would mix with another run's: ``latest`` would
+    jump between them and ``--keep-last`` (newest by iteration) would prune the new ones.
+
+    Raises:
+        CheckpointError: naming the directory, its newest checkpoint and the fix.
+    """
+    if not has_checkpoint(save_dir):
+        return
+    save = os.path.abspath(os.path.expanduser(save_dir))
+    if load_dir is not None:
+        load = os.path.abspath(os.path.expanduser(load_dir))
+        if load == save or os.path.dirname(load) == save:
+            return
+    newest = list_checkpoints(save_dir)
+    what = f"checkpoints up to {os.path.basename(newest[-1][1])}" if newest else "a checkpoint"
+    raise CheckpointError(
+        f"--save {save_dir} already holds {what} of another run; fix: add --load {save_dir} to resume "
+        "that run, or pass an empty or new --save directory"
+    )
+
+
 def agree_on_errors(fn, *, group=None):
     """Run ``fn()`` on every rank of ``group`` and agree on the outcome, so that a problem
     one rank finds (say, a corrupt file of its stage) stops every rank at the same point

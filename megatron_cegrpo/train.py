@@ -63,6 +63,7 @@ def preflight(cfg) -> None:
     * ``--train-data`` resolves and loads, ``--num-holdout`` leaves a training prompt, and
       at least one prompt fits ``--max-prompt-length`` (``data.check_train_data``); every
       ``--eval-datasets`` file exists;
+    * ``--save`` holds no other run's checkpoints (``checkpointing.check_save_dir``);
     * ``--load``: a checkpoint is there unless it is the ``--save`` directory
       (``checkpointing.find_resume_checkpoint``); it fits the model, split and codec
       (``check_compatible``), its files have their recorded sizes, and, when it continues a
@@ -110,6 +111,8 @@ def preflight(cfg) -> None:
         check_eval_data(list(parse_dataset_specs(d.eval_datasets)), d.data_root)
 
     c = cfg.checkpoint
+    if c.save:
+        ck.check_save_dir(c.save, c.load)
     if c.load:
         found = ck.find_resume_checkpoint(c.load, c.save)
         if found is not None:

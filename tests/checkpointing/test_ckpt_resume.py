@@ -48,6 +48,18 @@ def test_load_without_a_checkpoint_is_an_error_unless_it_is_the_save_dir(tmp_pat
     assert (os.path.basename(ckpt_dir), it) == ("iter_0000003", 3)
 
 
+def test_save_dir_of_another_run_needs_load(tmp_path):
+    run = tmp_path / "run"
+    ck.check_save_dir(str(run), None)  # nothing there yet
+    _save(run)
+    ck.check_save_dir(str(run), str(run))  # resuming it
+    ck.check_save_dir(str(run), str(run / "iter_0000003"))
+    with pytest.raises(CheckpointError) as e:
+        ck.check_save_dir(str(run), str(tmp_path / "converted"))
+    assert str(e.value) == (f"--save {run} already holds checkpoints up to iter_0000003 of another run; fix: add "
+                            f"--load {run} to resume that run, or pass an empty or new --save directory")
+
+
 def test_options_are_recorded_and_a_change_is_refused_naming_both_values(tmp_path):
     opts = _options("--lr", "1e-4", "--seed", "7")
     meta = _save(tmp_path / "run", options=opts)
