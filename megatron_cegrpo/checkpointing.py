@@ -36,7 +36,9 @@ meta.json
 source; may be null), ``codec`` (``{"name": str, "keep_ratio": float|null}`` or null for a
 codec-independent checkpoint such as a converted one), ``params_dtype`` (str or null),
 ``extra`` (any JSON the caller passed, e.g. the trainer's consumed-sample counter),
-``created`` (UTC ISO time) and ``files``: ``{relative path: {"sha256": hex, "bytes": int}}``
+``options`` (``{flag: value}`` of the run options that shape the training trajectory, see
+``TrainConfig.resume_options``; absent in converted checkpoints and in those written
+before it was recorded), ``created`` (UTC ISO time) and ``files``: ``{relative path: {"sha256": hex, "bytes": int}}``
 for every file of the checkpoint except meta.json itself.
 
 Saving (crash safety)
@@ -63,7 +65,9 @@ world): call them on every rank of it.  Without it they work locally (tools, tes
 Loading
 -------
 ``ckpt_dir, it = resolve_load_dir(load_dir)`` (the save root, following ``latest``, or an
-``iter_`` directory) -> ``meta = read_meta(ckpt_dir)`` -> ``check_compatible(meta, ...)`` ->
+``iter_`` directory; :func:`find_resume_checkpoint` adds the trainer's ``--load`` rule) ->
+``meta = read_meta(ckpt_dir)`` -> ``check_compatible(meta, ...)`` and, when continuing a
+run, :func:`check_resume` (the trajectory options) ->
 :func:`read_stage_file` / :func:`read_stage_blob` (each verifies that file's sha256
 against meta.json first; :func:`verify_checkpoint` checks every file).  Every problem is
 reported as :class:`CheckpointError` naming the file, what is wrong and how to fix it.
@@ -82,6 +86,8 @@ import uuid
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
+
+from megatron_cegrpo.errors import ConfigError
 
 FORMAT_VERSION = 1
 LATEST_FILE = "latest"
@@ -113,10 +119,12 @@ MODEL_SHAPE_FIELDS = (
 )
 
 
-class CheckpointError(ValueError):
+class CheckpointError(ConfigError):
     """A checkpoint is missing, incomplete, corrupt or does not fit this run.
 
-    The message names the file or directory, the mismatch / corruption and the fix.
+    The message names the file or directory, the mismatch / corruption and the fix. A
+    :class:`~megatron_cegrpo.errors.ConfigError` (and so a ``ValueError``): raised at
+    start-up, the entry point prints it as one line and exits with status 2.
     """
 
 
@@ -319,21 +327,28 @@ def make_meta(
     model_name: Optional[str] = None,
     params_dtype=None,
     extra: Optional[dict] = None,
+    options: Optional[Dict[str, Any]] = None,
 ) -> Dict[str, Any]:
     """The caller's part of meta.json, to pass to :func:`commit_save`.
 
     ``hf_config``: a ``PretrainedConfig`` (or its dict); ``codec``: see
     :func:`normalize_codec` (None: the checkpoint fits any codec); ``params_dtype``: a
-    torch dtype or string, informative; ``extra``: any JSON-serialisable dict.
-    ``format_version``, ``iteration``, ``files`` and ``created`` are added by the commit.
+    torch dtype or string, informative; ``extra``: any JSON-serialisable dict;
+    ``options``: ``{flag: value}`` of the run options that shape the training trajectory
+    (``TrainConfig.resume_options()``), stored as ``meta["options"]`` and compared on
+    resume by :func:`check_resume` (omitted when None: e.g. converted, weights-only
+    checkpoints). ``format_version``, ``iteration``, ``files`` and ``created`` are added
+    by the commit. Raises TypeError/ValueError for values JSON cannot hold.
     """
     if int(pp_size) < 1:
         raise ValueError(f"pp_size must be >= 1, got {pp_size}")
     if extra is not None:
         json.dumps(extra)  # fail early, before any file is written
+    if options is not None:
+        json.dumps(options, allow_nan=False)
     if isinstance(params_dtype, torch.dtype):
         params_dtype = str(params_dtype).replace("torch.", "")
-    return {
+    meta = {
         "pp_size": int(pp_size),
         "num_layers_in_first": None if num_layers_in_first is None else int(num_layers_in_first),
         "num_layers_in_last": None if num_layers_in_last is None else int(num_layers_in_last),
@@ -343,6 +358,9 @@ def make_meta(
         "params_dtype": params_dtype,
         "extra": dict(extra or {}),
     }
+    if options is not None:
+        meta["options"] = dict(options)
+    return meta
 
 
 _REQUIRED_META = ("pp_size", "num_layers_in_first", "num_layers_in_last", "hf_config")
@@ -738,7 +756,7 @@ def read_meta(ckpt_dir: str) -> Dict[str, Any]:
     return meta
 
 
-def _verify_file(ckpt_dir: str, rel: str, rec: dict) -> None:
+def _verify_file(ckpt_dir: str, rel: str, rec: dict, sizes_only: bool = False) -> None:
     path = os.path.join(ckpt_dir, rel)
     fix = (f"fix: restore {rel} from a copy of this checkpoint or resume from another one "
            f"({_others_hint(os.path.dirname(ckpt_dir), ckpt_dir)})")
@@ -748,23 +766,27 @@ def _verify_file(ckpt_dir: str, rel: str, rec: dict) -> None:
     if size != rec["bytes"]:
         raise CheckpointError(f"{path} is truncated or corrupt: {size} bytes, {META_FILE} records "
                               f"{rec['bytes']}; {fix}")
+    if sizes_only:
+        return
     digest = sha256_file(path)
     if digest != rec["sha256"]:
         raise CheckpointError(f"{path} is corrupt: sha256 {digest[:16]}... differs from "
                               f"{rec['sha256'][:16]}... recorded in {META_FILE}; {fix}")
 
 
-def verify_checkpoint(ckpt_dir: str, pp_rank: Optional[int] = None) -> Dict[str, Any]:
+def verify_checkpoint(ckpt_dir: str, pp_rank: Optional[int] = None, *, sizes_only: bool = False) -> Dict[str, Any]:
     """Check size and sha256 of every file listed in meta.json; return the meta.
 
     ``pp_rank``: only that stage's files (each rank verifies its own when resuming).
+    ``sizes_only``: check presence and byte counts, not hashes (a fast start-up check that
+    catches missing and truncated files; the hashes are checked when each file is read).
     Raises CheckpointError naming the first missing / truncated / corrupt file.
     """
     meta = read_meta(ckpt_dir)
     prefix = None if pp_rank is None else stage_dir_name(pp_rank) + "/"
     for rel, rec in sorted(meta["files"].items()):
         if prefix is None or rel.startswith(prefix):
-            _verify_file(meta["checkpoint_dir"], rel, rec)
+            _verify_file(meta["checkpoint_dir"], rel, rec, sizes_only=sizes_only)
     return meta
 
 
@@ -888,6 +910,180 @@ def check_compatible(
                 f"{fmt(run_codec)}; fix: resume with {flags}, or start a new run from its weights "
                 f"(export them with {CONVERT_TOOL} --loader megatron --saver megatron, which drops the codec)"
             )
+
+
+def find_resume_checkpoint(load_dir: str, save_dir: Optional[str] = None) -> Optional[Tuple[str, int]]:
+    """What ``--load load_dir`` resumes from: ``(checkpoint directory, iteration)``, or None
+    for a fresh start.
+
+    None only when ``load_dir`` is the run's own ``save_dir`` (same absolute path) and holds
+    no checkpoint yet: ``--save X --load X`` starts fresh and resumes automatically later.
+
+    Raises:
+        CheckpointError: ``load_dir`` differs from ``save_dir`` and holds no checkpoint (a
+            typo would otherwise silently start a new run; names the path and the fix), and
+            everything :func:`resolve_load_dir` / :func:`read_meta` raise.
+    """
+    same = save_dir is not None and os.path.abspath(os.path.expanduser(load_dir)) == \
+        os.path.abspath(os.path.expanduser(save_dir))
+    if not has_checkpoint(load_dir):
+        if same:
+            return None
+        what = "does not exist" if not os.path.exists(load_dir) else (
+            "is not a directory" if not os.path.isdir(load_dir) else
+            f"holds no checkpoint (no '{LATEST_FILE}' file, no committed iter_XXXXXXX directory)")
+        raise CheckpointError(
+            f"--load {load_dir} {what}; fix: check the path (pass a run's --save directory or one of its "
+            "iter_XXXXXXX directories), or pass the same directory as --save to start fresh and resume "
+            "automatically next time"
+        )
+    ckpt_dir, it = resolve_load_dir(load_dir)
+    read_meta(ckpt_dir)
+    return ckpt_dir, it
+
+
+def check_save_dir(save_dir: str, load_dir: Optional[str] = None) -> None:
+    """A run may write into ``save_dir`` only if it holds no checkpoint yet, or if the run
+    resumes from it (``load_dir`` is ``save_dir`` or one of its ``iter_`` directories).
+
+    Otherwise the new run's checkpoints would mix with another run's: ``latest`` would
+    jump between them and ``--keep-last`` (newest by iteration) would prune the new ones.
+
+    Raises:
+        CheckpointError: naming the directory, its newest checkpoint and the fix.
+    """
+    if not has_checkpoint(save_dir):
+        return
+    save = os.path.abspath(os.path.expanduser(save_dir))
+    if load_dir is not None:
+        load = os.path.abspath(os.path.expanduser(load_dir))
+        if load == save or os.path.dirname(load) == save:
+            return
+    newest = list_checkpoints(save_dir)
+    what = f"checkpoints up to {os.path.basename(newest[-1][1])}" if newest else "a checkpoint"
+    raise CheckpointError(
+        f"--save {save_dir} already holds {what} of another run; fix: add --load {save_dir} to resume "
+        "that run, or pass an empty or new --save directory"
+    )
+
+
+def agree_on_errors(fn, *, group=None):
+    """Run ``fn()`` on every rank of ``group`` and agree on the outcome, so that a problem
+    one rank finds (say, a corrupt file of its stage) stops every rank at the same point
+    instead of leaving the others blocked in their next collective.
+
+    Returns ``fn()``'s result when every rank succeeded. When ``fn`` raised a
+    :class:`~megatron_cegrpo.errors.ConfigError` (CheckpointError included) on some rank,
+    every rank raises the lowest such rank's error, with ``agreed = True`` set on it (the
+    entry point then prints it once, from rank 0). Any other exception is re-raised
+    unchanged on its rank, and the ranks without one raise RuntimeError naming it. Without
+    torch.distributed it is ``fn()``. A collective over ``group``: call it on every rank.
+    """
+    is_dist, _, _ = _dist(group)
+    if not is_dist:
+        return fn()
+    result, error, status = None, None, ("ok", "")
+    try:
+        result = fn()
+    except ConfigError as e:
+        error, status = e, ("config", str(e))
+    except Exception as e:  # noqa: BLE001 - reported to the other ranks, re-raised here
+        error, status = e, ("other", f"{type(e).__name__}: {e}")
+    statuses = [None] * torch.distributed.get_world_size(group)
+    torch.distributed.all_gather_object(statuses, status, group=group)
+    if error is not None and status[0] == "other":
+        raise error
+    for kind, message in statuses:
+        if kind == "config":
+            agreed = error if isinstance(error, ConfigError) and str(error) == message else CheckpointError(message)
+            agreed.agreed = True
+            if agreed is error:
+                raise error
+            raise agreed from None
+    for rank, (kind, message) in enumerate(statuses):
+        if kind == "other":
+            raise RuntimeError(f"rank {rank} of the group failed: {message}")
+    return result
+
+
+def _fmt_option(value) -> str:
+    if value is None:
+        return "(not given)"
+    if isinstance(value, float):
+        return repr(value)
+    return str(value)
+
+
+def _option_fix(flag: str, value) -> str:
+    """How to pass ``flag`` with ``value`` on the command line."""
+    if flag.startswith("--no-") and isinstance(value, bool):
+        return f"{'add' if value else 'drop'} {flag}"
+    if value is None:
+        return f"drop {flag}"
+    if not flag.startswith("--"):
+        return f"set {flag} to {_fmt_option(value)}"
+    return f"{flag} {_fmt_option(value)}"
+
+
+def check_resume(meta: dict, options: Dict[str, Any], *, train_iters: Optional[int] = None) -> List[str]:
+    """Compare the run's trajectory options with the ones the checkpoint was trained with.
+
+    ``options``: ``{flag: value}`` (``TrainConfig.resume_options()``); ``meta``: from
+    :func:`read_meta`. Flags recorded on both sides must be equal (JSON values; floats
+    exactly). A flag recorded on one side only (another code version) is reported, not
+    compared. Checkpoints written before options were recorded have no
+    ``meta["options"]``: their ``extra`` seed and training data are compared, every other
+    option is reported as unknown. The caller prints the returned warnings.
+
+    Returns:
+        warnings (one line each) about what could not be compared; empty when everything was.
+    Raises:
+        CheckpointError: a changed option (each with the checkpoint's value and this run's,
+            and the flags that resume the checkpoint), or ``train_iters`` below the
+            checkpoint's iteration.
+    """
+    where = _meta_path(meta)
+    warnings_out: List[str] = []
+    it = meta.get("iteration")
+    if train_iters is not None and it is not None and int(it) > int(train_iters):
+        raise CheckpointError(
+            f"{where}: the checkpoint is at iteration {it}, past --train-iters {train_iters}; fix: pass "
+            f"--train-iters {it} or more (or load an earlier checkpoint)"
+        )
+    run = json.loads(json.dumps(options))  # the JSON form the checkpoint holds
+    recorded = meta.get("options")
+    if recorded is None:
+        extra = meta.get("extra") or {}
+        recorded = {}
+        for key, flag in (("seed", "--seed"), ("train_data", "--train-data")):
+            if key in extra and flag in run:
+                recorded[flag] = extra[key]
+        unknown = sorted(set(run) - set(recorded))
+        if unknown:
+            warnings_out.append(
+                f"{where} was written before run options were recorded: {', '.join(unknown)} cannot be "
+                "compared with the original run; make sure they match it (a change alters the training "
+                "trajectory)")
+        run = {k: v for k, v in run.items() if k in recorded}
+    changed = [k for k in sorted(set(run) & set(recorded)) if run[k] != recorded[k]]
+    if changed:
+        diffs = ", ".join(f"{k} {_fmt_option(recorded[k])} -> {_fmt_option(run[k])}" for k in changed)
+        fixes = "; ".join(_option_fix(k, recorded[k]) for k in changed)
+        note = (" (--train-iters may change only with --lr-decay-style constant, where it does not shape the "
+                "schedule)" if "--train-iters" in changed else "")
+        raise CheckpointError(
+            f"{where}: this run changes options the checkpoint was trained with (checkpoint -> this run): {diffs}; "
+            f"fix: resume with the checkpoint's settings ({fixes}){note}, or start a new run from its weights "
+            "with another --save "
+            f"(a weights-only copy: {CONVERT_TOOL} --loader megatron --saver megatron)"
+        )
+    # recorded on one side only: an option of another code version (the options that decide
+    # whether another one has an effect are always recorded, so they were compared above)
+    one_sided = sorted(set(run) ^ set(recorded))
+    if one_sided:
+        warnings_out.append(f"{where}: {', '.join(one_sided)} recorded on one side only (another version of "
+                            "megatron_cegrpo?); not compared")
+    return warnings_out
 
 
 # ----------------------------------------------------------------------------- model helpers

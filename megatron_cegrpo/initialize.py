@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_cegrpo.compat import apply_cpu_compat
+from megatron_cegrpo.errors import ConfigError
 
 __all__ = ["DistContext", "initialize_distributed", "shutdown_distributed", "set_seed", "PEER_LIFETIME_TIMEOUT"]
 
@@ -95,7 +96,8 @@ def initialize_distributed(pipeline_model_parallel_size: int, seed: int,
     link) use ``rollout_group`` / ``anchor_group`` with :data:`PEER_LIFETIME_TIMEOUT`.
 
     Raises:
-        ValueError: world size != pipeline size + anchor ranks, or more than one anchor rank.
+        ConfigError: world size != pipeline size + anchor ranks, or more than one anchor rank
+            (``TrainConfig.validate(world_size)`` catches both earlier, with the launch fix).
     """
     cpu = apply_cpu_compat()
     for k, v in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"),
@@ -110,17 +112,17 @@ def initialize_distributed(pipeline_model_parallel_size: int, seed: int,
             _unlink_deepspeed_shm_buffer()
     world = dist.get_world_size()
     if anchor_ranks not in (0, 1):
-        raise ValueError(f"--anchor-ranks must be 0 or 1 in this version, got {anchor_ranks}")
+        raise ConfigError(f"--anchor-ranks must be 0 or 1 in this version, got {anchor_ranks}; fix: pass 0 or 1")
     if anchor_ranks and world != pipeline_model_parallel_size + anchor_ranks:
-        raise ValueError(
+        raise ConfigError(
             f"world size {world} != --pipeline-model-parallel-size ({pipeline_model_parallel_size}) + "
-            f"--anchor-ranks ({anchor_ranks}); launch with --num_gpus "
+            f"--anchor-ranks ({anchor_ranks}); fix: launch with --num_gpus "
             f"{pipeline_model_parallel_size + anchor_ranks}"
         )
     if not anchor_ranks and world % pipeline_model_parallel_size:
-        raise ValueError(
+        raise ConfigError(
             f"world size {world} is not a multiple of --pipeline-model-parallel-size="
-            f"{pipeline_model_parallel_size}"
+            f"{pipeline_model_parallel_size}; fix: launch with --num_gpus {pipeline_model_parallel_size}"
         )
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))

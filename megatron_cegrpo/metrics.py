@@ -27,6 +27,7 @@ __all__ = [
     "MultiWriter",
     "build_writers",
     "format_progress",
+    "truncate_metrics",
 ]
 
 
@@ -74,6 +75,45 @@ class MetricsWriter:
 
     def close(self) -> None:
         """Nothing to release (each write opens and closes the file)."""
+
+
+def truncate_metrics(path: str, last_step: int) -> List[str]:
+    """Prepare a resumed run's ``metrics.jsonl``: keep the records of steps up to
+    ``last_step`` (the checkpoint's iteration), drop those written after it by the run that
+    died, and drop lines that are not a JSON object (a write cut short by a kill leaves a
+    partial last line). Rewrites the file atomically, every kept line ending in a newline,
+    so the resumed log has each step once and the next append starts on its own line.
+    A record without ``"step"`` counts as step 0. A missing file is left missing.
+
+    Returns:
+        one warning per dropped corrupt line (file, line number, first characters), for the
+        caller to print; empty when every line parsed.
+    """
+    if not os.path.exists(path):
+        return []
+    with open(path, encoding="utf-8", errors="replace") as f:
+        lines = f.read().splitlines()
+    kept, warnings_out = [], []
+    for i, ln in enumerate(lines, start=1):
+        if not ln.strip():
+            continue
+        try:
+            rec = json.loads(ln)
+        except json.JSONDecodeError:
+            rec = None
+        if not isinstance(rec, dict):
+            where = "its last line" if i == len(lines) else f"line {i} of {len(lines)}"
+            warnings_out.append(f"{path}: dropped {where}, which is not a complete JSON record "
+                                f"({ln[:40]!r}{'...' if len(ln) > 40 else ''}; a write cut short by a kill)")
+            continue
+        step = rec.get("step", 0)
+        if not isinstance(step, (int, float)) or step <= last_step:
+            kept.append(ln + "\n")
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.writelines(kept)
+    os.replace(tmp, path)
+    return warnings_out
 
 
 # ----------------------------------------------------------------------------- backends

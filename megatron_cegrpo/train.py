@@ -1,5 +1,15 @@
 """Entry point: ``deepspeed --num_gpus 2 megatron_cegrpo/train.py <flags>`` (or torchrun, or
-``python -m megatron_cegrpo.train`` for PP=1). ``--help`` lists the flags."""
+``python -m megatron_cegrpo.train`` for PP=1). ``--help`` lists the flags.
+
+Start-up runs in this order, every check before any process group or model exists:
+parse the flags, validate them against the launch (``TrainConfig.validate(world_size)``),
+then :func:`preflight` (the model, the data files, ``--load``). A mistake found there is
+a :class:`~megatron_cegrpo.errors.ConfigError` (checkpoint problems are its subclass
+``CheckpointError``): every rank finds the same one, rank 0 prints it as one line on
+stderr, the other ranks exit quietly, and the exit status is 2. The same holds for a
+ConfigError raised while the trainer is being built (printed by the rank that hit it).
+Anything else shows its traceback. ``docs/reliability.md`` lists the messages.
+"""
 
 import os
 import sys
@@ -9,6 +19,13 @@ import sys
 _here = os.path.dirname(os.path.abspath(__file__))
 if sys.path and os.path.abspath(sys.path[0] or ".") == _here:
     sys.path.pop(0)
+
+#: Exit status of a configuration error (argparse's convention for usage errors).
+EXIT_CONFIG_ERROR = 2
+#: Seconds a rank other than 0 waits before it exits after an error every rank found before
+#: any process group exists: a launcher stops every rank as soon as one exits non-zero, so
+#: rank 0 must exit first, after printing the line (the launcher then ends the waiting ranks).
+QUIET_RANK_EXIT_DELAY_S = 20.0
 
 
 def _quiet_known_warnings() -> None:
@@ -21,26 +38,164 @@ def _quiet_known_warnings() -> None:
         warnings.filterwarnings("ignore", message=msg)
 
 
-def main(argv=None):
-    if argv is None:
-        from megatron_cegrpo.supervisor import should_supervise, supervise
+def _launch_rank() -> int:
+    """This process's global rank as the launcher set it (RANK; 0 for a plain process)."""
+    try:
+        return int(os.environ.get("RANK", "0"))
+    except ValueError:
+        return 0
 
-        if should_supervise():
-            sys.exit(supervise())
-    _quiet_known_warnings()
+
+def _launch_world_size() -> int:
+    """The number of processes the launcher started (WORLD_SIZE; 1 for a plain process)."""
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        return 1
+
+
+def preflight(cfg) -> None:
+    """Start-up checks that need files or the model config, run on every rank before any
+    process group exists (each rank finds the same result, so no rank waits on another).
+
+    * ``--model`` resolves; its config fits ``--pipeline-model-parallel-size`` and the uneven
+      split, and ``--max-prompt-length + --max-new-tokens`` fits its positions;
+    * ``--train-data`` resolves and loads, ``--num-holdout`` leaves a training prompt, and
+      at least one prompt fits ``--max-prompt-length`` (``data.check_train_data``); every
+      ``--eval-datasets`` file exists;
+    * ``--save`` holds no other run's checkpoints (``checkpointing.check_save_dir``);
+    * ``--load``: a checkpoint is there unless it is the ``--save`` directory
+      (``checkpointing.find_resume_checkpoint``); it fits the model, split and codec
+      (``check_compatible``), its files have their recorded sizes, and, when it continues a
+      run, the trajectory options equal this run's (``check_resume``).
+
+    Raises:
+        ConfigError: (or its subclasses DatasetError, CheckpointError) naming the flag and the fix.
+    """
+    from megatron_cegrpo import checkpointing as ck
+    from megatron_cegrpo.data import build_prompt, check_eval_data, check_train_data
+    from megatron_cegrpo.errors import ConfigError, one_line
+    from megatron_cegrpo.models import load_hf_config, load_tokenizer, resolve_model
+    from megatron_cegrpo.models.builder import check_model_config
+
+    source = resolve_model(cfg.model.model)  # ConfigError naming the accepted forms
+    try:
+        hf_config = load_hf_config(source)
+        tokenizer = load_tokenizer(source)
+    except (ValueError, OSError) as e:
+        raise ConfigError(f"--model {cfg.model.model}: cannot read its config or tokenizer ({one_line(e)}); "
+                          "fix: pass a complete HF directory (config.json, tokenizer files, *.safetensors) "
+                          "or a .gguf file") from None
+    p = cfg.parallel
+    check_model_config(hf_config, p.pipeline_model_parallel_size, p.decoder_first_pipeline_num_layers,
+                       p.decoder_last_pipeline_num_layers)
+    positions = int(getattr(hf_config, "max_position_embeddings", 0) or 0)
+    r = cfg.rollout
+    if positions and r.max_prompt_length + r.max_new_tokens > positions:
+        raise ConfigError(
+            f"--max-prompt-length {r.max_prompt_length} + --max-new-tokens {r.max_new_tokens} = "
+            f"{r.max_prompt_length + r.max_new_tokens} tokens exceeds the {positions} positions of --model "
+            f"{cfg.model.model}; fix: lower one of them so that their sum is at most {positions}")
+
+    d = cfg.data
+
+    def encode(question):
+        text = build_prompt(tokenizer, question, d.prompt_template)
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    check_train_data(d.train_data, format=d.train_data_format, num_holdout=d.num_holdout, seed=cfg.optim.seed,
+                     data_root=d.data_root, encode=encode, max_prompt_length=r.max_prompt_length)
+    if d.eval_datasets:
+        from megatron_cegrpo.evaluation import parse_dataset_specs
+
+        check_eval_data(list(parse_dataset_specs(d.eval_datasets)), d.data_root)
+
+    c = cfg.checkpoint
+    if c.save:
+        ck.check_save_dir(c.save, c.load)
+    if c.load:
+        found = ck.find_resume_checkpoint(c.load, c.save)
+        if found is not None:
+            ckpt_dir, _ = found
+            meta = ck.verify_checkpoint(ckpt_dir, sizes_only=True)
+            ck.check_compatible(meta, hf_config=hf_config, pp_size=p.pipeline_model_parallel_size,
+                                num_layers_in_first=p.decoder_first_pipeline_num_layers,
+                                num_layers_in_last=p.decoder_last_pipeline_num_layers, codec=cfg.codec)
+            if "trainer_state.pt" in ck.stage_file_names(meta, 0):  # continues a run (not weights only)
+                ck.check_resume(meta, cfg.resume_options(), train_iters=cfg.optim.train_iters)
+
+
+def _configure(argv):
+    """Flags -> validated TrainConfig, every start-up check done (see :func:`preflight`)."""
     from megatron_cegrpo.arguments import build_config, parse_args
 
     args = parse_args(argv)
     cfg = build_config(args)
-    cfg.validate()  # flag-level checks before any process group exists
+    cfg.validate(world_size=_launch_world_size())
+    preflight(cfg)
+    return cfg
+
+
+def _report(err: BaseException, rank: int, every_rank_knows: bool, wait=None) -> int:
+    """Print a configuration error as one line on stderr and return the exit status.
+
+    ``every_rank_knows``: every rank raised the same error: rank 0 prints it, the others
+    print nothing and call ``wait()`` before they return, so that they never exit before
+    rank 0 has printed (a launcher ends every rank once one exits non-zero). Otherwise the
+    rank that hit it prints it, naming itself when it is not rank 0.
+    """
+    from megatron_cegrpo.errors import one_line
+
+    if rank == 0 or not every_rank_knows:
+        who = "" if rank == 0 else f" (rank {rank})"
+        print(f"[cegrpo] error{who}: {one_line(err)}", file=sys.stderr, flush=True)
+    if every_rank_knows and wait is not None:
+        wait()
+    return EXIT_CONFIG_ERROR
+
+
+def _linger() -> None:
+    """Before any process group exists, a rank other than 0 can only give rank 0 time."""
+    import time
+
+    if _launch_rank() != 0:
+        time.sleep(QUIET_RANK_EXIT_DELAY_S)
+
+
+def main(argv=None) -> int:
+    """Train with the flags in ``argv`` (default: ``sys.argv[1:]``).
+
+    Returns:
+        0 when training finished; 2 (:data:`EXIT_CONFIG_ERROR`) after a configuration or
+        checkpoint error at start-up, printed as one line on stderr (``[cegrpo] error: ...``)
+        by rank 0 when every rank found it, else by the rank that did.
+    Raises:
+        anything unexpected, and any error once training has started, with its traceback.
+    """
+    if argv is None:
+        from megatron_cegrpo.supervisor import should_supervise, supervise
+
+        if should_supervise():  # under a launcher: run this rank's work in a supervised child
+            return supervise()
+    _quiet_known_warnings()
+    from megatron_cegrpo.errors import ConfigError
+
+    rank = _launch_rank()
+    try:
+        cfg = _configure(argv)
+    except ConfigError as e:
+        return _report(e, rank, every_rank_knows=True, wait=_linger)
 
     from megatron_cegrpo.initialize import initialize_distributed, shutdown_distributed
 
-    ctx = initialize_distributed(cfg.parallel.pipeline_model_parallel_size, cfg.optim.seed,
-                                 cfg.parallel.num_threads, anchor_ranks=cfg.anchor.anchor_ranks,
-                                 timeout_minutes=cfg.parallel.distributed_timeout_minutes)
     try:
-        cfg.validate(world_size=ctx.world_size)
+        ctx = initialize_distributed(cfg.parallel.pipeline_model_parallel_size, cfg.optim.seed,
+                                     cfg.parallel.num_threads, anchor_ranks=cfg.anchor.anchor_ranks,
+                                     timeout_minutes=cfg.parallel.distributed_timeout_minutes)
+    except ConfigError as e:
+        shutdown_distributed()
+        return _report(e, rank, every_rank_knows=True, wait=_linger)
+    try:
         if ctx.is_anchor:
             from megatron_cegrpo.anchor.runner import run_anchor
 
@@ -48,11 +203,18 @@ def main(argv=None):
         else:
             from megatron_cegrpo.training import GRPOTrainer
 
-            trainer = GRPOTrainer(cfg, ctx)
+            try:
+                trainer = GRPOTrainer(cfg, ctx)
+            except ConfigError as e:  # agreed by every stage (checkpoint loading), or this rank's own
+                import torch.distributed as dist
+
+                return _report(e, ctx.rank, every_rank_knows=getattr(e, "agreed", False),
+                               wait=lambda: dist.barrier(group=ctx.pp_group))
             trainer.train()
     finally:
         shutdown_distributed()
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -19,7 +19,7 @@ import os
 import sys
 import time
 from functools import partial
-from typing import Dict, List, Optional
+from typing import Dict, Optional
 
 import torch
 import torch.distributed as dist
@@ -30,7 +30,7 @@ from megatron_cegrpo.compression import ByteMeter, build_codec, get_codec
 from megatron_cegrpo.grpo import core_algos as ca
 from megatron_cegrpo.grpo.batch import pack_rollouts, slice_batch
 from megatron_cegrpo.initialize import DistContext
-from megatron_cegrpo.metrics import PhaseTimers, build_writers, format_progress
+from megatron_cegrpo.metrics import PhaseTimers, build_writers, format_progress, truncate_metrics
 from megatron_cegrpo.models import (
     allreduce_tied_embedding_grads,
     build_stage,
@@ -164,7 +164,7 @@ class GRPOTrainer:
                 and p is self.model.shared_embedding_or_output_weight())
 
     def _init_driver(self, source, hf_config, hf_sd) -> None:
-        from megatron_cegrpo.data import PromptSampler, build_prompt, dataset_path, load_prompts, split_holdout
+        from megatron_cegrpo.data import PromptSampler, build_prompt, load_train_split, select_prompts
         from megatron_cegrpo.rewards import get_verifier
         from megatron_cegrpo.rollout.base import get_rollout_engine
 
@@ -172,23 +172,12 @@ class GRPOTrainer:
         if cfg.data.data_root:
             os.environ["CEGRPO_DATA_ROOT"] = cfg.data.data_root
         self.tokenizer = load_tokenizer(source)
-        path = cfg.data.train_data
-        if not os.path.exists(path):
-            path = dataset_path(path)
-        records = load_prompts(path, format=cfg.data.train_data_format)
-        train, holdout = split_holdout(records, cfg.data.num_holdout, cfg.optim.seed)
-        self.prompt_ids: List[torch.Tensor] = []
-        kept, too_long = [], 0
-        for r in train:
-            ids = self._encode_prompt(r.question, build_prompt)
-            if ids.numel() > cfg.rollout.max_prompt_length:
-                too_long += 1
-                continue
-            kept.append(r)
-            self.prompt_ids.append(ids)
-        if not kept:
-            raise ValueError(f"--train-data {path}: every prompt is longer than --max-prompt-length="
-                             f"{cfg.rollout.max_prompt_length} tokens")
+        split = load_train_split(cfg.data.train_data, format=cfg.data.train_data_format,
+                                 num_holdout=cfg.data.num_holdout, seed=cfg.optim.seed, data_root=cfg.data.data_root)
+        path, holdout = split.path, split.holdout
+        kept, self.prompt_ids, too_long = select_prompts(
+            split.train, lambda q: self._encode_prompt(q, build_prompt), cfg.rollout.max_prompt_length,
+            source=f"--train-data {path}")
         if too_long:
             print(f"[cegrpo] warning: skipped {too_long} prompts longer than --max-prompt-length="
                   f"{cfg.rollout.max_prompt_length} tokens", flush=True)
@@ -615,7 +604,7 @@ class GRPOTrainer:
             num_layers_in_first=cfg.parallel.decoder_first_pipeline_num_layers,
             num_layers_in_last=cfg.parallel.decoder_last_pipeline_num_layers,
             codec=cfg.codec, model_name=cfg.model.model, params_dtype=cfg.model.params_dtype,
-            extra={"seed": cfg.optim.seed, "train_data": cfg.data.train_data})
+            extra={"seed": cfg.optim.seed, "train_data": cfg.data.train_data}, options=cfg.resume_options())
         path = ck.commit_save(cfg.checkpoint.save, tmp, it, meta, cfg.checkpoint.keep_last, group=ctx.pp_group)
         _log(ctx, f"saved checkpoint {path}")
         return path
@@ -623,26 +612,46 @@ class GRPOTrainer:
     def load_checkpoint(self, load_dir: str) -> None:
         """Restore a checkpoint written by :meth:`save_checkpoint` (every rank, its stage).
 
+        A collective over the pipeline group: a problem one stage finds (a corrupt file of
+        its own) is raised on every stage (``checkpointing.agree_on_errors``).
+
+        ``--load`` without a checkpoint starts fresh only when it is the ``--save``
+        directory (auto-resume); options that shape the trajectory must equal the
+        checkpoint's (``checkpointing.check_resume``; weights-only checkpoints start a new
+        run and are not compared).
+
         Raises:
             CheckpointError: missing, corrupt (sha256 mismatch), or incompatible checkpoint
-                (another model, PP size / split, or codec), naming the file and the fix.
+                (another model, PP size / split, codec or trajectory option), or a --load
+                other than --save that holds no checkpoint, naming the file and the fix.
         """
+        from megatron_cegrpo import checkpointing as ck
+
+        ck.agree_on_errors(lambda: self._load_checkpoint_here(load_dir), group=self.ctx.pp_group)
+
+    def _load_checkpoint_here(self, load_dir: str) -> None:
+        """This rank's part of :meth:`load_checkpoint`."""
         from megatron_cegrpo import checkpointing as ck
         from megatron_cegrpo.models import load_stage_weights as _load
 
         cfg, ctx = self.cfg, self.ctx
         self._resume_rng = self._resume_sampler = None
-        if not ck.has_checkpoint(load_dir):
-            _log(ctx, f"warning: --load {load_dir} holds no checkpoint yet; starting from --model "
-                      f"{cfg.model.model} (pass the same directory as --save to resume automatically)")
+        found = ck.find_resume_checkpoint(load_dir, cfg.checkpoint.save)
+        if found is None:
+            _log(ctx, f"--load {load_dir} holds no checkpoint yet (it is the --save directory): starting from "
+                      f"--model {cfg.model.model}")
             return
-        ckpt_dir, it = ck.resolve_load_dir(load_dir)
+        ckpt_dir, it = found
         meta = ck.read_meta(ckpt_dir)
         ck.check_compatible(meta, hf_config=self.hf_config, pp_size=ctx.pp_size,
                             num_layers_in_first=cfg.parallel.decoder_first_pipeline_num_layers,
                             num_layers_in_last=cfg.parallel.decoder_last_pipeline_num_layers, codec=cfg.codec)
+        weights_only = "trainer_state.pt" not in ck.stage_file_names(meta, ctx.pp_rank)
+        if not weights_only:
+            for warning in ck.check_resume(meta, cfg.resume_options(), train_iters=cfg.optim.train_iters):
+                _log(ctx, f"warning: {warning}")
         ck.load_stage_model(ckpt_dir, ctx.pp_rank, self.model, meta=meta)
-        if "trainer_state.pt" not in ck.stage_file_names(meta, ctx.pp_rank):
+        if weights_only:
             # a converted, weights-only checkpoint: the run starts at iteration 0 from these weights
             if self.ref_model is not None:
                 ck.load_stage_model(ckpt_dir, ctx.pp_rank, self.ref_model, meta=meta)
@@ -680,7 +689,8 @@ class GRPOTrainer:
         if self.ctx.is_driver:
             if self._resume_sampler is not None:
                 self.sampler.load_state_dict(self._resume_sampler)
-            _truncate_metrics(self.writer.path, self.iteration)
+            for warning in truncate_metrics(self.writer.path, self.iteration):
+                _log(self.ctx, f"warning: {warning}")
         stage_sds = self.gatherer.gather()
         if self.ctx.is_driver:
             self.rollout.update_weights(megatron_to_hf(stage_sds, self.hf_config, self.tf_config, self.ctx.pp_size))
@@ -692,19 +702,6 @@ class GRPOTrainer:
         res = fn()
         dist.barrier(group=self.ctx.rollout_group)
         return res
-
-
-def _truncate_metrics(path: str, last_step: int) -> None:
-    """Drop log lines of iterations after ``last_step`` (written after the checkpoint by a
-    run that then died), so a resumed log has each step exactly once."""
-    if not os.path.exists(path):
-        return
-    with open(path) as f:
-        lines = [ln for ln in f if ln.strip() and json.loads(ln).get("step", 0) <= last_step]
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.writelines(lines)
-    os.replace(tmp, path)
 
 
 class _all_cores:

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from megatron_cegrpo.arguments import build_config, parse_args
+from megatron_cegrpo.arguments import ConfigError, build_config, build_parser, parse_args
 
 
 def cfg(*argv):
@@ -35,6 +35,76 @@ def test_defaults_validate_and_derived_sizes():
 def test_bad_flags_name_the_flag(argv, match):
     with pytest.raises(ValueError, match=match):
         cfg(*argv).validate()
+
+
+@pytest.mark.parametrize("argv, message", [
+    # registries of grpo/core_algos.py
+    (["--kl-loss-type", "bogus"], "--kl-loss-type must be one of abs, k1, k2, k3, kl, low_var_kl, mse; got 'bogus'"),
+    (["--loss-agg-mode", "bogus"],
+     "--loss-agg-mode must be one of seq-mean-token-mean, seq-mean-token-sum, token-mean; got 'bogus'"),
+    # 0 used to mean "all", -4 reached a ZeroDivisionError
+    (["--global-batch-size", "0"], "--global-batch-size must be an integer >= 1, got 0"),
+    (["--global-batch-size", "-4"], "--global-batch-size must be an integer >= 1, got -4"),
+    (["--lr", "nan"], "--lr must be a finite number > 0, got nan"),
+    (["--temperature", "inf"], "--temperature must be a finite number > 0, got inf"),
+    (["--adam-beta1", "1.5"], "--adam-beta1 must be a finite number >= 0 and < 1, got 1.5"),
+    (["--adam-eps", "0"], "--adam-eps must be a finite number > 0, got 0.0"),
+    (["--weight-decay", "-0.1"], "--weight-decay must be a finite number >= 0, got -0.1"),
+    (["--clip-grad", "inf"], "--clip-grad must be a finite number >= 0, got inf"),
+    (["--kl-coef", "nan"], "--kl-coef must be a finite number >= 0, got nan"),
+    (["--top-p", "0"], "--top-p must be a finite number > 0 and <= 1, got 0.0"),
+    (["--num-threads", "-1"], "--num-threads must be an integer >= 1, got -1"),
+    (["--eval-limit", "0"], "--eval-limit must be an integer >= 1, got 0"),
+    (["--seed", "-1"], "--seed must be an integer in [0, 4294967295], got -1"),
+    (["--drift-probe-interval", "2", "--pipeline-model-parallel-size", "1", "--anchor-ranks", "0"],
+     "--drift-probe-interval 2 probes nothing with --pipeline-model-parallel-size 1"),
+    (["--prompt-template", "chatml"], "--prompt-template must be one of answer_is, boxed, plain; got 'chatml'"),
+    (["--train-data-format", "csv"], "--train-data-format must be one of"),
+    (["--keep-last", "2"], "--keep-last has no effect without --save"),
+    (["--wandb-mode", "offline"], "--wandb-mode has no effect without --wandb-project"),
+    (["--sign-blend-alpha", "0", "--sign-blend-beta", "0"], "--sign-blend-alpha and --sign-blend-beta are both 0"),
+    (["--anchor-forecast-points", "1"], "--anchor-forecast-points must be an integer >= 2, got 1"),
+    (["--decoder-first-pipeline-num-layers", "2", "--pipeline-model-parallel-size", "1", "--anchor-ranks", "0"],
+     "--decoder-first-pipeline-num-layers needs --pipeline-model-parallel-size >= 2"),
+    (["--seed", "x"], "argument --seed: invalid int value: 'x'"),
+    (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+])
+def test_every_flag_is_checked_at_start_up(argv, message):
+    """Each of these used to pass start-up (or fail only at the first update)."""
+    with pytest.raises(ConfigError) as e:
+        cfg(*argv).validate()
+    msg = str(e.value)
+    assert message in msg
+    assert "fix:" in msg and "\n" not in msg
+
+
+def test_deepspeed_values_are_checked_and_named(tmp_path):
+    p = tmp_path / "ds.json"
+    p.write_text(json.dumps({"optimizer": {"type": "AdamW", "params": {"lr": -1.0, "betas": [0.9, 0.999]}}}))
+    with pytest.raises(ConfigError, match=r"--lr \(from optimizer.params.lr in .*ds.json\) must be a finite number > 0, got -1.0"):
+        cfg("--deepspeed_config", str(p)).validate()
+    p.write_text(json.dumps({"optimizer": {"type": "AdamW", "params": {"betas": 0.9}}}))
+    with pytest.raises(ConfigError, match="optimizer.params.betas must be a list of two numbers, got 0.9"):
+        cfg("--deepspeed_config", str(p))
+
+
+def test_global_batch_size_unset_means_all_sequences():
+    c = cfg("--rollout-batch-size", "2", "--num-generations", "4").validate()
+    assert c.global_batch_size == 8 and c.num_minibatches == 1
+
+
+def test_resume_options_leave_out_what_has_no_effect():
+    plain = cfg("--anchor-ranks", "0", "--kl-coef", "0").resume_options()
+    assert "--train-iters" not in plain and "--min-lr" not in plain  # constant LR: may train longer
+    assert "--kl-loss-type" not in plain and "--anchor-interval" not in plain
+    assert plain["--lr"] == 1e-6 and plain["--seed"] == 1234 and plain["--anchor-ranks"] == 0
+    assert plain["--global-batch-size"] == 16 and plain["--no-norm-adv-by-std"] is False
+    decay = cfg("--lr-decay-style", "cosine", "--train-iters", "30", "--no-norm-adv-by-std").resume_options()
+    assert decay["--train-iters"] == 30 and decay["--min-lr"] == 0.0 and decay["--anchor-interval"] == 20
+    assert decay["--no-norm-adv-by-std"] is True
+    # every recorded name is a real flag of the parser (or the DeepSpeed key)
+    flags = {s for a in build_parser()._actions for s in a.option_strings}
+    assert set(decay) - flags == {"optimizer.type in --deepspeed_config"}
 
 
 def test_world_size_must_match_pipeline_plus_anchor():

@@ -18,6 +18,14 @@ from megatron_cegrpo.data.datasets import (
     split_holdout,
 )
 from megatron_cegrpo.data.sampler import PromptSampler
+from megatron_cegrpo.data.train_data import (
+    TrainSplit,
+    check_eval_data,
+    check_train_data,
+    load_train_split,
+    resolve_train_data,
+    select_prompts,
+)
 from megatron_cegrpo.data.templates import (
     DEFAULT_TEMPLATE,
     available_templates,
@@ -48,4 +56,10 @@ __all__ = [
     "register_format",
     "register_template",
     "split_holdout",
+    "TrainSplit",
+    "check_eval_data",
+    "check_train_data",
+    "load_train_split",
+    "resolve_train_data",
+    "select_prompts",
 ]

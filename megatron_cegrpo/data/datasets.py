@@ -33,6 +33,7 @@ import random
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
+from megatron_cegrpo.errors import ConfigError
 from megatron_cegrpo.rewards.verifiers import extract_boxed, get_verifier
 
 __all__ = [
@@ -57,8 +58,9 @@ __all__ = [
 DATA_ROOT_ENV = "CEGRPO_DATA_ROOT"
 
 
-class DatasetError(ValueError):
-    """A data file row that cannot be turned into a :class:`PromptRecord`."""
+class DatasetError(ConfigError):
+    """A data file or row that cannot be turned into :class:`PromptRecord` s (the message
+    names the file, the line, the field and the fix)."""
 
 
 @dataclass
@@ -106,8 +108,9 @@ def available_datasets() -> List[str]:
     return sorted(DATASETS)
 
 
-def dataset_path(name: str) -> str:
-    """Absolute path of the file behind short name ``name`` (see :data:`DATASETS`).
+def dataset_path(name: str, root: Optional[str] = None) -> str:
+    """Absolute path of the file behind short name ``name`` (see :data:`DATASETS`) under
+    ``root`` (default: :func:`default_data_root`).
 
     Unknown name -> ``ValueError`` listing the names; a missing file ->
     ``FileNotFoundError`` naming the path and ``$CEGRPO_DATA_ROOT``.
@@ -116,7 +119,7 @@ def dataset_path(name: str) -> str:
         raise ValueError(
             f"unknown data set {name!r}; valid names: {', '.join(available_datasets())}"
         )
-    root = default_data_root()
+    root = os.path.abspath(os.path.expanduser(root)) if root else default_data_root()
     path = os.path.join(root, DATASETS[name])
     if not os.path.isfile(path):
         raise FileNotFoundError(
@@ -371,8 +374,8 @@ def load_prompts(path: str, format: Optional[str] = None, limit: Optional[int] =
             if detected is None:
                 raise DatasetError(
                     f"{path}, line {lineno}: cannot detect the data format from fields "
-                    f"{sorted(row)}; fix: pass format= one of {', '.join(available_formats())} "
-                    "or use the fields of a known format"
+                    f"{sorted(row)}; fix: name the format (--train-data-format, or format=) as one of "
+                    f"{', '.join(available_formats())}, or use the fields of a known format"
                 )
             fmt = get_format(detected)
         if verifier is None:

@@ -29,6 +29,8 @@ __all__ = [
     "logprobs_from_logits",
     "entropy_from_logits",
     "kl_penalty",
+    "register_kl_penalty",
+    "available_kl_penalties",
     "compute_policy_loss",
     "agg_loss",
     "masked_mean",
@@ -151,6 +153,49 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     return -(logp.exp() * logp).sum(dim=-1)
 
 
+_KL_PENALTIES: Dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {}
+
+
+def register_kl_penalty(*names: str):
+    """Register a per-token KL estimator ``fn(logprob, ref_logprob) -> [b, s]`` under
+    ``names`` (decorator; the first name is the canonical one, the rest are aliases).
+    ``--kl-loss-type`` accepts every registered name."""
+
+    def deco(fn):
+        for name in names:
+            _KL_PENALTIES[name] = fn
+        return fn
+
+    return deco
+
+
+def available_kl_penalties():
+    """Every name ``kl_penalty`` (and ``--kl-loss-type``) accepts, sorted."""
+    return sorted(_KL_PENALTIES)
+
+
+@register_kl_penalty("low_var_kl", "k3")
+def _kl_low_var(logprob, ref_logprob):
+    log_ratio = ref_logprob - logprob
+    kl = torch.exp(log_ratio) - log_ratio - 1.0
+    return torch.clamp(kl, min=-10.0, max=10.0)
+
+
+@register_kl_penalty("kl", "k1")
+def _kl_k1(logprob, ref_logprob):
+    return logprob - ref_logprob
+
+
+@register_kl_penalty("abs")
+def _kl_abs(logprob, ref_logprob):
+    return (logprob - ref_logprob).abs()
+
+
+@register_kl_penalty("mse", "k2")
+def _kl_mse(logprob, ref_logprob):
+    return 0.5 * (logprob - ref_logprob).square()
+
+
 def kl_penalty(
     logprob: torch.Tensor, ref_logprob: torch.Tensor, kind: str = "low_var_kl"
 ) -> torch.Tensor:
@@ -159,7 +204,7 @@ def kl_penalty(
     ``low_var_kl`` (k3, default): exp(ref - logp) - (ref - logp) - 1, clamped to
     [-10, 10] as verl does; non-negative and unbiased for KL(pi||pi_ref) when
     tokens are drawn from pi. ``kl`` (k1): logp - ref. ``abs``: |logp - ref|.
-    ``mse`` (k2): 0.5 (logp - ref)^2.
+    ``mse`` (k2): 0.5 (logp - ref)^2. More with :func:`register_kl_penalty`.
 
     Args:
         logprob, ref_logprob: fp32 [b, s].
@@ -168,17 +213,13 @@ def kl_penalty(
     Raises:
         ValueError: unknown ``kind`` (lists the valid ones).
     """
-    if kind in ("low_var_kl", "k3"):
-        log_ratio = ref_logprob - logprob
-        kl = torch.exp(log_ratio) - log_ratio - 1.0
-        return torch.clamp(kl, min=-10.0, max=10.0)
-    if kind in ("kl", "k1"):
-        return logprob - ref_logprob
-    if kind == "abs":
-        return (logprob - ref_logprob).abs()
-    if kind in ("mse", "k2"):
-        return 0.5 * (logprob - ref_logprob).square()
-    raise ValueError(f"unknown kl_penalty kind {kind!r}; valid: low_var_kl (k3), kl (k1), abs, mse (k2)")
+    try:
+        fn = _KL_PENALTIES[kind]
+    except KeyError:
+        raise ValueError(
+            f"unknown kl_penalty kind {kind!r}; valid: {', '.join(available_kl_penalties())}"
+        ) from None
+    return fn(logprob, ref_logprob)
 
 
 def compute_policy_loss(
@@ -231,6 +272,7 @@ def register_loss_agg_mode(name: str):
 
 
 def available_loss_agg_modes():
+    """Every name ``agg_loss`` (and ``--loss-agg-mode``) accepts, sorted."""
     return sorted(_AGG_MODES)
 
 

@@ -94,6 +94,29 @@ def _check_supported(hf_config) -> None:
     _rope_theta(hf_config)  # unsupported RoPE variants fail here, before any model is built
 
 
+def check_model_config(hf_config, pipeline_model_parallel_size: int, num_layers_in_first: Optional[int] = None,
+                       num_layers_in_last: Optional[int] = None) -> None:
+    """The start-up check of a model against the pipeline flags, before anything is built:
+    a supported architecture, and a layer split ``--pipeline-model-parallel-size`` (with
+    ``--decoder-first/last-pipeline-num-layers``) can place.
+
+    Raises:
+        ConfigError: naming the flag (or the model's config field) and the fix.
+    """
+    from megatron_cegrpo.errors import ConfigError, one_line
+
+    try:
+        _check_supported(hf_config)
+    except ValueError as e:
+        raise ConfigError(f"--model: {one_line(e)}; fix: use a llama or qwen2 model with the default RoPE "
+                          "(see README, --model)") from None
+    try:
+        _validate_split(int(hf_config.num_hidden_layers), pipeline_model_parallel_size, num_layers_in_first,
+                        num_layers_in_last)
+    except ValueError as e:
+        raise ConfigError(one_line(e)) from None
+
+
 def head_dim(hf_config) -> int:
     hd = getattr(hf_config, "head_dim", None)
     return int(hd) if hd else hf_config.hidden_size // hf_config.num_attention_heads
@@ -123,7 +146,8 @@ def _validate_split(num_layers: int, pp_size: int, first: Optional[int], last: O
             f"uneven split {UNEVEN_FLAGS}={first}/{last} with {PP_FLAG}={pp_size} cannot place "
             f"{num_layers} layers: {rest} layer(s) would be left for {stages} middle stage(s) "
             "(they must divide evenly, and first + last must equal the layer count when there "
-            "are no middle stages)"
+            f"are no middle stages); fix: choose first/last layer counts that leave each of the {stages} "
+            f"other stage(s) the same number of the model's {num_layers} layers (at least one)"
         )
 
 

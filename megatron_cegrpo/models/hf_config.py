@@ -81,7 +81,9 @@ class ModelSource:
 
 
 def _bad_model(arg: str, why: str) -> ValueError:
-    return ValueError(f"--model {arg!r}: {why}. Accepted forms: {ACCEPTED_FORMS}.")
+    from megatron_cegrpo.errors import ConfigError
+
+    return ConfigError(f"--model {arg!r}: {why}; fix: pass one of the accepted forms: {ACCEPTED_FORMS}")
 
 
 def smollm2_gguf_path() -> str:
@@ -97,7 +99,9 @@ def smollm2_gguf_path() -> str:
 
 
 def resolve_model(name_or_path: str) -> ModelSource:
-    """Map a ``--model`` argument to a :class:`ModelSource` (ValueError if not accepted)."""
+    """Map a ``--model`` argument to a :class:`ModelSource`.
+
+    Raises ConfigError (a ValueError) naming ``--model`` and the accepted forms if not accepted."""
     arg = str(name_or_path)
     key = arg.strip().lower()
     if key in TINY_SPECS:
