@@ -60,6 +60,7 @@ def preflight(cfg) -> None:
 
     * ``--model`` resolves; its config fits ``--pipeline-model-parallel-size`` and the uneven
       split, and ``--max-prompt-length + --max-new-tokens`` fits its positions;
+    * ``--custom-reward-function`` loads and takes ``(response, ground_truth)``;
     * ``--train-data`` resolves and loads, ``--num-holdout`` leaves a training prompt, and
       at least one prompt fits ``--max-prompt-length`` (``data.check_train_data``); every
       ``--eval-datasets`` file exists;
@@ -103,6 +104,10 @@ def preflight(cfg) -> None:
         text = build_prompt(tokenizer, question, d.prompt_template)
         return tokenizer(text, add_special_tokens=False)["input_ids"]
 
+    if d.custom_reward_function:
+        from megatron_cegrpo.rewards.custom import load_custom_reward_function
+
+        load_custom_reward_function(d.custom_reward_function)  # RewardError: file, name, signature
     check_train_data(d.train_data, format=d.train_data_format, num_holdout=d.num_holdout, seed=cfg.optim.seed,
                      data_root=d.data_root, encode=encode, max_prompt_length=r.max_prompt_length)
     if d.eval_datasets:
@@ -210,7 +215,10 @@ def main(argv=None) -> int:
 
                 return _report(e, ctx.rank, every_rank_knows=getattr(e, "agreed", False),
                                wait=lambda: dist.barrier(group=ctx.pp_group))
-            trainer.train()
+            try:
+                trainer.train()
+            except ConfigError as e:  # a reward function's bad value, found by the driver
+                return _report(e, ctx.rank, every_rank_knows=False)
     finally:
         shutdown_distributed()
     return 0

@@ -40,7 +40,7 @@ class Case:
     ``launch`` runs it through ``deepspeed --num_gpus N`` instead of in-process."""
 
     id: str
-    kind: str  # flag | data | checkpoint | launch
+    kind: str  # flag | data | checkpoint | reward | launch
     argv: List[str]
     message: str
     setup: Optional[Callable] = None
@@ -125,6 +125,28 @@ def _small_data_root(tmp):
     os.makedirs(os.path.join(root, "mawps"))
     _rows(os.path.join(root, "mawps"), "singleop.jsonl", ['{"input": "What is 1 plus 1?", "target": 2.0}'] * 3)
     return ["--data-root", root]
+
+
+REWARDS = """X = 3
+def nan_reward(response, ground_truth):
+    return float("nan")
+def raising_reward(response, ground_truth):
+    raise KeyError("gold")
+def one_arg(response):
+    return 1.0
+"""
+
+
+def _reward(spec):
+    """Write the reward file REWARDS to <tmp>/r.py and pass ``--custom-reward-function <tmp>/<spec>``."""
+    def setup(tmp):
+        with open(os.path.join(tmp, "r.py"), "w") as f:
+            f.write(REWARDS)
+        return ["--custom-reward-function", os.path.join(tmp, spec)]
+    return setup
+
+
+_ROW0 = "row 0 of the batch (question 'Harry is inviting 3 friends to a party. He has 12 cookies...')"
 
 
 def _mkdir(name):
@@ -327,6 +349,38 @@ CASES = [
          "pipeline (data-parallel size 1); fix: launch with `deepspeed --num_gpus 3` (or `torchrun "
          "--nproc-per-node 3`), or pass --anchor-ranks 0 for the fast circuit alone", env={"WORLD_SIZE": "2"},
          doc_input="2 processes (WORLD_SIZE=2) for --pipeline-model-parallel-size 2 --anchor-ranks 1"),
+    Case("anchor-delay-multiple", "flag", ["--anchor-ranks", "1", "--anchor-interval", "2", "--anchor-delay", "3"],
+         "--anchor-delay (K=3) must be a positive multiple of --anchor-interval (c=2): the anchor reads the "
+         "checkpoint theta(t - K), and checkpoints are shipped every c iterations; fix: e.g. --anchor-delay 2"),
+    Case("anchor-timeout", "flag", ["--anchor-timeout-minutes", "-1"],
+         "--anchor-timeout-minutes must be a finite number >= 0, got -1.0; fix: e.g. --anchor-timeout-minutes 30, "
+         "or 0 to wait as long as the anchor lives"),
+    Case("distributed-timeout", "flag", ["--distributed-timeout-minutes", "0"],
+         "--distributed-timeout-minutes must be a finite number > 0, got 0.0; fix: e.g. "
+         "--distributed-timeout-minutes 10"),
+    Case("reward-file-missing", "reward", [], "--custom-reward-function '{tmp}/missing.py:f': '{tmp}/missing.py' "
+         "does not exist (working directory '{repo}'); give the path of a .py file", setup=_reward("missing.py:f"),
+         doc_input="--custom-reward-function <tmp>/missing.py:f"),
+    Case("reward-name-missing", "reward", [], "--custom-reward-function '{tmp}/r.py:nope': '{tmp}/r.py' defines no "
+         "'nope' (functions defined there: nan_reward, one_arg, raising_reward); name one of them after the colon",
+         setup=_reward("r.py:nope"), doc_input="--custom-reward-function r.py:nope"),
+    Case("reward-not-callable", "reward", [], "--custom-reward-function '{tmp}/r.py:X': 'X' is an object of type "
+         "int, not a function; name a function (response, ground_truth) -> float", setup=_reward("r.py:X"),
+         doc_input="--custom-reward-function r.py:X (X = 3)"),
+    Case("reward-signature", "reward", [], "--custom-reward-function '{tmp}/r.py:one_arg': one_arg(response) cannot "
+         "be called as one_arg(response, ground_truth); give it two positional parameters",
+         setup=_reward("r.py:one_arg"), doc_input="--custom-reward-function r.py:one_arg (def one_arg(response))"),
+    Case("reward-spec", "reward", [], "--custom-reward-function must be FILE.py:FUNCTION (e.g. my_rewards.py:score), "
+         "got '{tmp}/r.py'; name the file and, after a colon, the function in it", setup=_reward("r.py"),
+         doc_input="--custom-reward-function r.py"),
+    Case("reward-nan", "reward", [], "reward function '{tmp}/r.py:nan_reward' returned nan (NaN) for " + _ROW0
+         + "; return a finite float for every response (e.g. 0.0 for a wrong or unscorable answer)",
+         setup=_reward("r.py:nan_reward"), launch=1,
+         doc_input="a reward returning NaN, found while scoring iteration 1 (deepspeed --num_gpus 1)"),
+    Case("reward-raises", "reward", [], "reward function '{tmp}/r.py:raising_reward' raised KeyError: 'gold' on "
+         + _ROW0 + "; fix the reward function or this row's ground truth (a reward must return a number for every "
+         "response, e.g. 0.0 for one it cannot score)", setup=_reward("r.py:raising_reward"), launch=1,
+         doc_input="a reward raising KeyError, found while scoring iteration 1 (deepspeed --num_gpus 1)"),
     Case("num-gpus", "launch", ["--pipeline-model-parallel-size", "2", "--anchor-ranks", "1"],
          "world size 2 != --pipeline-model-parallel-size (2) + --anchor-ranks (1): this version runs one "
          "pipeline (data-parallel size 1); fix: launch with `deepspeed --num_gpus 3` (or `torchrun "
@@ -348,7 +402,8 @@ def _names():
 def _fill(text, tmp):
     from megatron_cegrpo.data import default_data_root
 
-    return text.replace("{tmp}", str(tmp)).replace("{data}", default_data_root()).replace("{names}", _names())
+    return (text.replace("{tmp}", str(tmp)).replace("{data}", default_data_root()).replace("{names}", _names())
+            .replace("{repo}", REPO))
 
 
 def _argv(case, tmp):
@@ -436,7 +491,7 @@ def doc_table() -> str:
         shown = (c.doc_input or " ".join(c.argv)).replace("{tmp}", "<tmp>")
         if c.env and not c.doc_input:
             shown += " (" + ", ".join(f"{k}={v}" for k, v in c.env.items()) + ")"
-        msg = c.message.replace("{tmp}", "<tmp>").replace("{data}", "<data>").replace("{names}", "<names>")
+        msg = c.message.replace("{tmp}", "<tmp>").replace("{repo}", "<working directory>").replace("{data}", "<data>").replace("{names}", "<names>")
         rows.append(f"| {i} | {c.kind} | {_cell(shown)} | {_cell(msg)} |")
     return "\n".join(rows) + "\n"
 

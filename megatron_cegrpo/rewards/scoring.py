@@ -15,16 +15,20 @@ from typing import Any, Callable, Optional, Sequence, Tuple
 
 import torch
 
+from megatron_cegrpo.errors import ConfigError
+
 __all__ = ["RewardError", "score_responses"]
 
 #: Largest finite float32; a reward beyond it would become inf in the score tensor.
 _FP32_MAX = float(torch.finfo(torch.float32).max)
 
 
-class RewardError(ValueError):
+class RewardError(ConfigError):
     """A reward function cannot be loaded, raised while scoring, or returned a
     value that is not a finite number.  The message is one line naming the
-    function, the row and the fix."""
+    function, the row and the fix.  A ConfigError (so a ValueError): the entry
+    point prints it as one line and exits with status 2, at start-up (loading)
+    or during training (scoring)."""
 
 
 def _one_line(text: str, limit: int) -> str:
