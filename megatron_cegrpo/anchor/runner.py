@@ -4,13 +4,10 @@ from __future__ import annotations
 
 import time
 
-import torch
-
 from megatron_cegrpo import checkpointing as ck
 from megatron_cegrpo.anchor.transport import TAG_SAVE, TAG_SAVE_DONE, recv_object, send_object
 from megatron_cegrpo.anchor.worker import AnchorWorker
-from megatron_cegrpo.models import (build_stage, hf_to_megatron, load_hf_state_dict, load_stage_weights,
-                                    resolve_model, transformer_config_from_hf)
+from megatron_cegrpo.models.stage import build_policy_stage
 
 __all__ = ["run_anchor"]
 
@@ -27,18 +24,12 @@ def run_anchor(cfg, ctx) -> None:
     ended or a stage died) it stops with one line instead of a traceback.
     """
     t0 = time.perf_counter()
-    hf_config, hf_sd = load_hf_state_dict(resolve_model(cfg.model.model))
-    dtype = torch.bfloat16 if cfg.model.params_dtype == "bf16" else torch.float32
-    tf = transformer_config_from_hf(hf_config, pipeline_model_parallel_size=1, params_dtype=dtype)
-    sd = hf_to_megatron(hf_sd, hf_config, tf, 0, 1)
-    del hf_sd
-    model = build_stage(hf_config, tf, pp_rank=0, pp_size=1, pg_collection=ctx.pg_collection)
-    ref = build_stage(hf_config, tf, pp_rank=0, pp_size=1, pg_collection=ctx.pg_collection)
-    load_stage_weights(model, sd)
-    load_stage_weights(ref, sd)
-    ref.requires_grad_(False)
+    # the whole model densely (PP = 1); a reference only when the objective has a KL term
+    dense = build_policy_stage(cfg.model.model, params_dtype=cfg.model.params_dtype,
+                               pg_collection=ctx.pg_collection, with_reference=cfg.grpo.kl_coef > 0,
+                               per_token_loss=False)
+    model, ref = dense.model, dense.ref_model
     model.eval()
-    ref.eval()
     pp = cfg.parallel.pipeline_model_parallel_size
     start, state = 0, None
     if cfg.checkpoint.load and ck.has_checkpoint(cfg.checkpoint.load):

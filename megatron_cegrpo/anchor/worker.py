@@ -27,6 +27,7 @@ from megatron_cegrpo.anchor.transport import (
 )
 from megatron_cegrpo.grpo import core_algos as ca
 from megatron_cegrpo.grpo.batch import microbatches
+from megatron_cegrpo.grpo.loss import grpo_token_loss
 
 __all__ = ["AnchorWorker", "global_param_name", "ring_capacity"]
 
@@ -46,7 +47,7 @@ class AnchorWorker:
 
     Args:
         cfg: the TrainConfig (anchor, GRPO, batch settings).
-        model, ref_model: PP=1 GPTModels (policy replica, frozen reference).
+        model, ref_model: PP=1 GPTModels (policy replica; frozen reference, None without a KL term).
         stage_ranks: global ranks of the pipeline stages, stage order.
         start_iteration: the iteration the trainer resumes from (0 for a new run).
         group: the anchor group (``DistContext.anchor_group``).
@@ -183,7 +184,6 @@ class AnchorWorker:
         is -A grad log pi), k3 KL to its frozen reference, token-mean over the batch; no
         optimizer step. Returns fp32 gradients by parameter name.
         """
-        g = self.cfg.grpo
         with torch.no_grad():
             for n, p in self.params.items():
                 p.copy_(weights[n].to(p.dtype))
@@ -191,19 +191,15 @@ class AnchorWorker:
         num_tokens = float(batch["loss_mask"].sum())
         temp = float(self.cfg.rollout.temperature)
         for mb in microbatches(batch, self.cfg.parallel.micro_batch_size):
-            logits = self.model(input_ids=mb["tokens"], position_ids=mb["position_ids"], attention_mask=None)
-            logp = ca.logprobs_from_logits(logits.float() / temp, mb["labels"])
-            pol = ca.compute_policy_loss(logp.detach(), logp, mb["advantages"], mb["loss_mask"],
-                                         clip_ratio_low=g.clip_ratio_low, clip_ratio_high=g.clip_ratio_high)
-            loss_mat = pol["pg_losses"]
-            if g.kl_coef > 0:
+            ref_lp = None
+            if self.ref_model is not None:
                 with torch.no_grad():
                     ref_logits = self.ref_model(input_ids=mb["tokens"], position_ids=mb["position_ids"],
                                                 attention_mask=None)
                     ref_lp = ca.logprobs_from_logits(ref_logits.float() / temp, mb["labels"])
-                loss_mat = loss_mat + g.kl_coef * ca.kl_penalty(logp, ref_lp, g.kl_loss_type)
-            loss = ca.agg_loss(loss_mat, mb["loss_mask"], g.loss_agg_mode, global_num_tokens=num_tokens,
-                               global_num_seqs=float(batch["tokens"].shape[0]))
+            logits = self.model(input_ids=mb["tokens"], position_ids=mb["position_ids"], attention_mask=None)
+            loss, _ = grpo_token_loss(logits, mb, self.cfg.grpo, temperature=temp, num_tokens=num_tokens,
+                                      num_seqs=float(batch["tokens"].shape[0]), ref_logprobs=ref_lp)
             loss.backward()
         self.num_replayed_sequences += int(batch["tokens"].shape[0])
         return {n: (p.grad.detach().float().clone() if p.grad is not None else torch.zeros_like(p, dtype=torch.float32))

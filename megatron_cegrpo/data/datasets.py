@@ -395,9 +395,9 @@ def load_prompts(path: str, format: Optional[str] = None, limit: Optional[int] =
     return records
 
 
-def load_dataset(name: str, limit: Optional[int] = None) -> List[PromptRecord]:
-    """``load_prompts(dataset_path(name), limit=limit)`` with the short name as ``dataset``."""
-    records = load_prompts(dataset_path(name), limit=limit)
+def load_dataset(name: str, limit: Optional[int] = None, root: Optional[str] = None) -> List[PromptRecord]:
+    """``load_prompts(dataset_path(name, root), limit=limit)`` with the short name as ``dataset``."""
+    records = load_prompts(dataset_path(name, root), limit=limit)
     for r in records:
         r.dataset = name
     return records

@@ -180,15 +180,17 @@ def parse_dataset_specs(text: str, default_mode: ModeLike = None) -> Dict[str, E
     return out
 
 
-def load_eval_datasets(names: Sequence[str], limit: Optional[int] = None) -> Dict[str, List[PromptRecord]]:
-    """``{name: load_dataset(name, limit)}`` in the given order (the first ``limit`` rows of each).
+def load_eval_datasets(names: Sequence[str], limit: Optional[int] = None,
+                       root: Optional[str] = None) -> Dict[str, List[PromptRecord]]:
+    """``{name: load_dataset(name, limit, root)}`` in the given order (the first ``limit`` rows of
+    each; ``root``: ``--data-root``, default ``$CEGRPO_DATA_ROOT`` or ``../shared/data``).
 
     Raises DatasetError naming the file and line of a malformed row, ValueError for an
     unknown name, FileNotFoundError for a missing file.
     """
     if limit is not None and limit < 1:
         raise ValueError(f"limit must be >= 1 or None, got {limit}")
-    return {n: load_dataset(n, limit=limit) for n in names}
+    return {n: load_dataset(n, limit=limit, root=root) for n in names}
 
 
 # ----------------------------------------------------------------------------- validation

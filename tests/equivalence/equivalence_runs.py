@@ -51,7 +51,8 @@ VOLATILE_PREFIXES = ("timing_s/",)
 def _launch(work: str, args, *extra) -> subprocess.CompletedProcess:
     cmd = [launcher("deepspeed"), "--num_gpus", "3", "--master_port", str(free_port()), "megatron_cegrpo/train.py",
            *COMMON, *args, "--custom-reward-function", f"{work}/reward.py:parity_reward", *extra]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+               PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))  # this checkout's code
     return subprocess.run(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           timeout=1800)
 

@@ -1,0 +1,93 @@
+"""The anchor circuit as the stage worker's correction circuit (``training/circuit.py``).
+
+Per stage: the sign correction ``G = alpha G_comp + beta |G_comp| sign(M)`` (registered as
+the stage's correction, before clipping) and the :class:`AnchorClient` that ships weights,
+sends batches and receives sign(M) (``anchor/client.py``). Metrics: ``anchor/*``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Dict
+
+from megatron_cegrpo.anchor.client import AnchorClient
+from megatron_cegrpo.checkpointing import ANCHOR_DIR
+from megatron_cegrpo.optim.hooks import SignCorrectionHook
+
+__all__ = ["AnchorCircuit"]
+
+
+class AnchorCircuit:
+    """The anchor's side on one trainer rank.
+
+    Args:
+        cfg: the TrainConfig (``cfg.anchor``).
+        ctx: the DistContext (``anchor_rank``, ``anchor_group``).
+        stage: the rank's StageWorker (model, parameters, layer offset, correction slot).
+    """
+
+    name = "anchor_client"  # its key in trainer_state (the format of earlier versions)
+
+    def __init__(self, cfg, ctx, stage):
+        self.ctx = ctx
+        self.correction = SignCorrectionHook(stage.params, alpha=cfg.anchor.sign_blend_alpha,
+                                             beta=cfg.anchor.sign_blend_beta)
+        stage.register_correction(self.correction)
+        tied_copy = any(stage.is_duplicate_tied_weight(p) for p in stage.params)
+        self.client = AnchorClient(stage.model, stage.layer_offset, tied_copy, ctx.anchor_rank, ctx.is_driver, cfg,
+                                   self.correction, group=ctx.anchor_group, rank=ctx.rank)
+        self._dump = os.environ.get("CEGRPO_ANCHOR_DUMP_DIR")
+        self._applied_before = 0
+
+    def connect(self) -> None:
+        self.client.connect()
+
+    def after_rollout(self, t: int, batch) -> None:
+        self.client.after_rollout(t, batch)
+
+    def before_optimizer_step(self, t: int, timers) -> None:
+        self.client.before_optimizer_step(t, timers)
+        if self._dump:
+            self.correction.dump_path = os.path.join(self._dump, f"stage{self.ctx.pp_rank}_step{t:05d}.pt")
+        self._applied_before = self.correction.num_applied
+
+    @staticmethod
+    def declare_metrics(reducer) -> None:
+        """Bytes add up over the stages; the fire is the schedule's; the anchor is alive and
+        the correction applied only if on every stage; the sign agreement pools all stages."""
+        (reducer.declare("anchor/bytes_", "sum").declare("anchor/fire", "first").declare("anchor/alive", "min")
+         .declare("_anchor/applied", "min").declare("_anchor/agree", "sum")
+         .declare("_anchor/total", "sum").derive(_correction))
+
+    def stage_metrics(self, t: int) -> Dict[str, float]:
+        applied = self.correction.num_applied - self._applied_before
+        agree, total = self.correction.last_agreement if applied else (0, 0)
+        out = self.client.metrics(t)
+        out.pop("anchor/sign_applied")  # the held sign; correction_applied says whether it was used
+        out.update({"_anchor/applied": applied, "_anchor/agree": agree, "_anchor/total": total})
+        return out
+
+    def driver_metrics(self) -> Dict:
+        """The anchor's own statistics of a fire (branch, staleness, M norm, ...), received by
+        the driver with the signs."""
+        stats, self.client.stats = self.client.stats, {}
+        return {k: v for k, v in stats.items() if k != "anchor/fire"}
+
+    def save_into(self, tmp_dir: str) -> None:
+        self.client.save_anchor_state(tmp_dir, ANCHOR_DIR)
+
+    def finish(self, t: int, timers) -> None:
+        self.client.finish(t, timers)
+
+    def state_dict(self) -> Dict:
+        return self.client.state_dict()
+
+    def load_state_dict(self, state: Dict) -> None:
+        self.client.load_state_dict(state)
+
+
+def _correction(m: Dict) -> Dict:
+    out = {"anchor/correction_applied": int(m["_anchor/applied"] > 0)}
+    if m["_anchor/total"]:
+        out["anchor/sign_agreement"] = m["_anchor/agree"] / m["_anchor/total"]
+    return out

@@ -1,0 +1,68 @@
+"""The GRPO token loss, in one place: the stages' update pass, the anchor's dense replay and
+the link benchmark all call :func:`grpo_token_loss` (DESIGN.md section 2, step 7).
+
+loss = agg( max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high)) + beta KL(pi || pi_ref) ),
+r = exp(log pi(y) - log pi_old(y)), log-probs of the logits divided by the sampling
+temperature (the sampler's distribution), KL by ``kl_loss_type`` (k3 by default).
+Sources: PPO (Schulman et al. 2017) eq. (7), DAPO's clip-higher and token-mean
+aggregation (Yu et al. 2025), GRPO (Shao et al. 2024) eq. (3); ``grpo/core_algos.py``.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Optional, Tuple
+
+import torch
+
+from megatron_cegrpo.grpo import core_algos as ca
+
+__all__ = ["grpo_token_loss"]
+
+
+def grpo_token_loss(
+    logits: torch.Tensor,
+    mb: Dict[str, torch.Tensor],
+    grpo,
+    *,
+    temperature: float,
+    num_tokens: float,
+    num_seqs: float,
+    old_logprobs: Optional[torch.Tensor] = None,
+    ref_logprobs: Optional[torch.Tensor] = None,
+) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+    """Clipped-ratio GRPO loss (+ KL to the reference) of one micro-batch.
+
+    Args:
+        logits: [b, s, V] (any float dtype; computed in fp32).
+        mb: the micro-batch: ``labels`` long [b, s], ``loss_mask`` float [b, s] (1 on
+            response tokens), ``advantages`` float [b, s].
+        grpo: a GRPOConfig (``clip_ratio_low``, ``clip_ratio_high``, ``kl_coef``,
+            ``kl_loss_type``, ``loss_agg_mode``).
+        temperature: the sampler's temperature (logits are divided by it).
+        num_tokens, num_seqs: response tokens / sequences of the whole mini-batch, so that
+            the micro-batch losses add up to the mini-batch's mean (``agg_loss``).
+        old_logprobs: fp32 [b, s] of the policy that generated the batch; None: this pass's
+            own detached log-probs (ratio 1, gradient -A grad log pi: the anchor's replay).
+        ref_logprobs: fp32 [b, s] of the frozen reference, or None for no KL term (the KL
+            term is added only when ``grpo.kl_coef > 0`` and ``ref_logprobs`` is given).
+
+    Returns:
+        (loss, stats): the 0-dim loss, and detached sums over the micro-batch's response
+        tokens: ``pg_loss_sum``, ``clip_sum`` (clipped tokens), ``ppo_kl_sum``, ``tokens``,
+        and ``kl_sum`` when there is a KL term.
+    """
+    logp = ca.logprobs_from_logits(logits.float() / temperature, mb["labels"])
+    mask = mb["loss_mask"]
+    old = logp.detach() if old_logprobs is None else old_logprobs
+    pol = ca.compute_policy_loss(old, logp, mb["advantages"], mask,
+                                 clip_ratio_low=grpo.clip_ratio_low, clip_ratio_high=grpo.clip_ratio_high)
+    loss_mat = pol["pg_losses"]
+    ntok = mask.sum()
+    stats = {"pg_loss_sum": (pol["pg_losses"].detach() * mask).sum(),
+             "clip_sum": pol["pg_clipfrac"] * ntok, "ppo_kl_sum": pol["ppo_kl"] * ntok, "tokens": ntok}
+    if ref_logprobs is not None and grpo.kl_coef > 0:
+        kl = ca.kl_penalty(logp, ref_logprobs, grpo.kl_loss_type)
+        loss_mat = loss_mat + grpo.kl_coef * kl
+        stats["kl_sum"] = (kl.detach() * mask).sum()
+    loss = ca.agg_loss(loss_mat, mask, grpo.loss_agg_mode, global_num_tokens=num_tokens, global_num_seqs=num_seqs)
+    return loss, stats

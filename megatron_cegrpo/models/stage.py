@@ -1,0 +1,85 @@
+"""A policy stage (and its frozen reference) from a model source: the one recipe used by the
+trainer's stages, the anchor's dense replica (PP = 1) and the link benchmark.
+
+HF weights -> megatron names -> a megatron-core ``GPTModel`` holding layers
+``stage_layer_range(tf_config, pp_rank, pp_size)`` (``models/builder.py``, ``name_map.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, Optional
+
+import torch
+
+from megatron_cegrpo.models.builder import build_stage, transformer_config_from_hf
+from megatron_cegrpo.models.hf_config import ModelSource, resolve_model
+from megatron_cegrpo.models.loader import load_hf_state_dict, load_stage_weights
+from megatron_cegrpo.models.name_map import hf_to_megatron
+
+__all__ = ["PARAMS_DTYPES", "PolicyStage", "build_policy_stage"]
+
+#: ``--params-dtype`` -> torch dtype
+PARAMS_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+@dataclass
+class PolicyStage:
+    """What :func:`build_policy_stage` returns.
+
+    Attributes:
+        source: the resolved model source (tokenizer files, GGUF path).
+        hf_config: the HF config.
+        hf_state_dict: the full HF state dict when ``keep_hf_state_dict`` (the driver's
+            sampler is built from it), else None.
+        tf_config: megatron-core TransformerConfig of the pipeline.
+        model: this rank's stage (trainable).
+        ref_model: the frozen reference copy (eval mode, no grad) or None.
+    """
+
+    source: ModelSource
+    hf_config: Any
+    hf_state_dict: Optional[Dict[str, torch.Tensor]]
+    tf_config: Any
+    model: torch.nn.Module
+    ref_model: Optional[torch.nn.Module]
+
+
+def build_policy_stage(model: str, *, pp_rank: int = 0, pp_size: int = 1, params_dtype: str = "fp32",
+                       num_layers_in_first: Optional[int] = None, num_layers_in_last: Optional[int] = None,
+                       pg_collection=None, with_reference: bool = False, per_token_loss: bool = True,
+                       keep_hf_state_dict: bool = False) -> PolicyStage:
+    """Build pipeline stage ``pp_rank`` of ``pp_size`` of ``model`` with its weights loaded.
+
+    Args:
+        model: ``--model`` (an HF directory, a .gguf file, ``smollm2-135m-instruct``,
+            ``tiny-llama`` / ``tiny-qwen2``).
+        params_dtype: ``fp32`` or ``bf16`` (``--params-dtype``).
+        num_layers_in_first, num_layers_in_last: an uneven split (Megatron's flags).
+        pg_collection: the process groups the stage uses (``DistContext.pg_collection``).
+        with_reference: also build a frozen reference copy with the same weights.
+        per_token_loss: the pipeline schedule divides by the token count the loss function
+            returns (megatron-core's ``calculate_per_token_loss``).
+        keep_hf_state_dict: return the HF state dict as well (else it is freed).
+
+    Raises:
+        ConfigError (ValueError): an unknown model or an impossible split.
+    """
+    source = resolve_model(model)
+    hf_config, hf_sd = load_hf_state_dict(source)
+    tf_config = transformer_config_from_hf(
+        hf_config, pipeline_model_parallel_size=pp_size, params_dtype=PARAMS_DTYPES[params_dtype],
+        num_layers_in_first_pipeline_stage=num_layers_in_first, num_layers_in_last_pipeline_stage=num_layers_in_last,
+        calculate_per_token_loss=per_token_loss)
+    stage_sd = hf_to_megatron(hf_sd, hf_config, tf_config, pp_rank, pp_size)
+    policy = build_stage(hf_config, tf_config, pp_rank=pp_rank, pp_size=pp_size, pg_collection=pg_collection)
+    load_stage_weights(policy, stage_sd)
+    ref = None
+    if with_reference:
+        ref = build_stage(hf_config, tf_config, pp_rank=pp_rank, pp_size=pp_size, pg_collection=pg_collection)
+        load_stage_weights(ref, stage_sd)
+        ref.requires_grad_(False)
+        ref.eval()
+    del stage_sd
+    return PolicyStage(source=source, hf_config=hf_config, hf_state_dict=hf_sd if keep_hf_state_dict else None,
+                       tf_config=tf_config, model=policy, ref_model=ref)

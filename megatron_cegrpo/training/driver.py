@@ -1,0 +1,177 @@
+"""The driver's work on rank 0 (DESIGN.md section 1 and section 2, steps 1-3, 8, 9): data,
+the dense sampler, the reward, evaluation, the log.
+
+Only rank 0 builds a :class:`Driver`; the stages never see it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Dict, List, Optional
+
+import torch
+
+from megatron_cegrpo.data import PromptSampler, build_prompt, load_train_split, select_prompts
+from megatron_cegrpo.evaluation import evaluate, load_eval_datasets, parse_dataset_specs
+from megatron_cegrpo.grpo import core_algos as ca
+from megatron_cegrpo.grpo.batch import pack_rollouts
+from megatron_cegrpo.metrics import build_writers, truncate_metrics
+from megatron_cegrpo.models import load_tokenizer, megatron_to_hf
+from megatron_cegrpo.models.stage import PolicyStage
+from megatron_cegrpo.rewards import get_verifier, score_responses
+from megatron_cegrpo.rewards.custom import load_custom_reward_function
+from megatron_cegrpo.rollout.base import get_rollout_engine
+
+__all__ = ["Driver", "log"]
+
+
+def log(msg: str) -> None:
+    """A driver line on stdout (``[cegrpo] ...``)."""
+    print(f"[cegrpo] {msg}", flush=True)
+
+
+class all_cores:
+    """Give the driver every core while the other ranks wait (generation and evaluation)."""
+
+    def __enter__(self):
+        self.prev = torch.get_num_threads()
+        torch.set_num_threads(os.cpu_count() or self.prev)
+
+    def __exit__(self, *exc):
+        torch.set_num_threads(self.prev)
+
+
+class Driver:
+    """Prompts, sampler, reward and log of the run.
+
+    Args:
+        cfg: the TrainConfig.
+        policy: the stage built on rank 0, with ``hf_state_dict`` kept (the sampler's weights).
+        tf_config: the pipeline's TransformerConfig (HF <-> megatron names).
+        pp_size: pipeline stages.
+    """
+
+    def __init__(self, cfg, policy: PolicyStage, pp_size: int):
+        self.cfg, self.hf_config, self.tf_config, self.pp_size = cfg, policy.hf_config, policy.tf_config, pp_size
+        d = cfg.data
+        self.tokenizer = load_tokenizer(policy.source)
+        split = load_train_split(d.train_data, format=d.train_data_format, num_holdout=d.num_holdout,
+                                 seed=cfg.optim.seed, data_root=d.data_root)
+        kept, self.prompt_ids, too_long = select_prompts(split.train, self._encode, cfg.rollout.max_prompt_length,
+                                                         source=f"--train-data {split.path}")
+        if too_long:
+            log(f"warning: skipped {too_long} prompts longer than --max-prompt-length="
+                f"{cfg.rollout.max_prompt_length} tokens")
+        self.train_records, self.holdout_records = kept, split.holdout
+        self.sampler = PromptSampler(len(kept), cfg.grpo.rollout_batch_size, cfg.optim.seed)
+        # training reward: the data set's verifier or a custom function; evaluation: the verifier
+        custom = load_custom_reward_function(d.custom_reward_function) if d.custom_reward_function else None
+        self.get_reward_fn = (lambda _name: custom) if custom is not None else get_verifier
+        self.rollout = get_rollout_engine(cfg.rollout.engine, hf_config=policy.hf_config,
+                                          hf_state_dict=policy.hf_state_dict, tokenizer=self.tokenizer)
+        lg = cfg.logging
+        self.writer = build_writers(lg.log_dir, wandb_project=lg.wandb_project, tensorboard_dir=lg.tensorboard_dir,
+                                    config=cfg.to_dict(), resume=bool(cfg.checkpoint.load),
+                                    run_name=lg.wandb_run_name, wandb_mode=lg.wandb_mode)
+        self.eval_modes = self.eval_sets = None
+        if d.eval_datasets:
+            self.eval_modes = parse_dataset_specs(d.eval_datasets)
+            self.eval_sets = load_eval_datasets(list(self.eval_modes), d.eval_limit, d.data_root)
+        with open(os.path.join(lg.log_dir, "config.json"), "w") as f:
+            json.dump(cfg.to_dict(), f, indent=2)
+        log(f"data {split.path}: {len(kept)} train prompts, {len(split.holdout)} held out")
+
+    def _encode(self, question: str) -> torch.Tensor:
+        text = build_prompt(self.tokenizer, question, self.cfg.data.prompt_template)
+        return torch.tensor(self.tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
+
+    # ------------------------------------------------------------------ steps 1-3
+    def generate_and_score(self, t: int, timers) -> Dict[str, torch.Tensor]:
+        """Draw B prompts, generate G responses each with the dense sampler, score them,
+        group-normalise the advantages and pack the batch (``grpo/batch.py``)."""
+        cfg, G = self.cfg, self.cfg.grpo.num_generations
+        with timers.phase("gen"):
+            idx = self.sampler.next_batch()
+            prompts = [self.prompt_ids[i] for i in idx for _ in range(G)]
+            with all_cores():
+                out = self.rollout.generate(prompts, max_new_tokens=cfg.rollout.max_new_tokens,
+                                            temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
+                                            generator_seed=cfg.optim.seed * 1_000_003 + t)
+        with timers.phase("reward"):
+            recs = [self.train_records[i] for i in idx for _ in range(G)]
+            scores = score_responses(self.get_reward_fn, cfg.data.custom_reward_function, recs, out.texts)
+            adv = ca.compute_grpo_outcome_advantage(scores, G, norm_adv_by_std=cfg.grpo.norm_adv_by_std)
+        batch = pack_rollouts(out.prompt_ids, out.response_ids, out.response_logprobs, scores, adv,
+                              pad_token_id=self.rollout.pad_token_id,
+                              max_seq_length=int(self.hf_config.max_position_embeddings))
+        batch["finished"] = out.finished.float()
+        return batch
+
+    @staticmethod
+    def batch_metrics(batch: Dict[str, torch.Tensor]) -> Dict[str, float]:
+        """verl's ``critic/*``, ``response_length/*`` and ``prompt_length/mean`` of a batch."""
+        scores, resp_len = batch["scores"], batch["response_lengths"].float()
+        adv_seq = batch["advantages"].sum(1) / batch["loss_mask"].sum(1).clamp(min=1)
+        return {
+            "critic/score/mean": float(scores.mean()), "critic/score/max": float(scores.max()),
+            "critic/score/min": float(scores.min()),
+            "critic/advantages/mean": float(adv_seq.mean()), "critic/advantages/max": float(adv_seq.max()),
+            "critic/advantages/min": float(adv_seq.min()),
+            "response_length/mean": float(resp_len.mean()), "response_length/max": float(resp_len.max()),
+            "response_length/min": float(resp_len.min()),
+            "response_length/clip_ratio": float(1.0 - batch["finished"].mean()),
+            "prompt_length/mean": float(batch["prompt_lengths"].float().mean()),
+        }
+
+    # ------------------------------------------------------------------ step 8
+    def update_sampler(self, stage_sds: List[Dict[str, torch.Tensor]]) -> None:
+        """The sampler takes the stages' new weights (HF names)."""
+        self.rollout.update_weights(megatron_to_hf(stage_sds, self.hf_config, self.tf_config, self.pp_size))
+
+    # ------------------------------------------------------------------ evaluation
+    def evaluate_holdout(self) -> Optional[Dict[str, float]]:
+        """Greedy accuracy of the dense sampler on the held-out training rows:
+        ``val/holdout/acc``, ``val/holdout/num_rows`` (None without held-out rows)."""
+        if not self.holdout_records:
+            return None
+        with all_cores():
+            return evaluate(self.rollout, self.tokenizer, {"holdout": self.holdout_records}, modes="greedy",
+                            max_new_tokens=self.cfg.data.eval_max_new_tokens,
+                            batch_size=self.cfg.data.eval_batch_size, template=self.cfg.data.prompt_template,
+                            progress=False, seed=self.cfg.optim.seed)
+
+    def evaluate_suite(self, iteration: int) -> Optional[Dict[str, float]]:
+        """Dense-view evaluation on ``--eval-datasets`` (greedy or avg@k per data set):
+        ``val/<dataset>/acc`` and friends (``megatron_cegrpo.evaluation``); None without them."""
+        if not self.eval_sets:
+            return None
+        with all_cores():
+            ev = evaluate(self.rollout, self.tokenizer, self.eval_sets, modes=self.eval_modes,
+                          max_new_tokens=self.cfg.data.eval_max_new_tokens,
+                          batch_size=self.cfg.data.eval_batch_size, template=self.cfg.data.prompt_template,
+                          progress=self.cfg.logging.tqdm, seed=self.cfg.optim.seed)
+        accs = ", ".join(f"{k[4:-4]} {v:.3f}" for k, v in ev.items() if k.startswith("val/") and k.endswith("/acc"))
+        log(f"dense-view evaluation at iteration {iteration}: {accs}")
+        return ev
+
+    # ------------------------------------------------------------------ log and state
+    def write(self, record: Dict) -> None:
+        self.writer.write(record)
+
+    def resume_log(self, iteration: int) -> None:
+        """Drop log lines past the checkpoint's iteration (and a corrupt last line)."""
+        for warning in truncate_metrics(self.writer.path, iteration):
+            log(f"warning: {warning}")
+
+    def close(self, summary: Dict) -> None:
+        with open(os.path.join(self.cfg.logging.log_dir, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=2)
+        log(f"metrics: {self.writer.path}")
+        self.writer.close()
+
+    def state_dict(self) -> Dict:
+        return {"sampler": self.sampler.state_dict()}
+
+    def load_state_dict(self, state: Dict) -> None:
+        self.sampler.load_state_dict(state["sampler"])

@@ -1,0 +1,73 @@
+"""Per-iteration metrics of every stage, reduced on the driver by a declared rule per key.
+
+Each stage reports a flat dict of numbers; every key matches exactly one declared prefix
+and its reduction over the stages (in stage order):
+
+- ``sum``: bytes, token counts, squared norms;
+- ``min``: flags that hold only if every stage agrees (``anchor/alive``);
+- ``first``: values every stage shares (the schedule's ``anchor/fire``);
+- ``stages``: the list of per-stage values (a derived metric reads it).
+
+Keys starting with ``_`` are inputs of derived metrics (``derive`` callbacks) and are
+dropped from the log after the derivation.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, List, Tuple
+
+__all__ = ["StageMetricsReducer"]
+
+_OPS = {
+    "sum": lambda vals: sum(vals),
+    "min": lambda vals: min(vals),
+    "first": lambda vals: vals[0],
+    "stages": lambda vals: list(vals),
+}
+
+
+class StageMetricsReducer:
+    """Declare ``(prefix, reduction)`` rules and derived metrics; reduce gathered stage dicts."""
+
+    def __init__(self):
+        self._rules: List[Tuple[str, str]] = []
+        self._derive: List[Callable[[Dict], Dict]] = []
+
+    def declare(self, prefix: str, op: str) -> "StageMetricsReducer":
+        """Reduce every key starting with ``prefix`` by ``op`` (sum, min, first, stages).
+
+        Raises:
+            ValueError: an unknown op, or a prefix that overlaps an earlier declaration.
+        """
+        if op not in _OPS:
+            raise ValueError(f"unknown reduction {op!r}; one of {', '.join(_OPS)}")
+        for p, _ in self._rules:
+            if p.startswith(prefix) or prefix.startswith(p):
+                raise ValueError(f"metric prefix {prefix!r} overlaps {p!r}")
+        self._rules.append((prefix, op))
+        return self
+
+    def derive(self, fn: Callable[[Dict], Dict]) -> "StageMetricsReducer":
+        """``fn(reduced) -> metrics`` runs after the reduction, in declaration order."""
+        self._derive.append(fn)
+        return self
+
+    def _op(self, key: str) -> str:
+        for prefix, op in self._rules:
+            if key.startswith(prefix):
+                return op
+        raise KeyError(f"stage metric {key!r} has no declared reduction")
+
+    def reduce(self, gathered: List[Dict[str, float]]) -> Dict:
+        """Reduce the stages' dicts (stage order) by the declared rules, then derive.
+
+        Keys are reduced in first-seen order; a key missing on some stage is reduced over
+        the stages that have it. Raises KeyError for an undeclared key.
+        """
+        keys: List[str] = []
+        for d in gathered:
+            keys.extend(k for k in d if k not in keys)
+        out = {k: _OPS[self._op(k)]([d[k] for d in gathered if k in d]) for k in keys}
+        for fn in self._derive:
+            out.update(fn(out))
+        return {k: v for k, v in out.items() if not k.startswith("_")}

@@ -1,0 +1,252 @@
+"""One pipeline stage's work (DESIGN.md section 2, steps 5-8): the compressed passes, the
+update with its pre-step hooks, and the weight gather for the sampler.
+
+Every trainer rank holds one :class:`StageWorker`; the driver's work is in ``driver.py``.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+from typing import Callable, Dict, List, Tuple
+
+import torch
+
+from megatron_cegrpo.compression import ByteMeter, build_codec, get_codec
+from megatron_cegrpo.grpo import core_algos as ca
+from megatron_cegrpo.grpo.batch import slice_batch
+from megatron_cegrpo.grpo.loss import grpo_token_loss
+from megatron_cegrpo.models import allreduce_tied_embedding_grads, stage_layer_range
+from megatron_cegrpo.models.stage import PolicyStage
+from megatron_cegrpo.optim.factory import build_lr_scheduler, build_optimizer
+from megatron_cegrpo.optim.hooks import GradClipHook
+from megatron_cegrpo.pipeline.communicator import CompressedP2PCommunicator
+from megatron_cegrpo.pipeline.schedule import PipelineRunner
+from megatron_cegrpo.pipeline.weight_sync import StageWeightGatherer
+
+__all__ = ["StageWorker"]
+
+_PreStep = Callable[[torch.optim.Optimizer, tuple, dict], None]
+
+
+class StageWorker:
+    """The stage's model, reference, codec, schedule, optimizer and hooks.
+
+    The optimizer runs one pre-step hook: the registered corrections (a circuit's
+    ``G = alpha G + beta |G| sign(M)``, in registration order), then global-norm clipping
+    (``optim/hooks.py``), after the tied-embedding gradient sum.
+
+    Args:
+        cfg: the TrainConfig.
+        ctx: the DistContext.
+        policy: this rank's stage and reference (``models/stage.py``).
+    """
+
+    def __init__(self, cfg, ctx, policy: PolicyStage):
+        self.cfg, self.ctx = cfg, ctx
+        self.tf_config, self.model, self.ref_model = policy.tf_config, policy.model, policy.ref_model
+        self.temperature = float(cfg.rollout.temperature)
+        # theta_0 for actor/weight_rel_change: the frozen reference when there is one
+        self.theta0 = ([p.detach() for p in self.ref_model.parameters()] if self.ref_model is not None
+                       else [p.detach().clone() for p in self.model.parameters()])
+        self.codec = build_codec(cfg.codec.boundary_codec, cfg.codec.boundary_keep_ratio)
+        self.meter = ByteMeter()
+        self.comm = (CompressedP2PCommunicator(ctx.pp_group, self.tf_config, self.codec, self.meter,
+                                               seed=cfg.optim.seed) if ctx.pp_size > 1 else None)
+        self.runner = PipelineRunner(self.comm, ctx.pg_collection, cfg.parallel.micro_batch_size, ctx.pp_size)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = build_optimizer(self.params, cfg.optim)
+        self.scheduler = build_lr_scheduler(self.optimizer, cfg.optim)
+        self.corrections: List[_PreStep] = []
+        self.clip = GradClipHook(self.params, [p for p in self.params if not self.is_duplicate_tied_weight(p)],
+                                 cfg.optim.clip_grad, group=ctx.pp_group if ctx.pp_size > 1 else None)
+        self.optimizer.register_step_pre_hook(self._pre_step)
+        self.gatherer = StageWeightGatherer(self.model, ctx.pp_group)
+        # a tied embedding's gradient is summed across the first and last stage every step: dense
+        # traffic between stages outside the boundary codec, metered as comm/embd_sync_bytes
+        tied = (ctx.pp_size > 1 and getattr(self.model, "share_embeddings_and_output_weights", False)
+                and (ctx.is_first_stage or ctx.is_last_stage))
+        w = self.model.shared_embedding_or_output_weight() if tied else None
+        self._tied_grad_bytes = w.numel() * w.element_size() if w is not None else 0
+        self._embd_sync_bytes = 0
+
+    # ------------------------------------------------------------------ structure
+    def is_duplicate_tied_weight(self, p: torch.nn.Parameter) -> bool:
+        """The last stage's copy of a tied embedding (counted once, on the first stage)."""
+        return (self.ctx.pp_size > 1 and not self.ctx.is_first_stage
+                and getattr(self.model, "share_embeddings_and_output_weights", False)
+                and getattr(self.model, "post_process", False)
+                and p is self.model.shared_embedding_or_output_weight())
+
+    @property
+    def layer_offset(self) -> int:
+        """Global index of this stage's first layer."""
+        return stage_layer_range(self.tf_config, self.ctx.pp_rank, self.ctx.pp_size)[0]
+
+    def register_correction(self, hook: _PreStep) -> None:
+        """Run ``hook(optimizer, args, kwargs)`` before clipping in every optimizer step."""
+        self.corrections.append(hook)
+
+    def _pre_step(self, optimizer, args, kwargs) -> None:
+        for hook in self.corrections:
+            hook(optimizer, args, kwargs)
+        self.clip(optimizer, args, kwargs)
+
+    # ------------------------------------------------------------------ passes
+    def _logprob_loss_fn(self, want_entropy: bool, mb, logits):
+        logits = logits.float() / self.temperature
+        out = {"logprobs": ca.logprobs_from_logits(logits, mb["labels"]).detach()}
+        if want_entropy:
+            out["entropy"] = ca.entropy_from_logits(logits).detach()
+        return torch.zeros(()), torch.tensor(0, dtype=torch.int), out
+
+    def _update_loss_fn(self, num_tokens: float, num_seqs: float, mb, logits):
+        loss, stats = grpo_token_loss(logits, mb, self.cfg.grpo, temperature=self.temperature,
+                                      num_tokens=num_tokens, num_seqs=num_seqs, old_logprobs=mb["old_logprobs"],
+                                      ref_logprobs=mb.get("ref_logprobs") if self.ref_model is not None else None)
+        return loss, stats["tokens"].to(torch.int), stats
+
+    @torch.no_grad()
+    def old_log_prob(self, batch: Dict[str, torch.Tensor], t: int) -> Dict[str, float]:
+        """Step 5: forward-only compressed pass; the last stage sets ``batch["old_logprobs"]``
+        and returns the entropy and the sampler/trainer mismatch (nats/token)."""
+        self.model.eval()  # dropout is 0 anyway; eval keeps the passes identical
+        outs = self.runner.run(self.model, batch, step=t, forward_only=True,
+                               loss_fn=partial(self._logprob_loss_fn, True))
+        if not self.ctx.is_last_stage:
+            return {}
+        batch["old_logprobs"] = torch.cat([o["logprobs"] for o in outs])
+        entropy = torch.cat([o["entropy"] for o in outs])
+        mask = batch["loss_mask"]
+        diff = batch["sampler_logprobs"] - batch["old_logprobs"]
+        return {"actor/entropy": float(ca.masked_mean(entropy, mask)),
+                "mismatch/abs_logprob_diff_mean": float(ca.masked_mean(diff.abs(), mask)),
+                "mismatch/logprob_diff_mean": float(ca.masked_mean(diff, mask))}
+
+    @torch.no_grad()
+    def ref_log_prob(self, batch: Dict[str, torch.Tensor], t: int) -> None:
+        """Step 6: the reference's compressed pass with the same masks (``batch["ref_logprobs"]``)."""
+        outs = self.runner.run(self.ref_model, batch, step=t, forward_only=True,
+                               loss_fn=partial(self._logprob_loss_fn, False))
+        if self.ctx.is_last_stage:
+            batch["ref_logprobs"] = torch.cat([o["logprobs"] for o in outs])
+
+    @torch.no_grad()
+    def drift_probe(self, batch: Dict[str, torch.Tensor], t: int) -> Dict[str, float]:
+        """Compression-off probe of true drift (status 2026-07-31 section 3, "A drift controller").
+
+        Repeats the old-logprob (and reference) passes with the dense codec, billed to a
+        separate meter, and reports beside the compression-view numbers:
+        ``probe/abs_logprob_diff_mean`` (sampler vs dense trainer: the true train-inference
+        mismatch), ``probe/view_abs_logprob_diff`` (compressed vs dense trainer view),
+        ``probe/kl_to_ref`` (k3 KL to the reference, dense view) and
+        ``probe/kl_to_ref_compressed`` (the same in the compression view).
+        """
+        lp_fn = partial(self._logprob_loss_fn, False)
+        with self.comm.using(get_codec("dense"), ByteMeter()):
+            dense = self.runner.run(self.model, batch, step=t, forward_only=True, loss_fn=lp_fn)
+            dense_ref = (self.runner.run(self.ref_model, batch, step=t, forward_only=True, loss_fn=lp_fn)
+                         if self.ref_model is not None else None)
+        if not self.ctx.is_last_stage:
+            return {}
+        mask = batch["loss_mask"]
+        lp = torch.cat([o["logprobs"] for o in dense])
+        out = {
+            "probe/abs_logprob_diff_mean": float(ca.masked_mean((batch["sampler_logprobs"] - lp).abs(), mask)),
+            "probe/view_abs_logprob_diff": float(ca.masked_mean((batch["old_logprobs"] - lp).abs(), mask)),
+        }
+        if dense_ref is not None:
+            ref = torch.cat([o["logprobs"] for o in dense_ref])
+            kind = self.cfg.grpo.kl_loss_type
+            out["probe/kl_to_ref"] = float(ca.masked_mean(ca.kl_penalty(lp, ref, kind), mask))
+            out["probe/kl_to_ref_compressed"] = float(
+                ca.masked_mean(ca.kl_penalty(batch["old_logprobs"], batch["ref_logprobs"], kind), mask))
+        return out
+
+    def update(self, batch: Dict[str, torch.Tensor], t: int) -> Dict[str, float]:
+        """Step 7: 1F1B forward+backward per mini-batch, tied-embedding sum, optimizer step
+        (corrections, then clipping); the LR schedule advances once per iteration."""
+        cfg = self.cfg
+        n, gbs = batch["tokens"].shape[0], cfg.global_batch_size
+        sums = {"pg_loss_sum": 0.0, "clip_sum": 0.0, "ppo_kl_sum": 0.0, "kl_sum": 0.0, "tokens": 0.0}
+        norms = []
+        self.model.train()
+        for _ in range(cfg.grpo.ppo_epochs):
+            for start in range(0, n, gbs):
+                mini = slice_batch(batch, start, start + gbs)
+                self.optimizer.zero_grad(set_to_none=True)
+                outs = self.runner.run(self.model, mini, step=t, forward_only=False,
+                                       loss_fn=partial(self._update_loss_fn, float(mini["loss_mask"].sum()),
+                                                       float(gbs)))
+                for o in outs:
+                    for k in sums:
+                        if k in o:
+                            sums[k] += float(o[k])
+                if self.ctx.pp_size > 1:
+                    allreduce_tied_embedding_grads(self.model, self.ctx.embd_group)
+                    self._embd_sync_bytes += self._tied_grad_bytes
+                norms.append(self._step(t))
+        self.scheduler.step()
+        out = {"actor/grad_norm": float(sum(norms) / len(norms)), "actor/lr": self.optimizer.param_groups[0]["lr"],
+               "actor/num_optimizer_steps": len(norms), "actor/skipped_steps": self.clip.num_skipped}
+        if self.ctx.is_last_stage:
+            tok = max(sums["tokens"], 1.0)
+            out.update({"actor/pg_loss": sums["pg_loss_sum"] / tok, "actor/pg_clipfrac": sums["clip_sum"] / tok,
+                        "actor/ppo_kl": sums["ppo_kl_sum"] / tok})
+            if self.ref_model is not None:
+                out["actor/kl_loss"] = sums["kl_sum"] / tok
+        return out
+
+    def _step(self, t: int) -> float:
+        skipped = self.clip.num_skipped
+        self.optimizer.step()
+        if self.clip.num_skipped > skipped and self.ctx.is_driver:
+            print(f"[cegrpo] warning: iteration {t}: the gradient norm is {self.clip.last_grad_norm} "
+                  f"(NaN or inf); the optimizer step was skipped ({self.clip.num_skipped} so far)", flush=True)
+        return self.clip.last_grad_norm
+
+    def gather_weights(self):
+        """Step 8 (collective over the pipeline): every stage's weights, on the driver."""
+        return self.gatherer.gather()
+
+    # ------------------------------------------------------------------ metrics
+    @staticmethod
+    def declare_metrics(reducer) -> None:
+        """How the driver reduces :meth:`stage_metrics` over the stages."""
+        reducer.declare("comm/", "sum").declare("_weight/", "stages").derive(_weight_change).derive(_bytes_ratio)
+
+    def stage_metrics(self) -> Dict[str, float]:
+        """This stage's bytes since the last call and its weight change (reset on read)."""
+        out = {k: v for k, v in self.meter.snapshot_and_reset().items() if k != "comm/bytes_ratio"}
+        out["comm/embd_sync_bytes"] = self._embd_sync_bytes
+        self._embd_sync_bytes = 0
+        out["_weight/diff_sq"], out["_weight/base_sq"] = self._weight_change_sums()
+        return out
+
+    @torch.no_grad()
+    def _weight_change_sums(self) -> Tuple[float, float]:
+        """(||theta - theta_0||^2, ||theta_0||^2) over this stage's parameters (fp64)."""
+        diff = base = 0.0
+        for p, p0 in zip(self.model.parameters(), self.theta0):
+            diff += float((p.detach().double() - p0.double()).square().sum())
+            base += float(p0.double().square().sum())
+        return diff, base
+
+    def assert_finite(self) -> List[str]:
+        """Names of parameters holding a NaN or inf (checked before every save)."""
+        return [n for n, p in self.model.named_parameters() if not bool(torch.isfinite(p.detach()).all())]
+
+
+def _weight_change(m: Dict) -> Dict[str, float]:
+    """``actor/weight_rel_change`` = ||theta_t - theta_0|| / ||theta_0|| per stage and overall."""
+    diffs, bases = m["_weight/diff_sq"], m["_weight/base_sq"]
+    out = {f"actor/weight_rel_change/stage_{i}": math.sqrt(d / max(b, 1e-30)) for i, (d, b) in
+           enumerate(zip(diffs, bases))}
+    out["actor/weight_rel_change"] = math.sqrt(sum(diffs) / max(sum(bases), 1e-30))
+    return out
+
+
+def _bytes_ratio(m: Dict) -> Dict[str, float]:
+    """``comm/bytes_ratio`` = boundary wire bytes (both directions) / their dense size."""
+    dense = m.get("comm/dense_equiv_bytes", 0)
+    return {"comm/bytes_ratio": (m.get("comm/fwd_bytes", 0) + m.get("comm/bwd_bytes", 0)) / dense if dense else 0.0}

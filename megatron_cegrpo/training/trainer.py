@@ -1,0 +1,246 @@
+"""The GRPO iteration loop on a compressed megatron-core pipeline (DESIGN.md section 2).
+
+One iteration t, each phase in a named timer (``timing_s/<phase>``):
+  gen, reward   the driver draws prompts, the dense sampler generates G responses each, the
+                verifier scores them; group-normalised advantages        (driver.py)
+  broadcast     the packed batch goes to every stage
+  anchor        a correction circuit sees the batch (circuit.py; none without an anchor)
+  old_log_prob  forward-only pipeline pass, compressed (masks keyed by t)  (stage.py)
+  ref           the frozen reference, same masks (only when --kl-coef > 0)
+  probe         every --drift-probe-interval: the same passes with compression off
+  update        megatron-core 1F1B forward+backward per mini-batch, optimizer step
+                (pre-step: the circuits' corrections, then global-norm clipping)
+  sync          stage weights -> the driver's sampler
+then metrics (reduced over the stages by declared rules, reduce.py) and, on the save
+cadence, a checkpoint (checkpointer.py).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Dict, List, Optional
+
+import torch.distributed as dist
+from tqdm import tqdm
+
+from megatron_cegrpo.arguments import TrainConfig
+from megatron_cegrpo.checkpointing import is_save_iteration
+from megatron_cegrpo.initialize import DistContext
+from megatron_cegrpo.metrics import PhaseTimers, format_progress
+from megatron_cegrpo.models.stage import build_policy_stage
+from megatron_cegrpo.training.checkpointer import Checkpointer, RNGState
+from megatron_cegrpo.training.circuit import Circuit, circuits_of
+from megatron_cegrpo.training.driver import Driver, log
+from megatron_cegrpo.training.reduce import StageMetricsReducer
+from megatron_cegrpo.training.stage import StageWorker
+
+__all__ = ["GRPOTrainer"]
+
+
+class GRPOTrainer:
+    """One trainer rank: a :class:`StageWorker` on every rank, the :class:`Driver` on rank 0,
+    the correction circuits of the run (the anchor, or none).
+
+    Args:
+        cfg: the validated TrainConfig.
+        ctx: the DistContext from ``initialize_distributed``.
+    Raises:
+        ConfigError / CheckpointError: a checkpoint that cannot be resumed (agreed by every stage).
+    """
+
+    def __init__(self, cfg: TrainConfig, ctx: DistContext):
+        self.cfg, self.ctx = cfg, ctx
+        t0 = time.perf_counter()
+        p = cfg.parallel
+        policy = build_policy_stage(cfg.model.model, pp_rank=ctx.pp_rank, pp_size=ctx.pp_size,
+                                    params_dtype=cfg.model.params_dtype,
+                                    num_layers_in_first=p.decoder_first_pipeline_num_layers,
+                                    num_layers_in_last=p.decoder_last_pipeline_num_layers,
+                                    pg_collection=ctx.pg_collection, with_reference=cfg.grpo.kl_coef > 0,
+                                    keep_hf_state_dict=ctx.is_driver)
+        self.stage = StageWorker(cfg, ctx, policy)
+        self.circuits: List[Circuit] = circuits_of(cfg, ctx, self.stage)
+        self.reducer = StageMetricsReducer()
+        self.stage.declare_metrics(self.reducer)
+        for c in self.circuits:
+            c.declare_metrics(self.reducer)
+        self.timers = PhaseTimers()
+        self.checkpointer = Checkpointer(cfg, ctx, policy.hf_config, self._log)
+        self.iteration = 0
+        if cfg.checkpoint.load:
+            self.iteration, theta0 = self.checkpointer.load(cfg.checkpoint.load, self.stage.model,
+                                                            self.stage.ref_model, self._stateful(),
+                                                            deferred=("sampler", "rng"))
+            if theta0 is not None:
+                self.stage.theta0 = theta0
+        for c in self.circuits:
+            c.connect()
+        self.driver: Optional[Driver] = Driver(cfg, policy, ctx.pp_size) if ctx.is_driver else None
+        del policy
+        if cfg.checkpoint.load:
+            self._resume_driver()
+        codec, d = self.stage.codec, self.stage.tf_config.hidden_size
+        self._log(f"model {cfg.model.model}: {self.stage.tf_config.num_layers} layers, d={d}, PP={ctx.pp_size}, "
+                  f"codec={cfg.codec.boundary_codec}" + (f" (k={codec.k(d)} of d)" if hasattr(codec, "k") else "")
+                  + f"; set up in {time.perf_counter() - t0:.1f} s")
+
+    def _log(self, msg: str) -> None:
+        if self.ctx.is_driver:
+            log(msg)
+
+    def _stateful(self) -> Dict:
+        """The objects in a checkpoint's ``trainer_state``, by their key there."""
+        s = self.stage
+        out = {"optimizer": s.optimizer, "scheduler": s.scheduler, "rng": RNGState(), "meter": s.meter,
+               "codec": s.codec}
+        if self.ctx.is_driver and getattr(self, "driver", None) is not None:
+            out["sampler"] = self.driver.sampler
+        out.update({c.name: c for c in self.circuits})
+        return out
+
+    def _resume_driver(self) -> None:
+        """After a load: the driver's data position and log, the sampler's weights, then the RNGs."""
+        if self.driver is not None:
+            self.checkpointer.restore_deferred({"sampler": self.driver.sampler})
+            self.driver.resume_log(self.iteration)
+        stage_sds = self.stage.gather_weights()
+        if self.driver is not None:
+            self.driver.update_sampler(stage_sds)
+        self.checkpointer.restore_deferred({"rng": RNGState()})
+
+    # ------------------------------------------------------------------ one iteration
+    def train_step(self) -> Optional[Dict]:
+        """Run iteration ``self.iteration + 1``; returns the metrics dict on the driver."""
+        ctx, stage, timers = self.ctx, self.stage, self.timers
+        t = self.iteration + 1
+        t_start = time.perf_counter()
+        batch = self.driver.generate_and_score(t, timers) if self.driver is not None else None
+        with timers.phase("broadcast"):  # the rollout group: the stages wait as long as the driver generates
+            obj = [batch]
+            dist.broadcast_object_list(obj, src=dist.get_global_rank(ctx.rollout_group, 0), group=ctx.rollout_group)
+            batch = obj[0]
+        for c in self.circuits:
+            with timers.phase("anchor"):
+                c.after_rollout(t, batch)
+        with timers.phase("old_log_prob"):
+            stats = stage.old_log_prob(batch, t)
+        if stage.ref_model is not None:
+            with timers.phase("ref"):
+                stage.ref_log_prob(batch, t)
+        probe = self.cfg.logging.drift_probe_interval
+        if probe and t % probe == 0 and stage.comm is not None:
+            with timers.phase("probe"):
+                stats.update(stage.drift_probe(batch, t))
+        with timers.phase("update"):
+            for c in self.circuits:
+                c.before_optimizer_step(t, timers)
+            stats.update(stage.update(batch, t))
+        with timers.phase("sync"):
+            stage_sds = stage.gather_weights()
+            if self.driver is not None:
+                self.driver.update_sampler(stage_sds)
+        self.iteration = t
+        return self._metrics(batch, stats, t, time.perf_counter() - t_start)
+
+    def _metrics(self, batch, stats: Dict[str, float], t: int, seconds: float) -> Optional[Dict]:
+        """Loss metrics from the last stage, every stage's reduced by the declared rules, the
+        driver's batch statistics and timers; written to the log on the driver."""
+        ctx = self.ctx
+        obj = [stats if ctx.is_last_stage else None]
+        dist.broadcast_object_list(obj, src=ctx.last_stage_rank, group=ctx.pp_group)
+        local = self.stage.stage_metrics()
+        for c in self.circuits:
+            local.update(c.stage_metrics(t))
+        gathered = [None] * ctx.pp_size if ctx.is_driver else None
+        dist.gather_object(local, gathered, dst=dist.get_global_rank(ctx.pp_group, 0), group=ctx.pp_group)
+        if self.driver is None:
+            return None
+        m = {"step": t, **Driver.batch_metrics(batch), **obj[0], **self.reducer.reduce(gathered)}
+        for c in self.circuits:
+            m.update(c.driver_metrics())
+        m["sync/bytes"] = self.stage.gatherer.last_bytes
+        m.update(self.timers.snapshot_and_reset())
+        m["timing_s/step"] = seconds
+        every = self.cfg.data.eval_interval
+        if every and t % every == 0:  # the other stages wait for the next batch meanwhile
+            m.update(self.driver.evaluate_suite(t))
+        self.driver.write(m)
+        return m
+
+    # ------------------------------------------------------------------ the loop
+    def train(self) -> Optional[Dict]:
+        """Iterations up to ``--train-iters`` with evaluation before and after, checkpoints on
+        the save cadence; returns the summary on the driver (None elsewhere)."""
+        cfg = self.cfg
+        summary = {}
+        if self.iteration == 0:
+            summary.update(self._evaluate_before())
+        bar = (tqdm(total=cfg.optim.train_iters, desc="GRPO", unit="it", file=sys.stdout, dynamic_ncols=True)
+               if self.driver is not None and cfg.logging.tqdm else None)
+        last = None
+        while self.iteration < cfg.optim.train_iters:
+            last = self.train_step()
+            c = cfg.checkpoint
+            if is_save_iteration(self.iteration, c.save, c.save_interval, cfg.optim.train_iters):
+                with self.timers.phase("save"):
+                    self.save_checkpoint()
+            if self.driver is not None:
+                self._progress(last, bar)
+        if bar is not None:
+            bar.close()
+        for c in self.circuits:
+            c.finish(self.iteration, self.timers)
+        if cfg.data.num_holdout:
+            after = self._driver_phase(lambda d: d.evaluate_holdout())
+            if after:
+                summary["final"] = after
+                self.driver.write({"step": self.iteration, **after})
+                self._log(f"held-out greedy accuracy after {self.iteration} iterations: "
+                          f"{after['val/holdout/acc']:.3f} ({after['val/holdout/num_rows']} rows)")
+        if self.driver is None:
+            return None
+        summary["last_metrics"] = last
+        self.driver.close(summary)
+        return summary
+
+    def _evaluate_before(self) -> Dict:
+        out = {}
+        if self.cfg.data.eval_interval:
+            ev = self._driver_phase(lambda d: d.evaluate_suite(0))
+            if ev:
+                self.driver.write({"step": 0, **ev})
+        if self.cfg.data.num_holdout:
+            before = self._driver_phase(lambda d: d.evaluate_holdout())
+            if before:
+                out["initial"] = before
+                self.driver.write({"step": 0, **before})
+                self._log(f"held-out greedy accuracy before training: {before['val/holdout/acc']:.3f} "
+                          f"({before['val/holdout/num_rows']} rows, {before['timing_s/eval']:.0f} s)")
+        return out
+
+    def _progress(self, m: Dict, bar) -> None:
+        line = format_progress(m, self.cfg.optim.train_iters)
+        if bar is not None:
+            bar.update(1)
+        if m["step"] % self.cfg.logging.log_interval == 0:
+            (bar.write if bar is not None else lambda s: print(s, flush=True))(line)
+
+    def _driver_phase(self, fn):
+        """Run ``fn(driver)`` on the driver while the other stages wait (rollout group)."""
+        res = fn(self.driver) if self.driver is not None else None
+        dist.barrier(group=self.ctx.rollout_group)
+        return res
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self) -> str:
+        """Write everything the run needs to continue bit for bit (README "Checkpoints";
+        ``checkpointer.py``); the driver lets each circuit add its own state."""
+        names = [n for n, _ in self.stage.model.named_parameters()]
+        before_commit = None
+        if self.driver is not None and self.circuits:
+            def before_commit(tmp):
+                for c in self.circuits:
+                    c.save_into(tmp)
+        return self.checkpointer.save(self.iteration, self.stage.model, dict(zip(names, self.stage.theta0)),
+                                      self._stateful(), before_commit)
