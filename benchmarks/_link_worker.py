@@ -65,12 +65,14 @@ def logprob_loss(mb, logits):
 
 
 def update_loss(num_tokens: float, mb, logits):
-    from megatron_cegrpo.grpo import core_algos as ca
+    """The trainer's GRPO token loss (``grpo/loss.py``) at its defaults: clip 0.2 / 0.2,
+    token-mean, T = 1, no KL term (the benchmark has no reference model)."""
+    from megatron_cegrpo.arguments import GRPOConfig
+    from megatron_cegrpo.grpo.loss import grpo_token_loss
 
-    logp = ca.logprobs_from_logits(logits.float(), mb["labels"])
-    pol = ca.compute_policy_loss(mb["old_logprobs"], logp, mb["advantages"], mb["loss_mask"])
-    loss = ca.agg_loss(pol["pg_losses"], mb["loss_mask"], "token-mean", global_num_tokens=num_tokens)
-    return loss, mb["loss_mask"].sum().to(torch.int), {"loss": loss.detach()}
+    loss, stats = grpo_token_loss(logits, mb, GRPOConfig(), temperature=1.0, num_tokens=num_tokens,
+                                  num_seqs=float(mb["tokens"].shape[0]), old_logprobs=mb["old_logprobs"])
+    return loss, stats["tokens"].to(torch.int), {"loss": loss.detach()}
 
 
 class Qdisc:
