@@ -540,6 +540,10 @@ class AnchorConfig:
     anchor_timeout_minutes: float = option(
         0.0, "minutes a stage waits at most for one fire's signs before it goes on without the anchor (0: "
              "as long as the anchor process lives; a dead anchor is noticed at once by its closed connection)")
+    anchor_debug_dir: Optional[str] = option(
+        None, "verification dumps (large): the anchor writes each fire's weights, batch, G_anc and sign(M) "
+              "(anchor_fire_<t>.pt), each stage its parameter names (stage_meta_<offset>.pt) and, on every "
+              "corrected step, G_comp, the signs and the corrected G (stage<r>_step<t>.pt); unset: none")
 
     # everything but anchor_ranks only matters with an anchor (TrainConfig.resume_options)
     RESUME = ("anchor_ranks", "anchor_interval", "anchor_delay", "anchor_replay", "anchor_forecast",

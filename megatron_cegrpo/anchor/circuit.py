@@ -36,7 +36,7 @@ class AnchorCircuit:
         tied_copy = any(stage.is_duplicate_tied_weight(p) for p in stage.params)
         self.client = AnchorClient(stage.model, stage.layer_offset, tied_copy, ctx.anchor_rank, ctx.is_driver, cfg,
                                    self.correction, group=ctx.anchor_group, rank=ctx.rank)
-        self._dump = os.environ.get("CEGRPO_ANCHOR_DUMP_DIR")
+        self._dump = cfg.anchor.anchor_debug_dir
         self._applied_before = 0
 
     def connect(self) -> None:

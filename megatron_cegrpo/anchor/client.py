@@ -68,7 +68,7 @@ class AnchorClient:
         self.stats: Dict = {}
         self._meta = {"params": [(n, tuple(p.shape)) for n, p in model.named_parameters()],
                       "layer_offset": int(layer_offset), "tied_output": bool(tied_output)}
-        dump = os.environ.get("CEGRPO_ANCHOR_DUMP_DIR")
+        dump = self.a.anchor_debug_dir
         if dump:
             torch.save(self._meta, os.path.join(dump, f"stage_meta_{layer_offset:04d}.pt"))
 

@@ -69,7 +69,7 @@ class AnchorWorker:
         self.bytes_in = self.bytes_out = 0
         self.num_replayed_sequences = 0  # sequences through the dense forward + backward, this run
         self.last_stats: Optional[dict] = None  # the newest fire's statistics (sent again after a resume)
-        self.dump_dir = os.environ.get("CEGRPO_ANCHOR_DUMP_DIR")
+        self.dump_dir = self.a.anchor_debug_dir
         self._pending: List[list] = []  # isends in flight (the trainer may take its sign later)
         # names/shapes of every stage, in each stage's parameter order (sent once by the stages)
         self.stage_meta = []

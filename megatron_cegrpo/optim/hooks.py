@@ -38,7 +38,7 @@ class SignCorrectionHook:
         self.signs: Optional[List[torch.Tensor]] = None
         self.num_applied = 0
         self.last_agreement = (0, 0)  # (coordinates where sign(G_comp) == sign(M), coordinates)
-        self.dump_path: Optional[str] = None  # debugging/tests: save G_comp, signs and G here
+        self.dump_path: Optional[str] = None  # --anchor-debug-dir: save G_comp, signs and G here
 
     def set_signs(self, signs: Optional[List[torch.Tensor]]) -> None:
         """signs: one tensor per parameter, same shape, values in {-1, +1} (or None to clear)."""

@@ -36,8 +36,9 @@ def _run(tmp_path, *extra):
            "--kl-coef", str(KL), "--boundary-codec", "mask", "--anchor-ranks", "1", "--anchor-interval", "2",
            "--anchor-delay", "2", "--no-tqdm", "--num-threads", "1",
            "--custom-reward-function", f"{tmp_path / 'reward.py'}:parity_reward",
-           "--deepspeed_config", "ds_configs/cpu_adamw.json", "--log-dir", str(tmp_path / "run"), *extra]
-    env = dict(os.environ, OMP_NUM_THREADS="1", CEGRPO_ANCHOR_DUMP_DIR=str(dump))
+           "--deepspeed_config", "ds_configs/cpu_adamw.json", "--log-dir", str(tmp_path / "run"),
+           "--anchor-debug-dir", str(dump), *extra]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
     p = subprocess.run(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                        timeout=900)
     assert p.returncode == 0, p.stdout[-8000:]
