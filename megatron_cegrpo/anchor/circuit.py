@@ -27,6 +27,7 @@ class AnchorCircuit:
     """
 
     name = "anchor_client"  # its key in trainer_state (the format of earlier versions)
+    phase = "anchor"
 
     def __init__(self, cfg, ctx, stage):
         self.ctx = ctx

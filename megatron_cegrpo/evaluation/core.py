@@ -377,47 +377,10 @@ def evaluate_detailed(
             if bar is not None:
                 bar.set_description(f"eval {name} ({mode.describe()})")
             t0 = time.perf_counter()
-            # each problem k times in a row, in length order
-            flat = [(i, j) for i in order for j in range(mode.k)]
-            n = len(flat)
-            bs = batch_size or n
-            texts: List[List[Optional[str]]] = [[None] * mode.k for _ in recs]
-            lens = [[0] * mode.k for _ in recs]
-            trunc = [[False] * mode.k for _ in recs]
-            base_seed = _seed_for(seed, name)
-            for c, start in enumerate(range(0, n, bs)):
-                chunk = flat[start:start + bs]
-                out = engine.generate(
-                    [ids[i] for i, _ in chunk], max_new_tokens=max_new_tokens,
-                    temperature=1.0 if mode.greedy else float(mode.temperature), top_p=top_p,
-                    greedy=mode.greedy, generator_seed=base_seed + c, **extra)
-                if len(out.texts) != len(chunk):
-                    raise RuntimeError(f"evaluate {name!r}: the engine returned {len(out.texts)} responses "
-                                       f"for {len(chunk)} prompts")
-                resp_ids = getattr(out, "response_ids", None)
-                finished = getattr(out, "finished", None)
-                for pos, (i, j) in enumerate(chunk):
-                    texts[i][j] = out.texts[pos]
-                    if resp_ids is not None and len(resp_ids) == len(chunk):
-                        lens[i][j] = int(len(resp_ids[pos]))
-                    if finished is not None and len(finished) == len(chunk):
-                        trunc[i][j] = not bool(finished[pos])
-                if bar is not None:
-                    bar.update(len(chunk))
-            scores = []
-            for i, r in enumerate(recs):
-                verifier = get_verifier(r.verifier)
-                row_scores = []
-                for j in range(mode.k):
-                    try:
-                        row_scores.append(float(verifier(texts[i][j] or "", r.ground_truth)))
-                    except ValueError as e:
-                        raise _row_error(name, r, i, f"ground truth {r.ground_truth!r} is unusable: {e}",
-                                         f"write an answer the {r.verifier!r} verifier can read") from None
-                    except Exception as e:
-                        e.add_note(f"while scoring eval data set {name!r}, row {getattr(r, 'row', i)}")
-                        raise
-                scores.append(row_scores)
+            texts, lens, trunc = _generate_k(engine, name, recs, ids, order, mode, bar, max_new_tokens=max_new_tokens,
+                                             batch_size=batch_size, base_seed=_seed_for(seed, name), top_p=top_p,
+                                             extra=extra)
+            scores = _score_k(name, recs, texts, mode.k)
             res = DatasetResult(name, mode, recs, scores, texts, lens, trunc, time.perf_counter() - t0)
             report.datasets[name] = res
             report.metrics.update(res.metrics(prefix))
@@ -426,6 +389,56 @@ def evaluate_detailed(
             bar.close()
     report.metrics["timing_s/eval"] = time.perf_counter() - t_all
     return report
+
+
+def _generate_k(engine, name, recs, ids, order, mode, bar, *, max_new_tokens, batch_size, base_seed, top_p, extra):
+    """Each problem ``mode.k`` times in a row, in length order, in batches of ``batch_size``:
+    returns (texts, response lengths, truncated flags), each [problem][sample]."""
+    flat = [(i, j) for i in order for j in range(mode.k)]
+    n = len(flat)
+    bs = batch_size or n
+    texts: List[List[Optional[str]]] = [[None] * mode.k for _ in recs]
+    lens = [[0] * mode.k for _ in recs]
+    trunc = [[False] * mode.k for _ in recs]
+    for c, start in enumerate(range(0, n, bs)):
+        chunk = flat[start:start + bs]
+        out = engine.generate(
+            [ids[i] for i, _ in chunk], max_new_tokens=max_new_tokens,
+            temperature=1.0 if mode.greedy else float(mode.temperature), top_p=top_p,
+            greedy=mode.greedy, generator_seed=base_seed + c, **extra)
+        if len(out.texts) != len(chunk):
+            raise RuntimeError(f"evaluate {name!r}: the engine returned {len(out.texts)} responses "
+                               f"for {len(chunk)} prompts")
+        resp_ids = getattr(out, "response_ids", None)
+        finished = getattr(out, "finished", None)
+        for pos, (i, j) in enumerate(chunk):
+            texts[i][j] = out.texts[pos]
+            if resp_ids is not None and len(resp_ids) == len(chunk):
+                lens[i][j] = int(len(resp_ids[pos]))
+            if finished is not None and len(finished) == len(chunk):
+                trunc[i][j] = not bool(finished[pos])
+        if bar is not None:
+            bar.update(len(chunk))
+    return texts, lens, trunc
+
+
+def _score_k(name, recs, texts, k) -> List[List[float]]:
+    """Each response scored by its row's verifier; an unusable ground truth names the row."""
+    scores = []
+    for i, r in enumerate(recs):
+        verifier = get_verifier(r.verifier)
+        row_scores = []
+        for j in range(k):
+            try:
+                row_scores.append(float(verifier(texts[i][j] or "", r.ground_truth)))
+            except ValueError as e:
+                raise _row_error(name, r, i, f"ground truth {r.ground_truth!r} is unusable: {e}",
+                                 f"write an answer the {r.verifier!r} verifier can read") from None
+            except Exception as e:
+                e.add_note(f"while scoring eval data set {name!r}, row {getattr(r, 'row', i)}")
+                raise
+        scores.append(row_scores)
+    return scores
 
 
 def evaluate(

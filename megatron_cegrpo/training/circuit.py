@@ -21,9 +21,11 @@ class Circuit(Protocol):
 
     Attributes:
         name: its key in each stage's ``trainer_state`` checkpoint blob.
+        phase: the timer of its after-rollout step (``timing_s/<phase>``).
     """
 
     name: str
+    phase: str
 
     def connect(self) -> None:
         """Once, after the checkpoint (if any) is loaded."""

@@ -121,7 +121,7 @@ class GRPOTrainer:
             dist.broadcast_object_list(obj, src=dist.get_global_rank(ctx.rollout_group, 0), group=ctx.rollout_group)
             batch = obj[0]
         for c in self.circuits:
-            with timers.phase("anchor"):
+            with timers.phase(c.phase):
                 c.after_rollout(t, batch)
         with timers.phase("old_log_prob"):
             stats = stage.old_log_prob(batch, t)
