@@ -35,8 +35,8 @@ class AnchorCircuit:
                                              beta=cfg.anchor.sign_blend_beta)
         stage.register_correction(self.correction)
         tied_copy = any(stage.is_duplicate_tied_weight(p) for p in stage.params)
-        self.client = AnchorClient(stage.model, stage.layer_offset, tied_copy, ctx.anchor_rank, ctx.is_driver, cfg,
-                                   self.correction, group=ctx.anchor_group, rank=ctx.rank)
+        self.client = AnchorClient(stage.model, stage.layer_offset, tied_copy, ctx.anchor_rank, ctx.is_driver,
+                                   cfg.anchor, self.correction, group=ctx.anchor_group, rank=ctx.rank)
         self._dump = cfg.anchor.anchor_debug_dir
         self._applied_before = 0
 

@@ -40,15 +40,15 @@ class AnchorClient:
         tied_output: True on the last stage of a tied-embedding model with PP > 1.
         anchor_rank: global rank of the anchor.
         is_driver: this rank also sends batches and receives the anchor's statistics.
-        cfg: the TrainConfig (``cfg.anchor``).
+        anchor: the AnchorConfig (c, the apply and fold modes, the timeout, the debug dir).
         correction: the optimizer's SignCorrectionHook.
         group: the anchor group (``DistContext.anchor_group``).
         rank: this rank's global rank (for messages).
     """
 
     def __init__(self, model, layer_offset: int, tied_output: bool, anchor_rank: int, is_driver: bool,
-                 cfg, correction, group=None, rank: int = 0):
-        self.a = cfg.anchor
+                 anchor, correction, group=None, rank: int = 0):
+        self.a = anchor
         self.params = [p for p in model.parameters()]
         self.shapes = [tuple(p.shape) for p in self.params]
         self.anchor = anchor_rank
