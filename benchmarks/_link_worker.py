@@ -18,16 +18,22 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
-import sys
 import time
-import warnings
 from functools import partial
 
 import torch
+import torch.distributed as dist
+from deepspeed.ops.adam import DeepSpeedCPUAdam
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from megatron_cegrpo.bootstrap import bootstrap
+from megatron_cegrpo.compression import ByteMeter, get_codec
+from megatron_cegrpo.grpo import core_algos as ca
+from megatron_cegrpo.initialize import initialize_distributed, shutdown_distributed
+from megatron_cegrpo.models import (allreduce_tied_embedding_grads, build_stage, hf_to_megatron,
+                                    load_hf_state_dict, load_stage_weights, resolve_model,
+                                    transformer_config_from_hf)
+from megatron_cegrpo.optim.hooks import GradClipHook
 
 SEED = 1234
 # user-facing link setting -> (LinkModel mode, tbf qdisc on the rank's interface)
@@ -43,8 +49,6 @@ def make_batch(n: int, s: int, vocab: int, group_size: int = 8, seed: int = SEED
     loss_mask = torch.zeros(n, s)
     loss_mask[:, prompt - 1: s - 1] = 1.0
     scores = (torch.rand(n, generator=g) > 0.5).float()
-    from megatron_cegrpo.grpo import core_algos as ca
-
     adv = ca.compute_grpo_outcome_advantage(scores, min(group_size, n)) if n % min(group_size, n) == 0 else scores
     return {
         "tokens": tokens, "labels": labels, "loss_mask": loss_mask,
@@ -56,8 +60,6 @@ def make_batch(n: int, s: int, vocab: int, group_size: int = 8, seed: int = SEED
 
 
 def logprob_loss(mb, logits):
-    from megatron_cegrpo.grpo import core_algos as ca
-
     logits = logits.float()
     out = {"logprobs": ca.logprobs_from_logits(logits, mb["labels"]).detach(),
            "entropy": ca.entropy_from_logits(logits).detach()}
@@ -65,8 +67,6 @@ def logprob_loss(mb, logits):
 
 
 def update_loss(num_tokens: float, mb, logits):
-    from megatron_cegrpo.grpo import core_algos as ca
-
     logp = ca.logprobs_from_logits(logits.float(), mb["labels"])
     pol = ca.compute_policy_loss(mb["old_logprobs"], logp, mb["advantages"], mb["loss_mask"])
     loss = ca.agg_loss(pol["pg_losses"], mb["loss_mask"], "token-mean", global_num_tokens=num_tokens)
@@ -95,6 +95,7 @@ class Qdisc:
 
 
 def main():
+    bootstrap(cpu_compat=True)  # first: megatron-core (link_model, the schedule) warns at import
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
     ap.add_argument("--pp", type=int, required=True)
@@ -119,19 +120,9 @@ def main():
     ap.add_argument("--tc-burst", default="32kbit")
     ap.add_argument("--tc-latency", default="400ms")
     args = ap.parse_args()
-    warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex|full scope).*")
     t_setup = time.monotonic()
 
-    import torch.distributed as dist
-    from deepspeed.ops.adam import DeepSpeedCPUAdam
-
     from benchmarks.link_model import LinkCommunicator, LinkModel
-    from megatron_cegrpo.compression import ByteMeter, get_codec
-    from megatron_cegrpo.initialize import initialize_distributed
-    from megatron_cegrpo.models import (allreduce_tied_embedding_grads, build_stage, hf_to_megatron,
-                                        load_hf_state_dict, load_stage_weights, resolve_model,
-                                        transformer_config_from_hf)
-    from megatron_cegrpo.optim.hooks import GradClipHook
     from megatron_cegrpo.pipeline.schedule import PipelineRunner
 
     ctx = initialize_distributed(args.pp, SEED, num_threads=args.threads)
@@ -236,8 +227,6 @@ def main():
         with open(args.result, "w") as f:
             json.dump(out, f)
     dist.barrier()
-    from megatron_cegrpo.initialize import shutdown_distributed
-
     shutdown_distributed()
 
 

@@ -1,7 +1,8 @@
 """Process start-up shared by every entry point: :func:`bootstrap`, called first.
 
 Entry points (``megatron_cegrpo/train.py``, ``tools/*.py``, ``tools/checkpoint/convert.py``,
-``benchmarks/*``) call ``bootstrap()`` as the first statement of their ``main`` and import
+``benchmarks/*``) call ``bootstrap()`` first in their ``main`` (right after parsing the flags
+when it needs ``--threads``; argparse imports nothing) and import
 megatron-core (directly or through ``megatron_cegrpo.models`` / ``initialize`` /
 ``pipeline``) only after it, because megatron-core emits the warnings below while it is being
 imported. Everything else they import at module top. No entry point edits ``sys.path``:
@@ -13,13 +14,15 @@ top-level module (``tests/test_bootstrap.py`` checks that).
 What it does, in this order (each step idempotent, so a second call is harmless):
 
 1. warning filters for :data:`KNOWN_WARNINGS` (one list, here only);
-2. the CPU compatibility layer (:func:`megatron_cegrpo.compat.apply_cpu_compat`) when
-   ``cpu_compat`` is true: a no-op with CUDA; on CPU it imports torch and megatron-core's RNG
-   module (about as long as importing megatron-core, which every such entry point does anyway)
-   and patches nothing that CPU code paths use. ``initialize_distributed`` and
-   ``init_single_process_megatron`` still apply it themselves, for library use (tests);
-   entry points that never import torch (plots, projections, the benchmark orchestrator) pass
-   ``cpu_compat=False``;
+2. the CPU compatibility layer (:func:`megatron_cegrpo.compat.apply_cpu_compat`), only when
+   ``cpu_compat=True``: the processes that run megatron-core models (a training rank, a
+   benchmark rank) ask for it; ``initialize_distributed`` and ``init_single_process_megatron``
+   apply it again (idempotent) for library use. It is not applied by default because it is
+   not neutral for plain Hugging Face code: with it active, ``AutoModelForCausalLM.
+   from_pretrained`` leaves the rotary ``inv_freq`` buffer uninitialised (logits off by ~1e-2
+   for tiny-llama; found by ``tests/checkpointing/test_ckpt_convert.py`` when the conversion
+   tool applied it), so the tools that run HF models (``tools/evaluate.py``, ``convert.py``)
+   leave it off. With CUDA it is a no-op;
 3. ``torch.set_num_threads(num_threads)`` when ``num_threads`` is given.
 """
 
@@ -51,13 +54,13 @@ def quiet_known_warnings() -> None:
         warnings.filterwarnings("ignore", message=message, category=category)
 
 
-def bootstrap(num_threads: Optional[int] = None, *, cpu_compat: bool = True) -> None:
+def bootstrap(num_threads: Optional[int] = None, *, cpu_compat: bool = False) -> None:
     """Prepare this process for the project's code: call it first in every entry point.
 
     Args:
         num_threads: ``torch.set_num_threads`` value; ``None`` or 0 leaves torch's default.
-        cpu_compat: apply the CPU compatibility layer (no-op with CUDA). Pass ``False`` from
-            entry points that never import torch.
+        cpu_compat: apply the CPU compatibility layer (no-op with CUDA): for processes that
+            run megatron-core models; see the module docstring for why it is not the default.
     """
     quiet_known_warnings()
     if cpu_compat:

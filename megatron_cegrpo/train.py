@@ -165,7 +165,7 @@ def main(argv=None) -> int:
     """
     if argv is None and should_supervise():  # under a launcher: run this rank's work in a supervised child
         return supervise()  # (the supervisor imports no torch; the child bootstraps itself)
-    bootstrap()  # first thing a rank does: known warnings off, CPU compatibility layer
+    bootstrap(cpu_compat=True)  # first thing a rank does: known warnings off, CPU compatibility layer
     rank = _launch_rank()
     try:
         cfg = _configure(argv)

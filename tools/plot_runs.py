@@ -289,7 +289,7 @@ def plot_eval(summary_paths: Sequence[str], out_path: str, labels: Optional[Sequ
 
 
 def main(argv=None) -> int:
-    bootstrap(cpu_compat=False)  # reads JSON and draws: no megatron-core here
+    bootstrap()
     p = argparse.ArgumentParser(description="Plot training runs (metrics.jsonl) and evaluation summaries.")
     p.add_argument("runs", nargs="*", help="training log dirs (each with metrics.jsonl, optionally config.json)")
     p.add_argument("--out", required=True, help="output folder for the PNGs")
