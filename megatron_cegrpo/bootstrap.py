@@ -2,10 +2,10 @@
 
 Entry points (``megatron_cegrpo/train.py``, ``tools/*.py``, ``tools/checkpoint/convert.py``,
 ``benchmarks/*``) call ``bootstrap()`` first in their ``main`` (right after parsing the flags
-when it needs ``--threads``; argparse imports nothing) and import
-megatron-core (directly or through ``megatron_cegrpo.models`` / ``initialize`` /
-``pipeline``) only after it, because megatron-core emits the warnings below while it is being
-imported. Everything else they import at module top. No entry point edits ``sys.path``:
+when it needs ``--threads``; argparse imports nothing). They import megatron-core, and modules
+that import it at import time (``megatron_cegrpo.pipeline``, ``benchmarks.link_model``), only
+after that call, because megatron-core emits the warnings below while it is being imported;
+everything else (``megatron_cegrpo.models`` imports megatron-core lazily) at module top. No entry point edits ``sys.path``:
 the package is installed (``pip install -e .``), ``benchmarks`` runs as ``python -m
 benchmarks.<name>`` from the repository root, and ``megatron_cegrpo/train.py`` can run as a
 script because no module of this package has the name of a standard-library or installed
