@@ -18,16 +18,23 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
-import sys
 import time
-import warnings
 from functools import partial
 
 import torch
+import torch.distributed as dist
+from deepspeed.ops.adam import DeepSpeedCPUAdam
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from megatron_cegrpo.bootstrap import bootstrap
+from megatron_cegrpo.compression import ByteMeter, get_codec
+from megatron_cegrpo.grpo import core_algos as ca
+from megatron_cegrpo.initialize import initialize_distributed, shutdown_distributed
+from megatron_cegrpo.arguments import GRPOConfig
+from megatron_cegrpo.grpo.loss import grpo_token_loss
+from megatron_cegrpo.models import allreduce_tied_embedding_grads
+from megatron_cegrpo.models.stage import build_policy_stage
+from megatron_cegrpo.optim.hooks import GradClipHook
 
 SEED = 1234
 # user-facing link setting -> (LinkModel mode, tbf qdisc on the rank's interface)
@@ -43,8 +50,6 @@ def make_batch(n: int, s: int, vocab: int, group_size: int = 8, seed: int = SEED
     loss_mask = torch.zeros(n, s)
     loss_mask[:, prompt - 1: s - 1] = 1.0
     scores = (torch.rand(n, generator=g) > 0.5).float()
-    from megatron_cegrpo.grpo import core_algos as ca
-
     adv = ca.compute_grpo_outcome_advantage(scores, min(group_size, n)) if n % min(group_size, n) == 0 else scores
     return {
         "tokens": tokens, "labels": labels, "loss_mask": loss_mask,
@@ -56,8 +61,6 @@ def make_batch(n: int, s: int, vocab: int, group_size: int = 8, seed: int = SEED
 
 
 def logprob_loss(mb, logits):
-    from megatron_cegrpo.grpo import core_algos as ca
-
     logits = logits.float()
     out = {"logprobs": ca.logprobs_from_logits(logits, mb["labels"]).detach(),
            "entropy": ca.entropy_from_logits(logits).detach()}
@@ -67,9 +70,6 @@ def logprob_loss(mb, logits):
 def update_loss(num_tokens: float, mb, logits):
     """The trainer's GRPO token loss (``grpo/loss.py``) at its defaults: clip 0.2 / 0.2,
     token-mean, T = 1, no KL term (the benchmark has no reference model)."""
-    from megatron_cegrpo.arguments import GRPOConfig
-    from megatron_cegrpo.grpo.loss import grpo_token_loss
-
     loss, stats = grpo_token_loss(logits, mb, GRPOConfig(), temperature=1.0, num_tokens=num_tokens,
                                   num_seqs=float(mb["tokens"].shape[0]), old_logprobs=mb["old_logprobs"])
     return loss, stats["tokens"].to(torch.int), {"loss": loss.detach()}
@@ -97,6 +97,7 @@ class Qdisc:
 
 
 def main():
+    bootstrap(cpu_compat=True)  # first: megatron-core (link_model, the schedule) warns at import
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
     ap.add_argument("--pp", type=int, required=True)
@@ -121,27 +122,14 @@ def main():
     ap.add_argument("--tc-burst", default="32kbit")
     ap.add_argument("--tc-latency", default="400ms")
     args = ap.parse_args()
-    warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex|full scope).*")
     t_setup = time.monotonic()
 
-    import torch.distributed as dist
-    from deepspeed.ops.adam import DeepSpeedCPUAdam
-
     from benchmarks.link_model import LinkCommunicator, LinkModel
-    from megatron_cegrpo.compression import ByteMeter, get_codec
-    from megatron_cegrpo.initialize import initialize_distributed
-    from megatron_cegrpo.models import (allreduce_tied_embedding_grads, build_stage, hf_to_megatron,
-                                        load_hf_state_dict, load_stage_weights, resolve_model,
-                                        transformer_config_from_hf)
-    from megatron_cegrpo.optim.hooks import GradClipHook
     from megatron_cegrpo.pipeline.schedule import PipelineRunner
 
     ctx = initialize_distributed(args.pp, SEED, num_threads=args.threads)
-    hf_config, hf_sd = load_hf_state_dict(resolve_model(args.model))
-    tf = transformer_config_from_hf(hf_config, pipeline_model_parallel_size=args.pp, calculate_per_token_loss=True)
-    model = build_stage(hf_config, tf, pp_rank=ctx.pp_rank, pp_size=ctx.pp_size)
-    load_stage_weights(model, hf_to_megatron(hf_sd, hf_config, tf, ctx.pp_rank, ctx.pp_size))
-    del hf_sd
+    policy = build_policy_stage(args.model, pp_rank=ctx.pp_rank, pp_size=ctx.pp_size)
+    hf_config, tf, model = policy.hf_config, policy.tf_config, policy.model
     params = [p for p in model.parameters() if p.requires_grad]
     tied = bool(getattr(model, "share_embeddings_and_output_weights", False))
     shared = model.shared_embedding_or_output_weight() if tied else None
@@ -238,8 +226,6 @@ def main():
         with open(args.result, "w") as f:
             json.dump(out, f)
     dist.barrier()
-    from megatron_cegrpo.initialize import shutdown_distributed
-
     shutdown_distributed()
 
 

@@ -30,17 +30,17 @@ import json
 import os
 import platform
 import statistics
-import sys
 import time
-import warnings
 from typing import Callable, List, Optional
 
 import torch
+from transformers import LlamaConfig
 
-if __package__ in (None, ""):  # allow `python benchmarks/bench_codec.py`
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from benchmarks.reference_codecs import Int8Reference, TopKReference, wire_bytes  # noqa: E402
+from benchmarks.reference_codecs import Int8Reference, TopKReference, wire_bytes
+from megatron_cegrpo.bootstrap import bootstrap
+from megatron_cegrpo.compression import BoundaryContext, available_codecs, get_codec, keep_count
+from megatron_cegrpo.models import (destroy_single_process_megatron, init_single_process_megatron,
+                                    transformer_config_from_hf)
 
 # d -> (heads, kv heads, ffn, a model family with this hidden size)
 LAYER_SHAPES = {
@@ -92,8 +92,6 @@ def _library_adapter(name: str, codec, ctx, shape) -> _Adapter:
 
 def build_adapters(d: int, s: int, b: int, keep_ratio: float):
     """(adapters, n/a rows) for hidden size d; ``n/a`` lists codecs that cannot be measured."""
-    from megatron_cegrpo.compression import BoundaryContext, available_codecs, get_codec, keep_count
-
     shape = (s, b, d)
     ctx = BoundaryContext(seed=SEED, boundary=0, step=1, sample_ids=torch.arange(b, dtype=torch.long))
     k = keep_count(d, keep_ratio)
@@ -172,12 +170,10 @@ def _timeit(fn: Callable[[], object], min_time: float, min_reps: int = 3, max_re
 
 def build_layer(d: int, dtype: torch.dtype):
     """One megatron-core decoder layer (local spec, RMSNorm, SwiGLU, GQA, RoPE) at hidden size d."""
+    # megatron-core warns at import: imported here, after main()'s bootstrap()
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.spec_utils import build_module
-    from transformers import LlamaConfig
-
-    from megatron_cegrpo.models import transformer_config_from_hf
 
     heads, kv, ffn, family = _layer_shape(d)
     cfg = LlamaConfig(hidden_size=d, num_attention_heads=heads, num_key_value_heads=kv, intermediate_size=ffn,
@@ -276,8 +272,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--time-dims", default=None, help="hidden sizes to time (default: --dims)")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args(argv)
-    warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).*")
-    torch.set_num_threads(args.threads)
+    bootstrap(num_threads=args.threads)  # first thing after parsing the flags (it needs --threads)
     dims = [int(v) for v in args.dims.split(",") if v]
     time_dims = dims if args.time_dims is None else [int(v) for v in args.time_dims.split(",") if v]
     s, b = args.seq_len, args.micro_batch
@@ -291,8 +286,6 @@ def main(argv=None) -> dict:
     print(_fmt_bytes_table(result["bytes"]))
 
     if not args.bytes_only and time_dims:
-        from megatron_cegrpo.models import destroy_single_process_megatron, init_single_process_megatron
-
         created = init_single_process_megatron(seed=1234)
         torch.set_num_threads(args.threads)
         try:

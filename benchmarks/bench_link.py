@@ -36,6 +36,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -44,12 +45,12 @@ import threading
 import time
 from typing import Dict, List, Optional
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO not in sys.path:
-    sys.path.insert(0, REPO)
+from benchmarks.netns import Topology, cleanup_stale, netns_available
+from benchmarks.shared_clock import create_timestamp_file
+from megatron_cegrpo.bootstrap import bootstrap
 
-from benchmarks.shared_clock import create_timestamp_file  # noqa: E402
-from benchmarks.netns import Topology, cleanup_stale, netns_available  # noqa: E402
+#: the repository root: the ranks run ``python -m benchmarks._link_worker`` from here
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # model -> (sequences, tokens per sequence, micro-batch, timed rounds): a default run stays < 10 min here
 DEFAULT_SHAPES = {"tiny-llama": (16, 256, 4, 3), "tiny-qwen2": (16, 256, 4, 3),
@@ -84,8 +85,6 @@ def cleanup_stale_files(force: bool = False) -> List[str]:
 
 
 def _free_port() -> int:
-    import socket
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -294,6 +293,7 @@ def print_report(raw: dict, summ: dict, args, settings: List[str], codecs: List[
 
 
 def main(argv=None):
+    bootstrap()  # the ranks it starts bootstrap themselves
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="tiny-llama", help="tiny-llama | smollm2-135m-instruct | HF dir | .gguf")

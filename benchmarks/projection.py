@@ -34,11 +34,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import sys
 
-if __package__ in (None, ""):
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from megatron_cegrpo.bootstrap import bootstrap
 
 
 def layer_params(d, ffn, heads, kv_heads):
@@ -79,6 +76,7 @@ def step_time(a, width: int, codec_s: float, overlapped: bool, datacenter: bool 
 
 
 def main(argv=None):
+    bootstrap()
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--d", type=int, default=1536)

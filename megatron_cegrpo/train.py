@@ -13,12 +13,15 @@ Anything else shows its traceback. ``docs/reliability.md`` lists the messages.
 
 import os
 import sys
+import time
 
-# Run as a script (the deepspeed launcher's way), this folder is sys.path[0]: drop it so
-# package-internal module names never shadow top-level ones.
-_here = os.path.dirname(os.path.abspath(__file__))
-if sys.path and os.path.abspath(sys.path[0] or ".") == _here:
-    sys.path.pop(0)
+# torch-free modules only at module top: under a launcher this process may be the rank's
+# supervisor, which runs the rank in a child and must stay small; modules that import torch
+# or megatron-core are imported after ``bootstrap()`` (megatron-core warns at import).
+from megatron_cegrpo.arguments import build_config, parse_args
+from megatron_cegrpo.bootstrap import bootstrap
+from megatron_cegrpo.errors import ConfigError, one_line
+from megatron_cegrpo.supervisor import should_supervise, supervise
 
 #: Exit status of a configuration error (argparse's convention for usage errors).
 EXIT_CONFIG_ERROR = 2
@@ -26,16 +29,6 @@ EXIT_CONFIG_ERROR = 2
 #: any process group exists: a launcher stops every rank as soon as one exits non-zero, so
 #: rank 0 must exit first, after printing the line (the launcher then ends the waiting ranks).
 QUIET_RANK_EXIT_DELAY_S = 20.0
-
-
-def _quiet_known_warnings() -> None:
-    """megatron-core warns at import that the optional fused kernels are absent (always true
-    on CPU); keep the console for the trainer's own messages."""
-    import warnings
-
-    for msg in (r"Transformer Engine and Apex are not installed", r"Apex is not installed",
-                r"full scope is deprecated"):
-        warnings.filterwarnings("ignore", message=msg)
 
 
 def _launch_rank() -> int:
@@ -75,7 +68,6 @@ def preflight(cfg) -> None:
     """
     from megatron_cegrpo import checkpointing as ck
     from megatron_cegrpo.data import build_prompt, check_eval_data, check_train_data
-    from megatron_cegrpo.errors import ConfigError, one_line
     from megatron_cegrpo.models import load_hf_config, load_tokenizer, resolve_model
     from megatron_cegrpo.models.builder import check_model_config
 
@@ -132,8 +124,6 @@ def preflight(cfg) -> None:
 
 def _configure(argv):
     """Flags -> validated TrainConfig, every start-up check done (see :func:`preflight`)."""
-    from megatron_cegrpo.arguments import build_config, parse_args
-
     args = parse_args(argv)
     cfg = build_config(args)
     cfg.validate(world_size=_launch_world_size())
@@ -149,8 +139,6 @@ def _report(err: BaseException, rank: int, every_rank_knows: bool, wait=None) ->
     rank 0 has printed (a launcher ends every rank once one exits non-zero). Otherwise the
     rank that hit it prints it, naming itself when it is not rank 0.
     """
-    from megatron_cegrpo.errors import one_line
-
     if rank == 0 or not every_rank_knows:
         who = "" if rank == 0 else f" (rank {rank})"
         print(f"[cegrpo] error{who}: {one_line(err)}", file=sys.stderr, flush=True)
@@ -161,8 +149,6 @@ def _report(err: BaseException, rank: int, every_rank_knows: bool, wait=None) ->
 
 def _linger() -> None:
     """Before any process group exists, a rank other than 0 can only give rank 0 time."""
-    import time
-
     if _launch_rank() != 0:
         time.sleep(QUIET_RANK_EXIT_DELAY_S)
 
@@ -177,14 +163,9 @@ def main(argv=None) -> int:
     Raises:
         anything unexpected, and any error once training has started, with its traceback.
     """
-    if argv is None:
-        from megatron_cegrpo.supervisor import should_supervise, supervise
-
-        if should_supervise():  # under a launcher: run this rank's work in a supervised child
-            return supervise()
-    _quiet_known_warnings()
-    from megatron_cegrpo.errors import ConfigError
-
+    if argv is None and should_supervise():  # under a launcher: run this rank's work in a supervised child
+        return supervise()  # (the supervisor imports no torch; the child bootstraps itself)
+    bootstrap(cpu_compat=True)  # first thing a rank does: known warnings off, CPU compatibility layer
     rank = _launch_rank()
     try:
         cfg = _configure(argv)

@@ -15,8 +15,8 @@ mode takes ``--mode`` if given, else its suite mode, else greedy.
 
 ``--load CKPT_DIR``: a trained megatron_cegrpo checkpoint instead (a save directory,
 whose ``latest`` is followed, or one ``iter_XXXXXXX`` directory; any PP size).  It is read
-with ``tools/checkpoint/loader_megatron.py`` (sha256-verified, stages merged to one HF
-state dict); the tokenizer is the checkpoint's ``tokenizer/`` directory, else that of its
+with the checkpoint tools' loader, ``megatron_cegrpo/conversion/loader_megatron.py``
+(sha256-verified, stages merged to one HF state dict); the tokenizer is the checkpoint's ``tokenizer/`` directory, else that of its
 ``model_name``, else ``--model``'s.
 
 Weights come from :func:`load_model`, which returns ``(hf_config, hf_state_dict,
@@ -30,26 +30,27 @@ import os
 import sys
 import time
 
-_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if _REPO not in sys.path:
-    sys.path.insert(0, _REPO)
+import torch
 
-from megatron_cegrpo.data import DEFAULT_TEMPLATE, available_templates  # noqa: E402
-from megatron_cegrpo.evaluation import (  # noqa: E402
+from megatron_cegrpo.bootstrap import bootstrap
+from megatron_cegrpo.conversion import loader_megatron
+from megatron_cegrpo.conversion.plugin_common import load_tokenizer_from_source
+from megatron_cegrpo.data import DEFAULT_TEMPLATE, available_templates
+from megatron_cegrpo.evaluation import (
     evaluate_detailed,
     format_table,
     load_eval_datasets,
     parse_dataset_specs,
     write_summary,
 )
+from megatron_cegrpo.models import load_hf_state_dict, load_tokenizer, resolve_model
+from megatron_cegrpo.rollout.hf_engine import HFRolloutEngine
 
 
 def load_model(args):
     """(hf_config, fp32 HF state dict, tokenizer, meta) for ``--load`` or ``--model``."""
     if args.load:
         return _load_checkpoint(args)
-    from megatron_cegrpo.models import load_hf_state_dict, load_tokenizer, resolve_model
-
     source = resolve_model(args.model)
     hf_config, hf_sd = load_hf_state_dict(source)
     tokenizer = load_tokenizer(source)
@@ -60,12 +61,6 @@ def load_model(args):
 
 def _load_checkpoint(args):
     """A megatron_cegrpo checkpoint through the checkpoint tools' own loader."""
-    ckpt_tools = os.path.join(_REPO, "tools", "checkpoint")
-    if ckpt_tools not in sys.path:
-        sys.path.insert(0, ckpt_tools)
-    import loader_megatron
-    from plugin_common import load_tokenizer_from_source
-
     payload = loader_megatron.load_checkpoint(argparse.Namespace(load_dir=args.load, no_verify=False))
     tok_source = payload.tokenizer_source or args.model
     if not tok_source:
@@ -108,6 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    bootstrap(num_threads=args.threads)  # first thing after parsing the flags (it needs --threads)
     if not args.model and not args.load:
         parser.error("give --model or --load")
     if args.data_root:
@@ -119,15 +115,9 @@ def main(argv=None) -> int:
     except ValueError as e:
         raise SystemExit(f"error: --datasets/--mode: {e}")
 
-    import torch
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
     datasets = load_eval_datasets(list(specs), limit=args.limit)
     hf_config, hf_sd, tokenizer, meta = load_model(args)
-    from megatron_cegrpo.rollout.hf_engine import HFRolloutEngine
-
     engine = HFRolloutEngine(hf_config, hf_sd, tokenizer)
     del hf_sd
     load_s = time.perf_counter() - t0

@@ -39,11 +39,9 @@ import re
 import sys
 from typing import Dict, List, Optional, Sequence, Tuple
 
-_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if _REPO not in sys.path:
-    sys.path.insert(0, _REPO)
-
-from megatron_cegrpo.evaluation.summary import as_float as _float  # noqa: E402
+from megatron_cegrpo.bootstrap import bootstrap
+from megatron_cegrpo.evaluation import load_summary
+from megatron_cegrpo.evaluation.summary import as_float as _float
 
 #: (metric, title, y label, file stem, drift-probe metric or None)
 PANELS = [
@@ -122,7 +120,7 @@ def run_labels(run_dirs: Sequence[str]) -> List[str]:
 
 
 def _plt():
-    import matplotlib
+    import matplotlib  # optional (the "plot" extra): imported when a figure is drawn
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -231,8 +229,6 @@ def plot_training(run_dirs: Sequence[str], out_dir: str, labels: Optional[Sequen
 
 def plot_eval(summary_paths: Sequence[str], out_path: str, labels: Optional[Sequence[str]] = None) -> str:
     """Grouped bar chart of per-benchmark accuracy, one bar per summary; returns the path."""
-    from megatron_cegrpo.evaluation import load_summary
-
     plt = _plt()
     sums = [load_summary(p) for p in summary_paths]
     if labels:
@@ -293,6 +289,7 @@ def plot_eval(summary_paths: Sequence[str], out_path: str, labels: Optional[Sequ
 
 
 def main(argv=None) -> int:
+    bootstrap()
     p = argparse.ArgumentParser(description="Plot training runs (metrics.jsonl) and evaluation summaries.")
     p.add_argument("runs", nargs="*", help="training log dirs (each with metrics.jsonl, optionally config.json)")
     p.add_argument("--out", required=True, help="output folder for the PNGs")

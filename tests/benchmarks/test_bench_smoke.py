@@ -2,19 +2,14 @@
 
 import json
 import os
-import sys
 from fractions import Fraction
 
 import torch
 
+from benchmarks.bench_codec import boundary_tensors
+from benchmarks.reference_codecs import Int8Reference, TopKReference, wire_bytes
 from distributed_util import REPO, run_single
-
-if REPO not in sys.path:
-    sys.path.insert(0, REPO)
-
-from benchmarks.bench_codec import boundary_tensors  # noqa: E402
-from benchmarks.reference_codecs import Int8Reference, TopKReference, wire_bytes  # noqa: E402
-from megatron_cegrpo.compression import keep_count  # noqa: E402
+from megatron_cegrpo.compression import keep_count
 
 S, B, DIMS = 8, 2, (64, 100)
 

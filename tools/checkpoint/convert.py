@@ -5,29 +5,21 @@
         --load-dir X --save-dir Y [--target-pp-size N] \\
         [--target-decoder-first-pipeline-num-layers A] [--target-decoder-last-pipeline-num-layers B]
 
-Megatron-LM style: ``loader_<name>.py`` reads the source into a
-:class:`plugin_common.ModelPayload` (HF config, tokenizer source, full HF-named fp32 state
-dict) and ``saver_<name>.py`` writes it.  Megatron PP=a -> PP=b is ``--loader megatron
+Megatron-LM style: ``megatron_cegrpo/conversion/loader_<name>.py`` reads the source into a
+:class:`~megatron_cegrpo.conversion.plugin_common.ModelPayload` (HF config, tokenizer source,
+full HF-named fp32 state dict) and ``megatron_cegrpo/conversion/saver_<name>.py`` writes it.  Megatron PP=a -> PP=b is ``--loader megatron
 --saver megatron --target-pp-size b``.  See README.md next to this file.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
-import os
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-LOADERS = ("hf", "gguf", "megatron")
-SAVERS = ("megatron", "hf")
-
-
-def _plugin(kind: str, name: str):
-    if HERE not in sys.path:
-        sys.path.insert(0, HERE)
-    return importlib.import_module(f"{kind}_{name}")
+from megatron_cegrpo.bootstrap import bootstrap
+from megatron_cegrpo.checkpointing import CheckpointError
+from megatron_cegrpo.conversion import LOADERS, SAVERS, plugin
 
 
 def build_parser(loader: str, saver: str) -> argparse.ArgumentParser:
@@ -36,12 +28,13 @@ def build_parser(loader: str, saver: str) -> argparse.ArgumentParser:
     ap.add_argument("--saver", required=True, choices=SAVERS, help="target format")
     ap.add_argument("--load-dir", required=True, help="source (see the loader's help)")
     ap.add_argument("--save-dir", required=True, help="target directory (must not hold a model/checkpoint yet)")
-    _plugin("loader", loader).add_arguments(ap.add_argument_group(f"loader {loader}"))
-    _plugin("saver", saver).add_arguments(ap.add_argument_group(f"saver {saver}"))
+    plugin("loader", loader).add_arguments(ap.add_argument_group(f"loader {loader}"))
+    plugin("saver", saver).add_arguments(ap.add_argument_group(f"saver {saver}"))
     return ap
 
 
 def main(argv=None) -> str:
+    bootstrap()
     argv = list(sys.argv[1:] if argv is None else argv)
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--loader", choices=LOADERS)
@@ -53,11 +46,11 @@ def main(argv=None) -> str:
         raise SystemExit(2)
     args = build_parser(known.loader, known.saver).parse_args(argv)
 
-    saver = _plugin("saver", args.saver)
+    saver = plugin("saver", args.saver)
     if hasattr(saver, "preflight"):  # cheap checks of the target before the (slow) load
         saver.preflight(args)
     t0 = time.time()
-    payload = _plugin("loader", args.loader).load_checkpoint(args)
+    payload = plugin("loader", args.loader).load_checkpoint(args)
     n_params = sum(v.numel() for v in payload.state_dict.values())
     print(f"[convert] loaded {args.loader} {args.load_dir}: {payload.hf_config.model_type}, "
           f"{len(payload.state_dict)} tensors, {n_params / 1e6:.2f}M parameters, "
@@ -69,15 +62,9 @@ def main(argv=None) -> str:
 
 
 if __name__ == "__main__":
-    import warnings
-
-    warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex) (and Apex )?(is|are) not installed.*")
-    warnings.filterwarnings("ignore", message=".*cuda_graph_scope.*")
     try:
         main()
     except Exception as e:  # a one-line reason instead of a traceback for expected failures
-        from megatron_cegrpo.checkpointing import CheckpointError
-
         if isinstance(e, (CheckpointError, ValueError, FileNotFoundError, FileExistsError)):
             print(f"convert.py: error: {e}", file=sys.stderr)
             sys.exit(1)

@@ -12,7 +12,9 @@ import os
 
 import torch
 
-from plugin_common import ModelPayload, tf_config_for, to_fp32, tokenizer_source_for
+from megatron_cegrpo import checkpointing as ckpt
+from megatron_cegrpo.conversion.plugin_common import ModelPayload, tf_config_for, to_fp32, tokenizer_source_for
+from megatron_cegrpo.models import megatron_to_hf
 
 
 def add_arguments(parser):
@@ -20,9 +22,6 @@ def add_arguments(parser):
 
 
 def load_checkpoint(args) -> ModelPayload:
-    from megatron_cegrpo import checkpointing as ckpt
-    from megatron_cegrpo.models import megatron_to_hf
-
     ckpt_dir, iteration = ckpt.resolve_load_dir(args.load_dir)
     meta = ckpt.read_meta(ckpt_dir) if args.no_verify else ckpt.verify_checkpoint(ckpt_dir)
     hf_config = ckpt.hf_config_from_meta(meta)

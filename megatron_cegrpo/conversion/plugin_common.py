@@ -19,6 +19,9 @@ from dataclasses import dataclass, field
 from typing import Dict, Optional
 
 import torch
+from transformers import AutoTokenizer
+
+from megatron_cegrpo.models import load_tokenizer, resolve_model, transformer_config_from_hf
 
 TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "tokenizer.model", "vocab.json")
 
@@ -50,8 +53,6 @@ def has_tokenizer_files(path: str) -> bool:
 
 def tokenizer_source_for(model_name: Optional[str]) -> Optional[str]:
     """A tokenizer source for a ``--model`` style name, or None if it has no tokenizer."""
-    from megatron_cegrpo.models import resolve_model
-
     if not model_name:
         return None
     try:
@@ -65,10 +66,6 @@ def tokenizer_source_for(model_name: Optional[str]) -> Optional[str]:
 
 def load_tokenizer_from_source(source: str):
     """The tokenizer a :class:`ModelPayload` points to."""
-    from transformers import AutoTokenizer
-
-    from megatron_cegrpo.models import load_tokenizer, resolve_model
-
     if has_tokenizer_files(source):
         return AutoTokenizer.from_pretrained(source)
     return load_tokenizer(resolve_model(source))
@@ -83,8 +80,6 @@ def tf_config_for(hf_config, pp_size: int, first: Optional[int], last: Optional[
 
     ``flag_prefix`` (e.g. ``"--target-"``) is mentioned in errors so they name the tool's flags.
     """
-    from megatron_cegrpo.models import transformer_config_from_hf
-
     try:
         return transformer_config_from_hf(
             hf_config,

@@ -9,7 +9,8 @@ only the first conversion of a file is slow.  The GGUF's tokenizer is carried al
 import glob
 import os
 
-from plugin_common import ModelPayload, to_fp32
+from megatron_cegrpo.conversion.plugin_common import ModelPayload, to_fp32
+from megatron_cegrpo.models import load_hf_state_dict, resolve_model
 
 
 def add_arguments(parser):
@@ -27,8 +28,6 @@ def _source_arg(load_dir: str) -> str:
 
 
 def load_checkpoint(args) -> ModelPayload:
-    from megatron_cegrpo.models import load_hf_state_dict, resolve_model
-
     arg = _source_arg(args.load_dir)
     source = resolve_model(arg)
     if source.kind != "gguf":

@@ -9,7 +9,10 @@ import copy
 import glob
 import os
 
-from plugin_common import load_tokenizer_from_source
+import torch
+from safetensors.torch import save_file
+
+from megatron_cegrpo.conversion.plugin_common import load_tokenizer_from_source
 
 
 def add_arguments(parser):
@@ -23,9 +26,6 @@ def preflight(args):
 
 
 def save_checkpoint(payload, args) -> str:
-    import torch
-    from safetensors.torch import save_file
-
     preflight(args)
     out = os.path.abspath(args.save_dir)
     os.makedirs(out, exist_ok=True)

@@ -9,7 +9,9 @@ size for ``--loader megatron`` and to 1 otherwise.
 
 import os
 
-from plugin_common import load_tokenizer_from_source, tf_config_for
+from megatron_cegrpo import checkpointing as ckpt
+from megatron_cegrpo.conversion.plugin_common import load_tokenizer_from_source, tf_config_for
+from megatron_cegrpo.models import hf_to_megatron
 
 
 def add_arguments(parser):
@@ -23,16 +25,11 @@ def add_arguments(parser):
 
 
 def preflight(args):
-    from megatron_cegrpo import checkpointing as ckpt
-
     if ckpt.has_checkpoint(args.save_dir):
         raise FileExistsError(f"--save-dir {args.save_dir} already holds a checkpoint; choose an empty directory")
 
 
 def save_checkpoint(payload, args) -> str:
-    from megatron_cegrpo import checkpointing as ckpt
-    from megatron_cegrpo.models import hf_to_megatron
-
     preflight(args)
     pp = args.target_pp_size
     first, last = args.target_decoder_first_pipeline_num_layers, args.target_decoder_last_pipeline_num_layers

@@ -4,7 +4,8 @@
 tokenizer is carried along when the directory has tokenizer files.
 """
 
-from plugin_common import ModelPayload, to_fp32, tokenizer_source_for
+from megatron_cegrpo.conversion.plugin_common import ModelPayload, to_fp32, tokenizer_source_for
+from megatron_cegrpo.models import load_hf_state_dict, resolve_model
 
 
 def add_arguments(parser):
@@ -12,8 +13,6 @@ def add_arguments(parser):
 
 
 def load_checkpoint(args) -> ModelPayload:
-    from megatron_cegrpo.models import load_hf_state_dict, resolve_model
-
     source = resolve_model(args.load_dir)
     if source.kind not in ("hf_dir", "tiny"):
         raise ValueError(f"--loader hf: {args.load_dir} is a GGUF file; use --loader gguf")
