@@ -47,7 +47,7 @@ def main(save_dir, iteration, mode):
             say("RENAMED")
             time.sleep(600)
 
-        ck._write_text_atomic = stall
+        ck.atomic.write_text_atomic = stall  # the writer commit.py rewrites `latest` with
         ck.commit_save(save_dir, tmp, iteration, ck.make_meta(hf_config=CFG, pp_size=2))
     raise SystemExit(f"unknown mode {mode}")
 

@@ -1,4 +1,4 @@
-"""checkpointing.py: layout, atomic commit, verification, error messages, compatibility.
+"""checkpointing/ (package): layout, atomic commit, verification, error messages, compatibility.
 
 Also runnable as a script: ``python test_ckpt_format.py --save-worker SAVE_DIR`` is one rank
 of the 2-process (gloo) save below.
