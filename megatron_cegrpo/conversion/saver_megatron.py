@@ -1,4 +1,4 @@
-"""Saver: a megatron_cegrpo checkpoint (see megatron_cegrpo/checkpointing.py) of any PP size.
+"""Saver: a megatron_cegrpo checkpoint (see megatron_cegrpo/checkpointing/format.py) of any PP size.
 
 Writes ``<save-dir>/iter_XXXXXXX`` (iteration ``--target-iteration``, default 0) with one
 ``stage_XX/model.safetensors`` per stage (fp32, :func:`megatron_cegrpo.models.hf_to_megatron`
