@@ -68,6 +68,7 @@ class GRPOTrainer:
         self.timers = PhaseTimers()
         self.checkpointer = Checkpointer(cfg, ctx, policy.hf_config, self._log)
         self.iteration = 0
+        self.driver: Optional[Driver] = None  # rank 0's, built once the checkpoint is loaded
         if cfg.checkpoint.load:
             self.iteration, theta0 = self.checkpointer.load(cfg.checkpoint.load, self.stage.model,
                                                             self.stage.ref_model, self._stateful(),
@@ -76,7 +77,8 @@ class GRPOTrainer:
                 self.stage.theta0 = theta0
         for c in self.circuits:
             c.connect()
-        self.driver: Optional[Driver] = Driver(cfg, policy, ctx.pp_size) if ctx.is_driver else None
+        if ctx.is_driver:
+            self.driver = Driver(cfg, policy, ctx.pp_size)
         del policy
         if cfg.checkpoint.load:
             self._resume_driver()
@@ -94,7 +96,7 @@ class GRPOTrainer:
         s = self.stage
         out = {"optimizer": s.optimizer, "scheduler": s.scheduler, "rng": RNGState(), "meter": s.meter,
                "codec": s.codec}
-        if self.ctx.is_driver and getattr(self, "driver", None) is not None:
+        if self.driver is not None:
             out["sampler"] = self.driver.sampler
         out.update({c.name: c for c in self.circuits})
         return out
