@@ -21,6 +21,7 @@ from typing import Any, Dict, List, Mapping, Optional
 
 __all__ = [
     "PhaseTimers",
+    "parse_record",
     "MetricsWriter",
     "WandbBackend",
     "TensorBoardBackend",
@@ -77,6 +78,16 @@ class MetricsWriter:
         """Nothing to release (each write opens and closes the file)."""
 
 
+def parse_record(line: str) -> Optional[dict]:
+    """One ``metrics.jsonl`` line as a dict, or None when it is not a complete JSON object
+    (e.g. the last line of a run killed mid-write)."""
+    try:
+        rec = json.loads(line)
+    except json.JSONDecodeError:
+        return None
+    return rec if isinstance(rec, dict) else None
+
+
 def truncate_metrics(path: str, last_step: int) -> List[str]:
     """Prepare a resumed run's ``metrics.jsonl``: keep the records of steps up to
     ``last_step`` (the checkpoint's iteration), drop those written after it by the run that
@@ -97,11 +108,8 @@ def truncate_metrics(path: str, last_step: int) -> List[str]:
     for i, ln in enumerate(lines, start=1):
         if not ln.strip():
             continue
-        try:
-            rec = json.loads(ln)
-        except json.JSONDecodeError:
-            rec = None
-        if not isinstance(rec, dict):
+        rec = parse_record(ln)
+        if rec is None:
             where = "its last line" if i == len(lines) else f"line {i} of {len(lines)}"
             warnings_out.append(f"{path}: dropped {where}, which is not a complete JSON record "
                                 f"({ln[:40]!r}{'...' if len(ln) > 40 else ''}; a write cut short by a kill)")

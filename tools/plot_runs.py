@@ -42,6 +42,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from megatron_cegrpo.bootstrap import bootstrap
 from megatron_cegrpo.evaluation import load_summary
 from megatron_cegrpo.evaluation.summary import as_float as _float
+from megatron_cegrpo.metrics import parse_record
 
 #: (metric, title, y label, file stem, drift-probe metric or None)
 PANELS = [
@@ -65,13 +66,9 @@ def read_metrics(run_dir: str) -> Tuple[Dict[str, List[Tuple[float, float]]], in
         for i, line in enumerate(f, start=1):
             if not line.strip():
                 continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
+            rec = parse_record(line)
+            if rec is None:
                 bad += 1  # e.g. the last line of a run killed mid-write
-                continue
-            if not isinstance(rec, dict):
-                bad += 1
                 continue
             step = _float(rec.get("step"))
             if step is None or math.isnan(step):

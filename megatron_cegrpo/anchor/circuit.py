@@ -64,7 +64,6 @@ class AnchorCircuit:
         applied = self.correction.num_applied - self._applied_before
         agree, total = self.correction.last_agreement if applied else (0, 0)
         out = self.client.metrics(t)
-        out.pop("anchor/sign_applied")  # the held sign; correction_applied says whether it was used
         out.update({"_anchor/applied": applied, "_anchor/agree": agree, "_anchor/total": total})
         return out
 

@@ -99,10 +99,11 @@ class AnchorClient:
         """Send this stage's parameter names/shapes and, after a resume, the fire whose signs it
         still awaits (the anchor sends those again). Call once, after ``load_state_dict``."""
         meta = dict(self._meta, awaiting=self._awaiting)
-        self._guard("hello", lambda: self._count_in(send_object(meta, self.anchor, META_TAG, self.group)))
 
-    def _count_in(self, n: int) -> None:
-        self.bytes_in += n
+        def hello():
+            self.bytes_in += send_object(meta, self.anchor, META_TAG, self.group)
+
+        self._guard("hello", hello)
 
     def _wait_pending(self) -> None:
         def wait():
@@ -215,7 +216,6 @@ class AnchorClient:
     def metrics(self, t: int) -> Dict:
         out = {"anchor/fire": int(is_fire_step(t, self.a.anchor_interval) and self.alive),
                "anchor/bytes_in": self.bytes_in, "anchor/bytes_out": self.bytes_out,
-               "anchor/sign_applied": int(self.correction.signs is not None),
                "anchor/alive": int(self.alive)}
         self.bytes_in = self.bytes_out = 0
         return out

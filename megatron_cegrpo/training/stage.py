@@ -232,10 +232,6 @@ class StageWorker:
             base += float(p0.double().square().sum())
         return diff, base
 
-    def assert_finite(self) -> List[str]:
-        """Names of parameters holding a NaN or inf (checked before every save)."""
-        return [n for n, p in self.model.named_parameters() if not bool(torch.isfinite(p.detach()).all())]
-
 
 def _weight_change(m: Dict) -> Dict[str, float]:
     """``actor/weight_rel_change`` = ||theta_t - theta_0|| / ||theta_0|| per stage and overall."""
