@@ -7,17 +7,22 @@
    micro-batch) is encoded by every codec and the payload tensors' bytes are summed
    (forward = activations, backward = the gradient of the receiver's input). Nothing is
    computed from a formula: the numbers are ``numel * element_size`` of what the encoders
-   returned. Codecs: the library's ``dense`` and ``mask`` (and ``lowrank`` once it is
-   registered; until then the row says n/a), plus reference points a user would otherwise
-   pick (``benchmarks/reference_codecs.py``): bf16 top-k (same k as the mask) with int32 or
-   int16 indices, and per-token int8 quantization.
-2. Time: encode + decode in both directions for one micro-batch, as a fraction of one
-   transformer layer's forward + backward at the same shape ([s, b, d], llama-style layer of
-   the model family that uses this d; megatron-core's local layer spec), all measured in this
-   process with the same thread count. For ``mask`` the PRF index derivation (done once per
-   micro-batch and iteration by each end, then cached) is timed separately and charged twice
-   (sender and receiver) in the share.
-
+   returned. Codecs: every registered one (``available_codecs()``, built as the trainer's
+   ``--boundary-codec NAME --boundary-keep-ratio R`` builds it; a codec that cannot be built
+   that way gets an n/a row), plus reference points a user would otherwise pick
+   (``benchmarks/reference_codecs.py``): bf16 top-k (same k as the mask) with int32 or int16
+   indices, and per-token int8 quantization.
+2. Time (issue 10 item 6): per micro-batch crossing, every repetition with a new context
+   (as every training step has), split into what is on the critical path and what is not,
+   each as a fraction of one transformer layer's forward + backward at the same shape
+   ([s, b, d], llama-style layer of the model family that uses this d; megatron-core's
+   local layer spec), all measured in this process with the same thread count:
+   * off-path: the codec's ``precompute`` (for ``mask`` the PRF index derivation), which the
+     trainer runs on a background thread for every crossing of an iteration as soon as the
+     batch is known (``pipeline/prefetch.py``); charged twice (sender and receiver);
+   * critical path: encode + decode in both directions, timed after that precompute; any
+     work a codec does lazily (no precompute, or a crossing nobody announced) lands here;
+   * "no prefetch": the sum, i.e. the crossing's cost if the precompute ran inline.
 Timing uses ``--compute-dtype`` (fp32 by default: the dtype the CPU trainer runs in); bytes
 use ``--wire-dtype`` (bf16 by default: what a GPU pipeline puts on the wire). The bytes
 ratio mask/dense is k/d in any dtype.
@@ -38,7 +43,7 @@ from transformers import LlamaConfig
 
 from benchmarks.reference_codecs import Int8Reference, TopKReference, wire_bytes
 from megatron_cegrpo.bootstrap import bootstrap
-from megatron_cegrpo.compression import BoundaryContext, available_codecs, get_codec, keep_count
+from megatron_cegrpo.compression import BoundaryContext, available_codecs, build_codec, has_precompute, keep_count
 from megatron_cegrpo.models import (destroy_single_process_megatron, init_single_process_megatron,
                                     transformer_config_from_hf)
 
@@ -64,54 +69,53 @@ def _layer_shape(d: int):
 # --------------------------------------------------------------------------- codec adapters
 
 
+def _ctx(step: int, b: int) -> BoundaryContext:
+    return BoundaryContext(seed=SEED, boundary=0, step=step, sample_ids=torch.arange(b, dtype=torch.long))
+
+
 class _Adapter:
-    """Uniform view over library and reference codecs: payloads are tuples of tensors."""
+    """Uniform view over library and reference codecs (payload: a tensor or a tuple of tensors).
 
-    def __init__(self, name: str, enc_f, dec_f, enc_b, dec_b, prf: Optional[Callable] = None, k=None):
+    Every call takes the crossing's context ``ctx`` (reference codecs ignore it);
+    ``precompute(ctx)`` is None for codecs with nothing to derive ahead of the crossing.
+    """
+
+    def __init__(self, name: str, enc_f, dec_f, enc_b, dec_b, precompute: Optional[Callable] = None, k=None):
         self.name, self.k = name, k
-        self.enc_f, self.dec_f, self.enc_b, self.dec_b, self.prf = enc_f, dec_f, enc_b, dec_b, prf
+        self.enc_f, self.dec_f, self.enc_b, self.dec_b, self.precompute = enc_f, dec_f, enc_b, dec_b, precompute
 
 
-def _library_adapter(name: str, codec, ctx, shape) -> _Adapter:
-    def as_tuple(t):
-        return (t,)
-
-    def cold_indices():
-        codec.clear_cache()
-        return codec.indices(ctx, shape[0], shape[2], "cpu")
-
-    prf = cold_indices if (hasattr(codec, "indices") and hasattr(codec, "clear_cache")) else None
+def _library_adapter(name: str, codec, shape) -> _Adapter:
     return _Adapter(
         name,
-        enc_f=lambda x: as_tuple(codec.encode_forward(x, ctx).contiguous()),
-        dec_f=lambda p: codec.decode_forward(p[0], ctx, shape),
-        enc_b=lambda g, fp: as_tuple(codec.encode_backward(g, ctx).contiguous()),
-        dec_b=lambda p, fp: codec.decode_backward(p[0], ctx, shape),
-        prf=prf, k=codec.k(shape[2]) if hasattr(codec, "k") else None)
+        enc_f=lambda x, ctx: codec.encode_forward(x, ctx),
+        dec_f=lambda p, ctx: codec.decode_forward(p, ctx, shape),
+        enc_b=lambda g, ctx, fp: codec.encode_backward(g, ctx),
+        dec_b=lambda p, ctx, fp: codec.decode_backward(p, ctx, shape),
+        precompute=(lambda ctx: codec.precompute(ctx, shape, "cpu")) if has_precompute(codec) else None,
+        k=codec.k(shape[2]) if hasattr(codec, "k") else None)
+
+
+def _reference_adapter(ref, shape) -> _Adapter:
+    return _Adapter(ref.name, lambda x, ctx: ref.encode_forward(x), lambda p, ctx: ref.decode_forward(p, shape),
+                    lambda g, ctx, fp: ref.encode_backward(g, fp), lambda p, ctx, fp: ref.decode_backward(p, fp, shape),
+                    k=getattr(ref, "k", None))
 
 
 def build_adapters(d: int, s: int, b: int, keep_ratio: float):
-    """(adapters, n/a rows) for hidden size d; ``n/a`` lists codecs that cannot be measured."""
+    """(adapters, n/a rows) for hidden size d: every registered codec (``available_codecs()``,
+    built as ``--boundary-codec NAME --boundary-keep-ratio keep_ratio`` would build it), then
+    the reference encodings; ``n/a`` maps codecs that cannot be built to the reason."""
     shape = (s, b, d)
-    ctx = BoundaryContext(seed=SEED, boundary=0, step=1, sample_ids=torch.arange(b, dtype=torch.long))
-    k = keep_count(d, keep_ratio)
-    adapters = [_library_adapter("dense", get_codec("dense"), ctx, shape),
-                _library_adapter("mask", get_codec("mask", keep_ratio=keep_ratio), ctx, shape)]
-    missing = {}
-    if "lowrank" in available_codecs():
+    adapters, missing = [], {}
+    for name in available_codecs():
         try:
-            adapters.append(_library_adapter("lowrank", get_codec("lowrank"), ctx, shape))
-        except Exception as e:  # constructor needs arguments this benchmark does not know yet
-            missing["lowrank"] = f"n/a (registered, but get_codec('lowrank') failed: {e})"
-    else:
-        missing["lowrank"] = "n/a (no lowrank codec registered in megatron_cegrpo.compression yet)"
-    for idx_dtype in (torch.int32, torch.int16):
-        ref = TopKReference(k, idx_dtype)
-        adapters.append(_Adapter(ref.name, ref.encode_forward, lambda p, r=ref: r.decode_forward(p, shape),
-                                 ref.encode_backward, lambda p, fp, r=ref: r.decode_backward(p, fp, shape), k=k))
-    q = Int8Reference()
-    adapters.append(_Adapter(q.name, q.encode_forward, lambda p: q.decode_forward(p, shape),
-                             q.encode_backward, lambda p, fp: q.decode_backward(p, fp, shape)))
+            adapters.append(_library_adapter(name, build_codec(name, keep_ratio), shape))
+        except Exception as e:  # a constructor that needs arguments this benchmark does not know
+            missing[name] = f"n/a (registered, but build_codec({name!r}) failed: {e})"
+    k = keep_count(d, keep_ratio)
+    for ref in (TopKReference(k, torch.int32), TopKReference(k, torch.int16), Int8Reference()):
+        adapters.append(_reference_adapter(ref, shape))
     return adapters, missing
 
 
@@ -140,8 +144,9 @@ def measure_bytes(d: int, s: int, b: int, keep_ratio: float = 0.05, wire_dtype: 
     tokens = s * b
     rows = []
     for a in adapters:
-        fp = a.enc_f(x)
-        bp = a.enc_b(grad, fp)
+        ctx = _ctx(1, b)
+        fp = a.enc_f(x, ctx)
+        bp = a.enc_b(grad, ctx, fp)
         rows.append({"codec": a.name, "d": d, "k": a.k, "tokens": tokens, "wire_dtype": str(wire_dtype),
                      "fwd_bytes": wire_bytes(fp), "bwd_bytes": wire_bytes(bp),
                      "fwd_bytes_per_token": wire_bytes(fp) / tokens, "bwd_bytes_per_token": wire_bytes(bp) / tokens})
@@ -184,14 +189,67 @@ def build_layer(d: int, dtype: torch.dtype):
     return layer, rope, family
 
 
+def time_codec(a: _Adapter, x: torch.Tensor, grad: torch.Tensor, min_time: float, min_reps: int = 5,
+               max_reps: int = 200) -> dict:
+    """Median ms of each codec call for one micro-batch crossing, every repetition a new crossing.
+
+    Repetition i uses a context never seen before (step i), as every training step does: the
+    codec cannot reuse anything but what it derives per context. Per repetition, in order:
+    ``precompute(ctx)`` (off the critical path: in training a background thread runs it for
+    every crossing of the iteration when the batch is known, ``pipeline/prefetch.py``), then
+    the four calls on the critical path: encode/decode forward, encode/decode backward.
+    Anything a codec derives lazily inside them (a codec without precompute, or a crossing
+    not prefetched) is therefore timed as critical-path work. One untimed warm-up first.
+
+    Returns:
+        {"encode_fwd_ms", "decode_fwd_ms", "encode_bwd_ms", "decode_bwd_ms", "precompute_ms",
+        "reps"}: medians over the repetitions (precompute_ms 0.0 when there is none).
+    """
+    keys = ("precompute_ms", "encode_fwd_ms", "decode_fwd_ms", "encode_bwd_ms", "decode_bwd_ms")
+    samples = {k: [] for k in keys}
+    b = x.shape[1]
+    t_start, step = time.perf_counter(), 1_000_000  # far from the steps of measure_bytes
+    while step - 1_000_000 < min_reps + 1 or (time.perf_counter() - t_start < min_time
+                                              and step - 1_000_000 < max_reps + 1):
+        ctx = _ctx(step, b)
+        t0 = time.perf_counter()
+        if a.precompute is not None:
+            a.precompute(ctx)
+        t1 = time.perf_counter()
+        fp = a.enc_f(x, ctx)
+        t2 = time.perf_counter()
+        a.dec_f(fp, ctx)
+        t3 = time.perf_counter()
+        bp = a.enc_b(grad, ctx, fp)
+        t4 = time.perf_counter()
+        a.dec_b(bp, ctx, fp)
+        t5 = time.perf_counter()
+        if step > 1_000_000:  # the first repetition is the warm-up
+            for k, v in zip(keys, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4)):
+                samples[k].append(v * 1e3)
+        step += 1
+    out = {k: statistics.median(v) for k, v in samples.items()}
+    if a.precompute is None:
+        out["precompute_ms"] = 0.0  # (what was timed is an empty interval)
+    out["reps"] = len(samples["precompute_ms"])
+    return out
+
+
 def measure_time(d: int, s: int, b: int, keep_ratio: float = 0.05, dtype: torch.dtype = torch.float32,
                  min_time: float = 1.0, layer_min_reps: int = 2):
-    """One layer's forward+backward and each codec's encode/decode time (ms) at [s, b, d], same process."""
+    """One layer's forward+backward and each codec's per-crossing time (ms) at [s, b, d], same process.
+
+    Row keys: ``critical_ms`` = encode + decode, forward and backward (``time_codec``: with
+    the crossing's precompute already done); ``precompute_ms`` = the codec's work ahead of
+    the crossing at one end (both ends do it); ``share_of_layer_fwd_bwd`` = critical_ms /
+    layer f+b (the critical-path share); ``offpath_share`` = 2 x precompute_ms / layer f+b;
+    ``share_without_prefetch`` = (critical_ms + 2 x precompute_ms) / layer f+b, what the
+    crossing costs when nothing is prefetched (masks derived on demand at both ends).
+    """
     layer, rope, family = build_layer(d, dtype)
     emb = rope(s)
     x, grad = boundary_tensors(s, b, d, dtype)
     inp = x.detach().clone().requires_grad_(True)
-    state = {}
 
     def fwd_bwd():
         inp.grad = None
@@ -199,27 +257,19 @@ def measure_time(d: int, s: int, b: int, keep_ratio: float = 0.05, dtype: torch.
         out = out[0] if isinstance(out, tuple) else out
         out.backward(grad)
 
-    layer_fwd_bwd = _timeit(fwd_bwd, min_time, min_reps=layer_min_reps)
+    layer_ms = _timeit(fwd_bwd, min_time, min_reps=layer_min_reps) * 1e3
     layer = None  # free the weights (and grads) before timing the codecs
 
     adapters, missing = build_adapters(d, s, b, keep_ratio)
     rows = []
     for a in adapters:
-        state["fp"] = a.enc_f(x)
-        state["bp"] = a.enc_b(grad, state["fp"])
-        t = {
-            "encode_fwd_ms": _timeit(lambda: a.enc_f(x), min_time / 4) * 1e3,
-            "decode_fwd_ms": _timeit(lambda: a.dec_f(state["fp"]), min_time / 4) * 1e3,
-            "encode_bwd_ms": _timeit(lambda: a.enc_b(grad, state["fp"]), min_time / 4) * 1e3,
-            "decode_bwd_ms": _timeit(lambda: a.dec_b(state["bp"], state["fp"]), min_time / 4) * 1e3,
-        }
-        t["codec_ms"] = sum(t.values())
-        t["prf_ms"] = _timeit(a.prf, min_time / 4) * 1e3 if a.prf else 0.0
-        total = t["codec_ms"] + 2 * t["prf_ms"]
+        t = time_codec(a, x, grad, min_time / 2)
+        crit = t["encode_fwd_ms"] + t["decode_fwd_ms"] + t["encode_bwd_ms"] + t["decode_bwd_ms"]
         rows.append({"codec": a.name, "d": d, "tokens": s * b, "dtype": str(dtype), "layer": family,
-                     "layer_fwd_bwd_ms": layer_fwd_bwd * 1e3, **t,
-                     "codec_total_ms": total, "share_of_layer_fwd_bwd": total / (layer_fwd_bwd * 1e3),
-                     "share_without_prf": t["codec_ms"] / (layer_fwd_bwd * 1e3)})
+                     "layer_fwd_bwd_ms": layer_ms, **t, "has_precompute": a.precompute is not None,
+                     "critical_ms": crit, "share_of_layer_fwd_bwd": crit / layer_ms,
+                     "offpath_share": 2 * t["precompute_ms"] / layer_ms,
+                     "share_without_prefetch": (crit + 2 * t["precompute_ms"]) / layer_ms})
     for name, note in missing.items():
         rows.append({"codec": name, "d": d, "note": note})
     return rows
@@ -240,15 +290,17 @@ def _fmt_bytes_table(rows) -> str:
 
 
 def _fmt_time_table(rows) -> str:
-    out = [f"{'d':>5} {'codec':<9} {'enc+dec ms':>10} {'prf ms':>8} {'layer f+b ms':>12} {'share':>8} "
-           f"{'w/o prf':>8}   layer"]
+    out = [f"{'d':>5} {'codec':<9} {'critical ms':>11} {'precompute ms':>13} {'layer f+b ms':>12} "
+           f"{'critical':>9} {'off-path':>9} {'no prefetch':>11}   layer"]
     for r in rows:
         if "note" in r:
             out.append(f"{r['d']:>5} {r['codec']:<9} {r['note']}")
             continue
-        out.append(f"{r['d']:>5} {r['codec']:<9} {r['codec_ms']:>10.3f} {r['prf_ms']:>8.3f} "
-                   f"{r['layer_fwd_bwd_ms']:>12.1f} {100 * r['share_of_layer_fwd_bwd']:>7.2f}% "
-                   f"{100 * r['share_without_prf']:>7.3f}%   {r['layer']}")
+        pre = f"{r['precompute_ms']:>13.3f}" if r["has_precompute"] else f"{'-':>13}"
+        off = f"{100 * r['offpath_share']:>8.2f}%" if r["has_precompute"] else f"{'-':>9}"
+        out.append(f"{r['d']:>5} {r['codec']:<9} {r['critical_ms']:>11.3f} {pre} {r['layer_fwd_bwd_ms']:>12.1f} "
+                   f"{100 * r['share_of_layer_fwd_bwd']:>8.3f}% {off} {100 * r['share_without_prefetch']:>10.2f}%"
+                   f"   {r['layer']}")
     return "\n".join(out)
 
 
@@ -296,11 +348,12 @@ def main(argv=None) -> dict:
                 print(f"  timed d={d} in {time.perf_counter() - t0:.0f} s", flush=True)
         finally:
             destroy_single_process_megatron(destroy_process_group=created)
-        print(f"\nCodec time per micro-batch crossing (encode+decode, forward and backward; {args.compute_dtype}, "
-              f"{args.threads} thread(s)) vs one transformer layer forward+backward at the same shape.\n"
-              "share = (enc+dec + 2 x prf) / layer f+b; prf = mask index derivation, once per end per micro-batch\n"
-              "(cacheable, and computable before the step: it depends only on seed, boundary, step, sample ids);\n"
-              "w/o prf = enc+dec / layer f+b (indices already cached):")
+        print(f"\nCodec time per micro-batch crossing ({args.compute_dtype}, {args.threads} thread(s)) vs one "
+              "transformer layer forward+backward at the same shape; every repetition is a new crossing context.\n"
+              "critical = encode+decode, forward and backward, / layer f+b (with the crossing's precompute done,\n"
+              "as the trainer's background prefetch leaves it); off-path = 2 x precompute (one per end: the mask's\n"
+              "PRF indices, derived on a background thread when the batch is known) / layer f+b; no prefetch =\n"
+              "(critical + 2 x precompute) / layer f+b, the cost with masks derived on demand. '-': no precompute.")
         print(_fmt_time_table(result["time"]))
     result["machine"]["loadavg_end"] = os.getloadavg()
     if args.out:

@@ -119,7 +119,7 @@ def main(argv=None):
             print(f"note: {a.codec_json} was timed at {r['tokens']} tokens per micro-batch, "
                   f"the projection uses {a.seq_len * a.micro_batch}")
         scenarios.append((f"this CPU (measured: layer f+b {r['layer_fwd_bwd_ms']:.0f} ms, mask codec "
-                          f"{100 * r['share_of_layer_fwd_bwd']:.2f}% of it)",
+                          f"{100 * r['share_of_layer_fwd_bwd']:.2f}% of it on the critical path)",
                           dict(layer_fwd_bwd_ms=r["layer_fwd_bwd_ms"]), r["share_of_layer_fwd_bwd"]))
 
     out = {"config": vars(a), "k": k, "scenarios": []}

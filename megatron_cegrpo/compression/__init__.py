@@ -13,6 +13,7 @@ from .codecs import (
     available_codecs,
     build_codec,
     get_codec,
+    has_precompute,
     register_codec,
 )
 from .meter import ByteMeter
@@ -28,6 +29,7 @@ __all__ = [
     "build_codec",
     "exact_k_indices",
     "get_codec",
+    "has_precompute",
     "keep_count",
     "prf_channel_scores",
     "register_codec",

@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import abc
 import inspect
+import threading
 import warnings
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Tuple, Type
+from typing import Callable, Dict, List, Optional, Tuple, Type
 
 import torch
 
@@ -36,6 +37,8 @@ __all__ = [
     "register_codec",
     "get_codec",
     "available_codecs",
+    "build_codec",
+    "has_precompute",
 ]
 
 
@@ -98,6 +101,11 @@ def get_codec(name: str, **kwargs) -> "BoundaryCodec":
     return cls(**kwargs)
 
 
+def has_precompute(codec: "BoundaryCodec") -> bool:
+    """Whether ``codec`` overrides :meth:`BoundaryCodec.precompute` (has work to do ahead of a crossing)."""
+    return type(codec).precompute is not BoundaryCodec.precompute
+
+
 def build_codec(name: str, keep_ratio: float) -> "BoundaryCodec":
     """The codec for ``--boundary-codec name --boundary-keep-ratio keep_ratio``: the ratio goes
     to codecs whose constructor takes ``keep_ratio``; for the others (``dense``) it does not
@@ -154,6 +162,21 @@ class BoundaryCodec(abc.ABC):
     @abc.abstractmethod
     def forward_map(self, x: torch.Tensor, ctx: BoundaryContext) -> torch.Tensor:
         """Differentiable single-process reference of decode_forward(encode_forward(x))."""
+
+    def precompute(self, ctx: BoundaryContext, shape: Tuple[int, int, int], device="cpu") -> bool:
+        """Derive, ahead of the crossing, whatever ``ctx`` alone determines (issue 10 item 6).
+
+        Called off the critical path (``pipeline/prefetch.py``: a background thread started
+        when the iteration's batch is known) with the context and dense shape ``(s, b, d)``
+        of a crossing that will come; the encode/decode calls of that crossing then find the
+        work done. Must be thread-safe against concurrent encode/decode calls and give the
+        same bits as deriving on demand. The default does nothing and returns False (codecs
+        with no per-context state, e.g. ``dense``).
+
+        Returns:
+            True if something was derived (or was already held) for later reuse.
+        """
+        return False
 
     def state_dict(self) -> dict:
         """Checkpointable codec state (empty for stateless codecs)."""
@@ -215,9 +238,15 @@ class MaskCodec(BoundaryCodec):
     Bytes on the wire per direction: s * b * k * element_size (ratio k/d).
     Scale d/k is the Python float ``d / k`` (not rounded to 20).
 
-    Index tensors are cached (LRU, ``cache_size`` entries) keyed by
-    (seed, boundary, step, sample ids, s, d, device), since forward and backward
-    of one micro-batch and the passes of one iteration reuse them.
+    Index tensors are derived once per (seed, boundary, step, sample ids, s, d, device)
+    and kept in two stores: the *plan*, filled by :meth:`precompute` (off the critical
+    path: ``pipeline/prefetch.py`` calls it on a background thread for every crossing of
+    the iteration as soon as the batch is known) and holding the masks of one step (a
+    precompute for a newer step drops the older step's plan); and an LRU of
+    ``cache_size`` entries for masks derived on demand (a crossing nobody announced).
+    ``derivations`` counts both kinds ({"precomputed": n, "on_demand": m}): in a
+    prefetched pipeline ``on_demand`` stays 0, i.e. no PRF work on the critical path.
+    Plan memory: (crossings of one step at this rank) x s x b x k x 8 bytes.
 
     Raises:
         ValueError: keep_ratio outside (0, 1]; tensors not 3-D; sample_ids length
@@ -231,6 +260,10 @@ class MaskCodec(BoundaryCodec):
         self.keep_ratio = float(keep_ratio)
         self.cache_size = cache_size
         self._cache: "OrderedDict[tuple, torch.Tensor]" = OrderedDict()
+        self._plan: Dict[tuple, torch.Tensor] = {}
+        self._plan_step: Optional[int] = None
+        self._lock = threading.Lock()  # precompute runs on another thread
+        self.derivations = {"precomputed": 0, "on_demand": 0}
 
     # -- helpers -----------------------------------------------------------
     def k(self, d: int) -> int:
@@ -241,36 +274,67 @@ class MaskCodec(BoundaryCodec):
         """d / k as a Python float."""
         return int(d) / self.k(d)
 
-    def indices(self, ctx: BoundaryContext, s: int, d: int, device) -> torch.Tensor:
-        """Kept-channel indices LongTensor[s, b, k] on ``device`` (cached)."""
-        device = torch.device(device)
+    @staticmethod
+    def _key(ctx: BoundaryContext, s: int, d: int, device: torch.device) -> tuple:
         sample_ids = ctx.sample_ids
         if not isinstance(sample_ids, torch.Tensor) or sample_ids.dim() != 1:
             raise ValueError("ctx.sample_ids must be a 1-D LongTensor")
-        key = (
-            ctx.seed,
-            ctx.boundary,
-            ctx.step,
-            tuple(int(v) for v in sample_ids.tolist()),
-            int(s),
-            int(d),
-            str(device),
-        )
-        idx = self._cache.get(key)
+        return (ctx.seed, ctx.boundary, ctx.step, tuple(sample_ids.tolist()), int(s), int(d), str(device))
+
+    def _derive(self, ctx: BoundaryContext, s: int, d: int, device: torch.device) -> torch.Tensor:
+        return exact_k_indices(ctx.seed, ctx.boundary, ctx.step, ctx.sample_ids.to(device), int(s), int(d),
+                               self.k(d), device=device)
+
+    def indices(self, ctx: BoundaryContext, s: int, d: int, device) -> torch.Tensor:
+        """Kept-channel indices LongTensor[s, b, k] on ``device``: from the plan, the LRU, or
+        derived now (counted in ``derivations["on_demand"]``)."""
+        device = torch.device(device)
+        key = self._key(ctx, s, d, device)
+        with self._lock:
+            idx = self._plan.get(key)
+            if idx is None:
+                idx = self._cache.get(key)
+                if idx is not None:
+                    self._cache.move_to_end(key)
         if idx is not None:
-            self._cache.move_to_end(key)
             return idx
-        idx = exact_k_indices(
-            ctx.seed, ctx.boundary, ctx.step, sample_ids.to(device), int(s), int(d), self.k(d), device=device
-        )
-        if self.cache_size > 0:
-            self._cache[key] = idx
-            while len(self._cache) > self.cache_size:
-                self._cache.popitem(last=False)
+        idx = self._derive(ctx, s, d, device)
+        with self._lock:
+            self.derivations["on_demand"] += 1
+            if self.cache_size > 0:
+                self._cache[key] = idx
+                while len(self._cache) > self.cache_size:
+                    self._cache.popitem(last=False)
         return idx
 
+    def precompute(self, ctx: BoundaryContext, shape, device="cpu") -> bool:
+        """Derive the indices of ``ctx`` for a dense ``shape`` (s, b, d) into the plan (see
+        the class docstring). Thread-safe; the same bits as :meth:`indices` on demand.
+
+        Raises:
+            ValueError: shape not 3-D or ctx.sample_ids length differs from b.
+        """
+        s, b, d = _check_shape(shape)
+        if ctx.sample_ids.numel() != b:
+            raise ValueError(f"ctx.sample_ids has {ctx.sample_ids.numel()} entries but the micro-batch has b={b}")
+        device = torch.device(device)
+        key = self._key(ctx, s, d, device)
+        with self._lock:
+            if self._plan_step == ctx.step and key in self._plan:
+                return True
+        idx = self._derive(ctx, s, d, device)
+        with self._lock:
+            if self._plan_step != ctx.step:
+                self._plan, self._plan_step = {}, ctx.step
+            self._plan[key] = idx
+            self.derivations["precomputed"] += 1
+        return True
+
     def clear_cache(self) -> None:
-        self._cache.clear()
+        """Drop the plan and the LRU (the derivation counters are kept)."""
+        with self._lock:
+            self._cache.clear()
+            self._plan, self._plan_step = {}, None
 
     def _dense_indices(self, t: torch.Tensor, ctx: BoundaryContext) -> torch.Tensor:
         if t.dim() != 3:
@@ -288,8 +352,10 @@ class MaskCodec(BoundaryCodec):
         if ctx.sample_ids.numel() != b:
             raise ValueError(f"ctx.sample_ids has {ctx.sample_ids.numel()} entries but the micro-batch has b={b}")
         idx = self.indices(ctx, s, d, payload.device)
-        dense = torch.zeros((s, b, d), dtype=payload.dtype, device=payload.device).scatter(-1, idx, payload)
-        return dense * self.scale(d)
+        # scale the k kept values, then scatter into zeros: the same bits as scaling the dense
+        # tensor (0 * (d/k) = 0), with k instead of d multiplications and no second [s, b, d]
+        return torch.zeros((s, b, d), dtype=payload.dtype, device=payload.device).scatter_(
+            -1, idx, payload * self.scale(d))
 
     # -- codec API -----------------------------------------------------------
     def payload_shape(self, shape):

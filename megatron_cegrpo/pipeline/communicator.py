@@ -16,6 +16,13 @@ context of a boundary tensor is then (seed, boundary, step, sample ids,
 positions), identical at both ends and for every pass of one iteration
 (old-logprob, reference, update): DESIGN.md sections 2 and 3.
 
+Since the contexts of a pass are known before it starts, ``prefetch`` (called by the
+trainer as soon as the iteration's batch is known, and by ``begin_pass`` for anything not
+announced yet) hands every crossing this rank will encode or decode to a
+:class:`~megatron_cegrpo.pipeline.prefetch.CodecPrefetcher`: the codec's per-crossing work
+(the mask's PRF indices) runs on a background thread, off the critical path (issue 10
+item 6), and ``_communicate`` only waits for it (normally already done).
+
 Boundary ``i`` is the link between pipeline rank ``i`` and ``i + 1``; forward
 payloads are metered on the sender (rank i), backward payloads on the sender
 of the gradient (rank i + 1).
@@ -31,6 +38,7 @@ import torch.distributed as dist
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
 from megatron_cegrpo.compression import BoundaryCodec, BoundaryContext, ByteMeter
+from megatron_cegrpo.pipeline.prefetch import CodecPrefetcher
 
 __all__ = ["CompressedP2PCommunicator"]
 
@@ -65,6 +73,9 @@ class CompressedP2PCommunicator(P2PCommunicator):
         self._step: Optional[int] = None
         self._mb_sample_ids: List[torch.Tensor] = []
         self._counters = {"send_next": 0, "recv_prev": 0, "send_prev": 0, "recv_next": 0}
+        # where megatron's p2p allocates (the CPU under compat.cpu, else the current GPU)
+        self.prefetcher = CodecPrefetcher(torch.device("cuda", torch.cuda.current_device())
+                                          if torch.cuda.is_available() else torch.device("cpu"))
 
     @contextlib.contextmanager
     def using(self, codec: BoundaryCodec, meter: ByteMeter):
@@ -78,18 +89,54 @@ class CompressedP2PCommunicator(P2PCommunicator):
             self.codec, self.meter = saved
 
     # ---- pass bookkeeping -------------------------------------------------
-    def begin_pass(self, step: int, microbatch_sample_ids: Sequence[torch.Tensor]) -> None:
+    def prefetch(self, step: int, microbatch_sample_ids: Sequence[torch.Tensor], seq_len: int) -> int:
+        """Start the codec's work for every crossing of a pass at this rank, off the critical path.
+
+        For each micro-batch (in schedule order) the received boundary ``pp_rank - 1`` (not on
+        the first stage) and the sent boundary ``pp_rank`` (not on the last), dense shape
+        ``[seq_len, micro_batch_size, hidden_size]``: exactly the crossings ``_communicate``
+        will encode or decode, forward and backward. Crossings already queued are skipped, so
+        calling it again for the next pass of the same iteration costs nothing.
+
+        Args:
+            step: the iteration t keying the masks.
+            microbatch_sample_ids: one LongTensor [micro_batch_size] per micro-batch.
+            seq_len: s, tokens per sequence of this pass.
+        Returns:
+            the number of crossings newly queued (0 for a codec without precompute).
+        """
+        boundaries = ([self.pp_rank - 1] if self.pp_rank > 0 else []) + (
+            [self.pp_rank] if self.pp_rank < self.pp_size - 1 else [])
+        crossings = []
+        for sids in microbatch_sample_ids:
+            sids = torch.as_tensor(sids, dtype=torch.long).cpu()
+            shape = (int(seq_len), int(sids.numel()), int(self.config.hidden_size))
+            for boundary in boundaries:
+                ctx = BoundaryContext(seed=self.seed, boundary=boundary, step=int(step), sample_ids=sids)
+                crossings.append((ctx, shape))
+        return self.prefetcher.submit(self.codec, crossings)
+
+    def close(self) -> None:
+        """Stop the prefetch thread (queued work not started is dropped)."""
+        self.prefetcher.close()
+
+    def begin_pass(self, step: int, microbatch_sample_ids: Sequence[torch.Tensor],
+                   seq_len: Optional[int] = None) -> None:
         """Start one schedule call.
 
         Args:
             step: the training iteration t keying the masks (all passes of t share it).
             microbatch_sample_ids: one LongTensor [micro_batch_size] per micro-batch,
                 in schedule order, holding each sample's index in the iteration's batch.
+            seq_len: tokens per sequence; when given, the crossings not yet prefetched are
+                queued now (:meth:`prefetch`).
         """
         self._step = int(step)
         self._mb_sample_ids = [torch.as_tensor(s, dtype=torch.long).cpu() for s in microbatch_sample_ids]
         for k in self._counters:
             self._counters[k] = 0
+        if seq_len is not None:
+            self.prefetch(step, self._mb_sample_ids, seq_len)
 
     def end_pass(self, forward_only: bool) -> None:
         """Check that every micro-batch crossed each active boundary exactly once."""
@@ -132,11 +179,13 @@ class CompressedP2PCommunicator(P2PCommunicator):
         with torch.no_grad():
             if tensor_send_next is not None:
                 ctx_next_send = self._context(self.pp_rank, "send_next")
+                self.prefetcher.wait(self.codec, ctx_next_send, tuple(tensor_send_next.shape))
                 payload_next = self.codec.encode_forward(tensor_send_next.detach(), ctx_next_send).contiguous()
                 self.meter.add("fwd", self.pp_rank, payload_next, tensor_send_next.numel())
                 shape = shape or tuple(tensor_send_next.shape)
             if tensor_send_prev is not None:
                 ctx_prev_send = self._context(self.pp_rank - 1, "send_prev")
+                self.prefetcher.wait(self.codec, ctx_prev_send, tuple(tensor_send_prev.shape))
                 payload_prev = self.codec.encode_backward(tensor_send_prev.detach(), ctx_prev_send).contiguous()
                 self.meter.add("bwd", self.pp_rank - 1, payload_prev, tensor_send_prev.numel())
         payload_shape = self.codec.payload_shape(shape) if shape is not None else None
@@ -152,9 +201,11 @@ class CompressedP2PCommunicator(P2PCommunicator):
         with torch.no_grad():
             if recv_prev:
                 ctx = self._context(self.pp_rank - 1, "recv_prev")
+                self.prefetcher.wait(self.codec, ctx, shape)
                 x = self.codec.decode_forward(recv_prev_t.detach(), ctx, shape)
             if recv_next:
                 ctx = self._context(self.pp_rank, "recv_next")
+                self.prefetcher.wait(self.codec, ctx, shape)
                 g = self.codec.decode_backward(recv_next_t.detach(), ctx, shape)
         if x is not None:
             x = x.to(self.config.pipeline_dtype).requires_grad_(True)

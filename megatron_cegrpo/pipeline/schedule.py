@@ -42,6 +42,19 @@ class PipelineRunner:
         self.micro_batch_size = micro_batch_size
         self.pp_size = pp_size
 
+    def prefetch(self, batch: Dict[str, torch.Tensor], *, step: int) -> int:
+        """Queue the codec's work for every micro-batch of ``batch`` at iteration ``step``
+        (``CompressedP2PCommunicator.prefetch``: a background thread, off the critical path).
+        Call it as soon as the iteration's batch is known; ``run`` queues whatever was not.
+
+        Returns:
+            the number of crossings queued (0 at PP=1 or for a codec without precompute).
+        """
+        if self.pp_size == 1:
+            return 0
+        mbs = microbatches(batch, self.micro_batch_size)
+        return self.comm.prefetch(step, [mb["sample_ids"] for mb in mbs], int(batch["tokens"].shape[1]))
+
     def run(self, model: torch.nn.Module, batch: Dict[str, torch.Tensor], *, step: int,
             forward_only: bool, loss_fn: LossFn) -> List[dict]:
         """One schedule call over every row of ``batch``.
@@ -70,7 +83,7 @@ class PipelineRunner:
                       micro_batch_size=self.micro_batch_size, forward_only=forward_only)
         if self.pp_size == 1:
             return forward_backward_no_pipelining(**common)
-        self.comm.begin_pass(step, [mb["sample_ids"] for mb in mbs])
+        self.comm.begin_pass(step, [mb["sample_ids"] for mb in mbs], seq_length)
         out = forward_backward_pipelining_without_interleaving(
             **common, p2p_communicator=self.comm, pg_collection=self.pg_collection)
         self.comm.end_pass(forward_only)

@@ -93,6 +93,11 @@ class StageWorker:
         self.clip(optimizer, args, kwargs)
 
     # ------------------------------------------------------------------ passes
+    def prefetch_codec(self, batch: Dict[str, torch.Tensor], t: int) -> None:
+        """Start the boundary codec's work for every pass of iteration t (the masks of its
+        micro-batches) on a background thread, off the critical path (issue 10 item 6)."""
+        self.runner.prefetch(batch, step=t)
+
     def _logprob_loss_fn(self, want_entropy: bool, mb, logits):
         logits = logits.float() / self.temperature
         out = {"logprobs": ca.logprobs_from_logits(logits, mb["labels"]).detach()}

@@ -3,7 +3,8 @@
 One iteration t, each phase in a named timer (``timing_s/<phase>``):
   gen, reward   the driver draws prompts, the dense sampler generates G responses each, the
                 verifier scores them; group-normalised advantages        (driver.py)
-  broadcast     the packed batch goes to every stage
+  broadcast     the packed batch goes to every stage; each stage starts deriving the
+                iteration's boundary masks on a background thread (pipeline/prefetch.py)
   anchor        a correction circuit sees the batch (circuit.py; none without an anchor)
   old_log_prob  forward-only pipeline pass, compressed (masks keyed by t)  (stage.py)
   ref           the frozen reference, same masks (only when --kl-coef > 0)
@@ -122,6 +123,7 @@ class GRPOTrainer:
             obj = [batch]
             dist.broadcast_object_list(obj, src=dist.get_global_rank(ctx.rollout_group, 0), group=ctx.rollout_group)
             batch = obj[0]
+        stage.prefetch_codec(batch, t)  # masks of this iteration, on a background thread
         for c in self.circuits:
             with timers.phase(c.phase):
                 c.after_rollout(t, batch)
@@ -191,6 +193,8 @@ class GRPOTrainer:
                 self._progress(last, bar)
         if bar is not None:
             bar.close()
+        if self.stage.comm is not None:
+            self.stage.comm.close()  # the codec prefetch thread (pipeline/prefetch.py)
         for c in self.circuits:
             c.finish(self.iteration, self.timers)
         if cfg.data.num_holdout:

@@ -2,6 +2,7 @@
 
 import math
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ from megatron_cegrpo.compression import (
     available_codecs,
     exact_k_indices,
     get_codec,
+    has_precompute,
     register_codec,
 )
 
@@ -183,6 +185,56 @@ def test_mask_index_cache_reuse_and_lru():
     again = c.indices(ctx, 3, 16, "cpu")
     assert again is not i1 and torch.equal(again, i1)
     assert not torch.equal(c.indices(_ctx(b=2, offset=5), 3, 16, "cpu"), i1)
+
+
+def test_mask_precompute_on_another_thread_gives_the_on_demand_bits():
+    # one end precomputes on a background thread (as pipeline/prefetch.py does), the other
+    # derives on demand: the same payload and the same decoded tensor, bit for bit; the
+    # precomputed end derives nothing on the critical path
+    s, b, d = 9, 3, 576
+    x, g = torch.randn(s, b, d), torch.randn(s, b, d)
+    ctx = _ctx(b=b, boundary=1, step=5)
+    sender, receiver = MaskCodec(0.05), MaskCodec(0.05)
+    worker = threading.Thread(target=sender.precompute, args=(ctx, (s, b, d), "cpu"))
+    worker.start()
+    worker.join()
+    assert sender.derivations == {"precomputed": 1, "on_demand": 0}
+    payload = sender.encode_forward(x, ctx)
+    assert torch.equal(payload, receiver.encode_forward(x, ctx))
+    assert torch.equal(sender.decode_forward(payload, ctx, (s, b, d)), receiver.decode_forward(payload, ctx, (s, b, d)))
+    gp = receiver.encode_backward(g, ctx)
+    assert torch.equal(sender.decode_backward(gp, ctx, (s, b, d)), receiver.decode_backward(gp, ctx, (s, b, d)))
+    assert sender.derivations == {"precomputed": 1, "on_demand": 0}
+    assert receiver.derivations == {"precomputed": 0, "on_demand": 1}
+    assert sender.precompute(ctx, (s, b, d)) is True  # already held: not derived again
+    assert sender.derivations["precomputed"] == 1
+
+
+def test_mask_precompute_plan_holds_one_step():
+    c = MaskCodec(0.25, cache_size=0)
+    shape = (3, 2, 16)
+    for off in range(40):  # more crossings than the LRU default: the plan keeps all of one step
+        c.precompute(_ctx(b=2, step=7, offset=2 * off), shape)
+    kept = c.indices(_ctx(b=2, step=7), 3, 16, "cpu")
+    assert c.derivations == {"precomputed": 40, "on_demand": 0}
+    c.precompute(_ctx(b=2, step=8), shape)  # a newer step replaces the plan
+    again = c.indices(_ctx(b=2, step=7), 3, 16, "cpu")
+    assert c.derivations == {"precomputed": 41, "on_demand": 1}
+    assert again is not kept and torch.equal(again, kept)
+    assert not torch.equal(c.indices(_ctx(b=2, step=8), 3, 16, "cpu"), kept)
+    assert c.derivations["on_demand"] == 1
+    with pytest.raises(ValueError, match="sample_ids"):
+        c.precompute(_ctx(b=3), shape)
+    with pytest.raises(ValueError, match=r"\[s, b, d\]"):
+        c.precompute(_ctx(b=2), (3, 16))
+    c.clear_cache()
+    c.indices(_ctx(b=2, step=8), 3, 16, "cpu")
+    assert c.derivations["on_demand"] == 2
+
+
+def test_has_precompute():
+    assert has_precompute(MaskCodec(0.05)) and not has_precompute(DenseCodec())
+    assert DenseCodec().precompute(_ctx(), (2, 3, 8)) is False
 
 
 def test_mask_validation_errors():

@@ -16,6 +16,7 @@ from megatron_cegrpo.compression.prf import (
     keep_count,
     prf_channel_scores,
     threefry2x32,
+    threefry2x32_int32_,
 )
 
 torch.set_num_threads(1)
@@ -61,6 +62,59 @@ def test_threefry_rejects_bad_input():
         threefry2x32((0, 0), torch.tensor([-1, 0]))
     with pytest.raises(ValueError, match="counter"):
         threefry2x32((0, 0), torch.tensor([0, 0, 0]))
+
+
+def _as_int32(words: torch.Tensor) -> torch.Tensor:
+    return torch.where(words >= (1 << 31), words - (1 << 32), words).to(torch.int32)
+
+
+@pytest.mark.parametrize("key", [(0, 0), (M32, M32), (0x13198A2E, 0x03707344), (0x80000000, 0x7FFFFFFF)])
+def test_threefry_int32_kernel_equals_reference(key):
+    # the fast in-place int32 kernel (prf_channel_scores' second level) gives the reference's
+    # bits for both output words, on random full-range counters and the edge words
+    g = torch.Generator().manual_seed(key[0] ^ key[1])
+    edges = torch.tensor([0, 1, (1 << 31) - 1, 1 << 31, M32 - 1, M32], dtype=torch.int64)
+    ctr = torch.cat([torch.randint(0, 1 << 32, (4096, 2), generator=g, dtype=torch.int64),
+                     torch.cartesian_prod(edges, edges)])
+    want = threefry2x32(key, ctr)
+    x0, x1 = _as_int32(ctr[:, 0]).contiguous(), _as_int32(ctr[:, 1]).contiguous()
+    out0 = threefry2x32_int32_(x0, x1, key)
+    assert out0 is x0
+    assert torch.equal(x0.to(torch.int64) & M32, want[:, 0])
+    assert torch.equal(x1.to(torch.int64) & M32, want[:, 1])
+    for rounds in (0, 3, 13):  # partial schedules too (key injection every 4 rounds)
+        x0, x1 = _as_int32(ctr[:, 0]).contiguous(), _as_int32(ctr[:, 1]).contiguous()
+        threefry2x32_int32_(x0, x1, key, rounds=rounds)
+        assert torch.equal(x0.to(torch.int64) & M32, threefry2x32(key, ctr, rounds=rounds)[:, 0])
+    with pytest.raises(ValueError, match="int32"):
+        threefry2x32_int32_(ctr[:, 0], ctr[:, 1], key)
+
+
+# sha256 of exact_k_indices / prf_channel_scores computed by the int64 implementation
+# before issue 10 item 6 (the masks of every run and recorded reference so far): the faster
+# implementation must keep them bit-identical.
+PINNED = [
+    ((2024, 0, 100, [0, 5, 11], 17, 576, 29),
+     "1ea6aff781dfb4649e79c5402161550013b2d4e84d1193c2c629ec4fea6969b4",
+     "1f262614e861baaf2cc4a15dadca73971f3f1d1d76581e6520e22976a35bdb73"),
+    (((7 << 32) | 1234, 1, 42, [3, 9], 6, 64, 16),
+     "e529946fb6263f15315b79afc7e22aa7c57e71bf2405bf7a7800cf89ce4992cc",
+     "e22db07c14698fb4e75aa463a58c8f27fbb4914c84d23d86b2716fb17453ebc0"),
+    (((1 << 64) - 1, M32, M32, [M32, 0, 123456789], 5, 1536, 77),
+     "816d18ff9aa44be32b6d6d92e5d21c1bdcc6a810000bba5f78e2e809fdce0607",
+     "119f2ba447701d8a60ba3e6f61a4b64a7343c796ce7dc67d03f6710c3208902c"),
+    ((20260731, 3, 1, [100, 101], 33, 100, 7),
+     "6b02bbc2e88e58093484c1283412796577228206b9b240957772cf36626dbe3a",
+     "93d8a9d9fc99e477b537390149877cb30b8d8f4c6e92c413bdf25365789bab9d"),
+]
+
+
+@pytest.mark.parametrize("args,idx_sha,scores_sha", PINNED)
+def test_masks_pinned_to_the_original_implementation(args, idx_sha, scores_sha):
+    seed, boundary, step, sids, s, d, k = args
+    sids = torch.tensor(sids, dtype=torch.int64)
+    assert _idx_digest(exact_k_indices(seed, boundary, step, sids, s, d, k)) == idx_sha
+    assert _idx_digest(prf_channel_scores(seed, boundary, step, sids, s, d)) == scores_sha
 
 
 BASE = dict(seed=(7 << 32) | 1234, boundary=1, step=42, num_positions=6, d=64)

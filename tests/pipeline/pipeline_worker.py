@@ -4,7 +4,7 @@
     python pipeline_worker.py --mode reference --codec mask --pp 2 --out DIR
 
 ``pipeline``: one rank of a real gloo pipeline running megatron-core's 1F1B schedule
-through CompressedP2PCommunicator. ``reference``: one process, the whole model (PP=1),
+through CompressedP2PCommunicator, the codec's masks prefetched on a background thread. ``reference``: one process, the whole model (PP=1),
 with ``codec.forward_map`` applied to the hidden states at each stage boundary with
 the same (seed, boundary, step, sample ids). Both save the per-micro-batch losses,
 log-probs and every parameter gradient under global layer names.
@@ -84,6 +84,7 @@ def run_pipeline(args):
     runner = PipelineRunner(comm, ctx.pg_collection, MBS, ctx.pp_size)
     batch = make_batch(hf_config.vocab_size)
     total = batch["loss_mask"].sum()
+    queued = runner.prefetch(batch, step=STEP)  # as the trainer does once the batch is known
     with torch.no_grad():
         fwd = runner.run(model, batch, step=STEP, forward_only=True, loss_fn=partial(loss_fn, total))
     upd = runner.run(model, batch, step=STEP, forward_only=False, loss_fn=partial(loss_fn, total))
@@ -92,7 +93,8 @@ def run_pipeline(args):
     grads = {global_name(n, offset): p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     torch.save({"grads": grads, "meter": meter.snapshot_and_reset(),
                 "losses": [o["loss"] for o in upd], "logprobs": [o["logprobs"] for o in upd],
-                "fwd_logprobs": [o["logprobs"] for o in fwd], "k_d": (getattr(comm.codec, "k", None) and
+                "fwd_logprobs": [o["logprobs"] for o in fwd], "prefetch_queued": queued,
+                "derivations": dict(getattr(comm.codec, "derivations", {})), "k_d": (getattr(comm.codec, "k", None) and
                                                                      comm.codec.k(tf.hidden_size), tf.hidden_size)},
                os.path.join(args.out, f"rank{ctx.rank}.pt"))
 

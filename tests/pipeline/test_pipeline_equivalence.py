@@ -2,7 +2,9 @@
 
 - dense codec: every loss, log-prob and gradient equals the single-process PP=1 model.
 - mask codec: equals a single-process model that applies the same PRF masks
-  (codec.forward_map with the same seed/boundary/step/sample ids) at the boundary.
+  (codec.forward_map with the same seed/boundary/step/sample ids) at the boundary; every
+  rank's masks were precomputed on its background prefetch thread (both ends of a boundary
+  in separate processes), none derived on the critical path.
 """
 
 import os
@@ -48,9 +50,18 @@ def _compare(ranks, ref, atol):
     assert seen == set(ref["grads"]), set(ref["grads"]) ^ seen
 
 
+def _assert_prefetched(ranks, per_boundary):
+    """Every rank's masks came from the background prefetch, none derived on the critical path."""
+    for r, out in enumerate(ranks):
+        n = per_boundary * ((r > 0) + (r < len(ranks) - 1))  # boundaries this rank touches
+        assert out["prefetch_queued"] == n
+        assert out["derivations"] == {"precomputed": n, "on_demand": 0}
+
+
 def test_dense_pipeline_equals_single_process(tmp_path):
     ranks, ref = _run(tmp_path, "dense", 2)
     _compare(ranks, ref, atol=1e-6)
+    assert [r["prefetch_queued"] for r in ranks] == [0, 0]  # nothing to precompute
     m = ranks[0]["meter"]
     assert m["comm/bytes_ratio"] == 1.0
 
@@ -65,9 +76,11 @@ def test_mask_pipeline_equals_masked_reference(tmp_path):
     assert f["comm/fwd_bytes"] == 2 * 4 * 16 * 2 * k * 4  # 2 passes x 4 mbs x [S=16, mbs=2, k] fp32
     assert b["comm/bwd_bytes"] == 4 * 16 * 2 * k * 4  # one backward pass
     assert f["comm/bytes_ratio"] == b["comm/bytes_ratio"] == k / d
+    _assert_prefetched(ranks, 4)  # 4 micro-batches, one mask each per boundary, both passes
 
 
 def test_mask_three_stage_uneven_pipeline(tmp_path):
     # 4 layers as 2 + 1 + 1: two boundaries, each with its own masks
     ranks, ref = _run(tmp_path, "mask", 3, first_layers=2)
     _compare(ranks, ref, atol=1e-6)
+    _assert_prefetched(ranks, 4)
