@@ -537,6 +537,10 @@ class AnchorConfig:
                                           "sign arrives", choices=("every-step", "fire-only"))
     anchor_apply: str = option("fire-step", "the trainer waits for a fire's sign on the fire step or the next "
                                             "one", choices=("fire-step", "next-step"))
+    anchor_ship: str = option("bf16-delta", "how theta(s) travels to the anchor: fp32 (4 bytes a parameter) or, "
+                                            "after one fp32 keyframe a run, bf16 deltas against a mirror both "
+                                            "ends keep (2 bytes a parameter; anchor/shipment.py)",
+                              choices=("fp32", "bf16-delta"))
     anchor_timeout_minutes: float = option(
         0.0, "minutes a stage waits at most for one fire's signs before it goes on without the anchor (0: "
              "as long as the anchor process lives; a dead anchor is noticed at once by its closed connection)")
@@ -563,7 +567,8 @@ class AnchorConfig:
         for flag, value, valid in (("--anchor-replay", self.anchor_replay, ("forecast", "matching")),
                                    ("--anchor-forecast", self.anchor_forecast, ("secant", "lsq")),
                                    ("--sign-fold", self.sign_fold, ("every-step", "fire-only")),
-                                   ("--anchor-apply", self.anchor_apply, ("fire-step", "next-step"))):
+                                   ("--anchor-apply", self.anchor_apply, ("fire-step", "next-step")),
+                                   ("--anchor-ship", self.anchor_ship, ("fp32", "bf16-delta"))):
             _check_choice(flag, value, valid)
         _check_int("--anchor-forecast-points", self.anchor_forecast_points, 2, "e.g. --anchor-forecast-points 4")
         _check_float("--sign-blend-alpha", self.sign_blend_alpha, "e.g. --sign-blend-alpha 0.25", low=0.0)

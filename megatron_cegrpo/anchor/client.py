@@ -19,6 +19,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
+from megatron_cegrpo.anchor.shipment import ShipmentEncoder
 from megatron_cegrpo.anchor.signs import packed_nbytes, unpack_sign_list
 from megatron_cegrpo.anchor.transport import (
     META_TAG, TAG_BATCH, TAG_PARAMS, TAG_SAVE, TAG_SAVE_DONE, TAG_SIGN_HDR, TAG_SIGNS, TAG_STATS,
@@ -65,6 +66,9 @@ class AnchorClient:
         self._fresh_for: Optional[int] = None
         self.bytes_in = 0  # to the anchor
         self.bytes_out = 0  # from the anchor
+        self.shipment = ShipmentEncoder(self.a.anchor_ship)  # theta(s) as fp32 or bf16 deltas
+        self.ship_bytes = 0  # the weight shipments' part of bytes_in
+        self.ship_dense_bytes = 0  # the same shipments in fp32 (the ledger's dense baseline)
         self.stats: Dict = {}
         self._meta = {"params": [(n, tuple(p.shape)) for n, p in model.named_parameters()],
                       "layer_offset": int(layer_offset), "tied_output": bool(tied_output)}
@@ -123,8 +127,13 @@ class AnchorClient:
 
             def ship():
                 flat = flatten_params(self.params)
-                self._pending.append([[dist.isend(flat, dst=self.anchor, tag=TAG_PARAMS, group=self.group)], flat])
-                self.bytes_in += flat.numel() * flat.element_size()
+                payload = self.shipment.encode(flat)
+                self._pending.append([[dist.isend(payload, dst=self.anchor, tag=TAG_PARAMS, group=self.group)],
+                                      payload])
+                n = payload.numel() * payload.element_size()
+                self.bytes_in += n
+                self.ship_bytes += n
+                self.ship_dense_bytes += flat.numel() * 4
                 if self.is_driver:
                     self._send_batch(t, batch)
 
@@ -205,17 +214,20 @@ class AnchorClient:
         self._wait_pending()
         signs = self.correction.signs
         return {"sent_batch_at": self._sent_batch_at, "awaiting": self._awaiting, "fresh_for": self._fresh_for,
-                "signs": [s.to(torch.int8) for s in signs] if signs is not None else None}
+                "signs": [s.to(torch.int8) for s in signs] if signs is not None else None,
+                "shipment": self.shipment.state_dict()}
 
     def load_state_dict(self, state: Dict) -> None:
         self._sent_batch_at, self._awaiting = state["sent_batch_at"], state["awaiting"]
         self._fresh_for = state["fresh_for"]
         signs = state["signs"]
         self.correction.set_signs([s.float() for s in signs] if signs is not None else None)
+        self.shipment.load_state_dict(state.get("shipment"))  # absent before issue 12: a keyframe first
 
     def metrics(self, t: int) -> Dict:
         out = {"anchor/fire": int(is_fire_step(t, self.a.anchor_interval) and self.alive),
                "anchor/bytes_in": self.bytes_in, "anchor/bytes_out": self.bytes_out,
+               "anchor/bytes_ship": self.ship_bytes, "anchor/bytes_ship_fp32": self.ship_dense_bytes,
                "anchor/alive": int(self.alive)}
-        self.bytes_in = self.bytes_out = 0
+        self.bytes_in = self.bytes_out = self.ship_bytes = self.ship_dense_bytes = 0
         return out

@@ -11,7 +11,8 @@ Pure tensor code, no torch.distributed.  Tensors are stored as detached clones
 (a caller that later updates its live parameters in place cannot leak fresh
 weights into the ring) in the dtype they were given.  The forecasts difference
 checkpoints that move by ~0.1 % over a 20-step horizon, below bf16 resolution,
-so ship the fp32 master weights.
+so ship fp32 master weights or bf16 *deltas* against a mirror (``anchor/shipment.py``), never
+plain bf16 weights.
 """
 
 from __future__ import annotations

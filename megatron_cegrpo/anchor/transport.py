@@ -4,7 +4,8 @@ Both sides follow one deterministic schedule (DESIGN.md section 4), so no header
 needed: for iteration t,
 
 - ship (t - 1 = s is a multiple of c): every stage sends theta(s) (its parameters, one
-  flat fp32 buffer, tag ``TAG_PARAMS``) with ``isend`` (the trainer does not wait), and the
+  flat buffer, tag ``TAG_PARAMS``: fp32, or after one fp32 keyframe per process lifetime
+  a bf16 delta, ``--anchor-ship``, ``anchor/shipment.py``) with ``isend`` (the trainer does not wait), and the
   driver sends the rollout batch of iteration t, the one theta(s) generated (``TAG_BATCH``);
 - fire (t is a multiple of c): the driver sends batch(t) unless it went out at ship time;
   the anchor answers each stage with a header (``TAG_SIGN_HDR``: 1 = signs follow) and

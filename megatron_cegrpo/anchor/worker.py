@@ -20,6 +20,7 @@ import torch
 from megatron_cegrpo.anchor.forecast import get_forecast
 from megatron_cegrpo.anchor.memory import AnchorMemory
 from megatron_cegrpo.anchor.ring import CheckpointRing
+from megatron_cegrpo.anchor.shipment import ShipmentDecoder
 from megatron_cegrpo.anchor.signs import pack_sign_list
 from megatron_cegrpo.anchor.transport import (
     META_TAG, TAG_BATCH, TAG_PARAMS, TAG_SIGN_HDR, TAG_SIGNS, TAG_STATS,
@@ -77,6 +78,9 @@ class AnchorWorker:
             meta, n = recv_object(r, META_TAG, group)
             self.bytes_in += n
             self.stage_meta.append(meta)
+        # one decoder per stage: fp32 keyframe first, then bf16 deltas (anchor/shipment.py)
+        self.decoders = [ShipmentDecoder(self.a.anchor_ship, sum(int(torch.Size(s).numel()) for _, s in m["params"]))
+                         for m in self.stage_meta]
 
     # ------------------------------------------------------------------ loop
     def run(self, on_iteration_end=None) -> None:
@@ -110,11 +114,11 @@ class AnchorWorker:
 
     def _receive_checkpoint(self, s: int) -> None:
         theta: Dict[str, torch.Tensor] = {}
-        for r, meta in zip(self.stage_ranks, self.stage_meta):
-            numel = sum(int(torch.Size(shape).numel()) for _, shape in meta["params"])
-            flat = torch.empty(numel, dtype=torch.float32)
-            recv_tensor(flat, r, TAG_PARAMS, self.group)
-            self.bytes_in += flat.numel() * flat.element_size()
+        for r, meta, decoder in zip(self.stage_ranks, self.stage_meta, self.decoders):
+            payload = decoder.buffer()
+            recv_tensor(payload, r, TAG_PARAMS, self.group)
+            self.bytes_in += payload.numel() * payload.element_size()
+            flat = decoder.decode(payload)
             for (name, shape), tensor in zip(meta["params"], unflatten(flat, [s for _, s in meta["params"]])):
                 g = global_param_name(name, meta["layer_offset"], meta["tied_output"])
                 theta.setdefault(g, tensor.clone())  # the tied copy equals the embedding
