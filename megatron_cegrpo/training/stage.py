@@ -69,6 +69,7 @@ class StageWorker:
         w = self.model.shared_embedding_or_output_weight() if tied else None
         self._tied_grad_bytes = w.numel() * w.element_size() if w is not None else 0
         self._embd_sync_bytes = 0
+        self._embd_sync_dense_bytes = 0  # the dense fp32 all-reduce's bytes (the ledger's reference)
 
     # ------------------------------------------------------------------ structure
     def is_duplicate_tied_weight(self, p: torch.nn.Parameter) -> bool:
@@ -190,6 +191,7 @@ class StageWorker:
                 if self.ctx.pp_size > 1:
                     allreduce_tied_embedding_grads(self.model, self.ctx.embd_group)
                     self._embd_sync_bytes += self._tied_grad_bytes
+                    self._embd_sync_dense_bytes += self._tied_grad_bytes
                 norms.append(self._step(t))
         self.scheduler.step()
         out = {"actor/grad_norm": float(sum(norms) / len(norms)), "actor/lr": self.optimizer.param_groups[0]["lr"],
@@ -224,7 +226,8 @@ class StageWorker:
         """This stage's bytes since the last call and its weight change (reset on read)."""
         out = {k: v for k, v in self.meter.snapshot_and_reset().items() if k != "comm/bytes_ratio"}
         out["comm/embd_sync_bytes"] = self._embd_sync_bytes
-        self._embd_sync_bytes = 0
+        out["comm/embd_sync_dense_bytes"] = self._embd_sync_dense_bytes
+        self._embd_sync_bytes = self._embd_sync_dense_bytes = 0
         out["_weight/diff_sq"], out["_weight/base_sq"] = self._weight_change_sums()
         return out
 

@@ -30,9 +30,11 @@ from megatron_cegrpo.checkpointing import is_save_iteration
 from megatron_cegrpo.initialize import DistContext
 from megatron_cegrpo.metrics import PhaseTimers, format_progress
 from megatron_cegrpo.models.stage import build_policy_stage
+from megatron_cegrpo.pipeline.broadcast import broadcast_metered
 from megatron_cegrpo.training.checkpointer import Checkpointer, RNGState
 from megatron_cegrpo.training.circuit import Circuit, circuits_of
 from megatron_cegrpo.training.driver import Driver, log
+from megatron_cegrpo.training.ledger import fp32_sync_bytes, whole_step_ledger
 from megatron_cegrpo.training.reduce import StageMetricsReducer
 from megatron_cegrpo.training.stage import StageWorker
 
@@ -69,6 +71,7 @@ class GRPOTrainer:
         self.timers = PhaseTimers()
         self.checkpointer = Checkpointer(cfg, ctx, policy.hf_config, self._log)
         self.iteration = 0
+        self._batch_bytes = 0  # comm/batch_bytes of the last broadcast
         self.driver: Optional[Driver] = None  # rank 0's, built once the checkpoint is loaded
         if cfg.checkpoint.load:
             self.iteration, theta0 = self.checkpointer.load(cfg.checkpoint.load, self.stage.model,
@@ -120,9 +123,7 @@ class GRPOTrainer:
         t_start = time.perf_counter()
         batch = self.driver.generate_and_score(t, timers) if self.driver is not None else None
         with timers.phase("broadcast"):  # the rollout group: the stages wait as long as the driver generates
-            obj = [batch]
-            dist.broadcast_object_list(obj, src=dist.get_global_rank(ctx.rollout_group, 0), group=ctx.rollout_group)
-            batch = obj[0]
+            batch, self._batch_bytes = broadcast_metered(batch, ctx.rollout_group)
         stage.prefetch_codec(batch, t)  # masks of this iteration, on a background thread
         for c in self.circuits:
             with timers.phase(c.phase):
@@ -164,6 +165,9 @@ class GRPOTrainer:
         for c in self.circuits:
             m.update(c.driver_metrics())
         m["sync/bytes"] = self.stage.gatherer.last_bytes
+        m["sync/dense_fp32_bytes"] = fp32_sync_bytes(self.stage.gatherer.meta)
+        m["comm/batch_bytes"] = self._batch_bytes
+        m.update(whole_step_ledger(m))
         m.update(self.timers.snapshot_and_reset())
         m["timing_s/step"] = seconds
         every = self.cfg.data.eval_interval

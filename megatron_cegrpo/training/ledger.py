@@ -1,0 +1,94 @@
+"""The whole-step byte ledger: every transfer of an iteration that would cross a host (issue 12 item 1).
+
+In the seeds' deployment every pipeline stage sits on its own host (the driver and its
+sampler beside stage 0, the anchor on a host of its own). One iteration moves:
+
+====================  ==================================  ============================================
+part                  bytes actually sent (metered)       dense-everything reference (fp32)
+====================  ==================================  ============================================
+boundaries            ``comm/fwd_bytes + comm/bwd_bytes``  ``comm/dense_equiv_bytes`` (the pipeline
+                      (the byte meter, sending side)       dtype's dense tensors, both directions)
+rollout batch         ``comm/batch_bytes``                 the same (token ids, masks, advantages,
+                      (driver -> every other stage,        sampler log-probs: no codec either way)
+                      ``pipeline/broadcast.py``)
+tied embedding        ``comm/embd_sync_bytes``             ``comm/embd_sync_dense_bytes``: the dense
+                                                           gradient all-reduce in the parameters'
+                                                           dtype (fp32 here), both ways, per
+                                                           optimizer step
+sampler weight sync   ``sync/bytes``                       ``sync/dense_fp32_bytes``: an fp32 copy
+                      (stages 1.. -> the driver)           of every stage but the driver's own
+anchor in + out       ``anchor/bytes_in + bytes_out``      the same messages with fp32 weight
+                                                           shipments (``anchor/bytes_ship_fp32`` in
+                                                           place of ``anchor/bytes_ship``)
+====================  ==================================  ============================================
+
+``comm/total_bytes`` is the sum of the first column, ``comm/total_dense_bytes`` of the
+second (every transfer dense, weights and gradients in fp32, the anchor's sign(M) return
+as it is: 1 bit a parameter is its protocol, not a compression of something denser), and
+``comm/total_ratio`` their quotient. Not counted: the scalar collectives (the grad-norm
+all-reduce, the loss statistics and metrics objects), a few hundred bytes.
+
+``comm/total_wire_bytes`` (the byte meter) is something else: the *cumulative* boundary
+bytes since the run started, kept for checkpoints.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Tuple
+
+__all__ = ["LEDGER_PARTS", "whole_step_ledger", "fp32_sync_bytes"]
+
+#: (part, keys summed for the bytes sent, keys summed for the dense reference, keys subtracted from it)
+LEDGER_PARTS: Tuple[Tuple[str, Tuple[str, ...], Tuple[str, ...], Tuple[str, ...]], ...] = (
+    ("boundary", ("comm/fwd_bytes", "comm/bwd_bytes"), ("comm/dense_equiv_bytes",), ()),
+    ("batch", ("comm/batch_bytes",), ("comm/batch_bytes",), ()),
+    ("embd_sync", ("comm/embd_sync_bytes",), ("comm/embd_sync_dense_bytes",), ()),
+    ("sampler_sync", ("sync/bytes",), ("sync/dense_fp32_bytes",), ()),
+    ("anchor", ("anchor/bytes_in", "anchor/bytes_out"),
+     ("anchor/bytes_in", "anchor/bytes_out", "anchor/bytes_ship_fp32"), ("anchor/bytes_ship",)),
+)
+
+
+def whole_step_ledger(m: Dict) -> Dict[str, float]:
+    """``comm/total_bytes``, ``comm/total_dense_bytes`` and ``comm/total_ratio`` of one iteration.
+
+    Args:
+        m: the iteration's reduced metrics (bytes as ints; a missing key counts 0: no
+            anchor, an untied model, PP = 1).
+    Returns:
+        the three keys; the ratio is 0.0 when nothing would cross a host.
+    Raises:
+        ValueError: a negative byte count (a metering bug).
+    """
+    def total(keys) -> int:
+        vals = [int(m.get(k, 0)) for k in keys]
+        if any(v < 0 for v in vals):
+            raise ValueError(f"negative byte count among {keys}: {vals}")
+        return sum(vals)
+
+    sent = dense = 0
+    for _, actual, ref, minus in LEDGER_PARTS:
+        sent += total(actual)
+        dense += total(ref) - total(minus)
+    return {"comm/total_bytes": sent, "comm/total_dense_bytes": dense,
+            "comm/total_ratio": sent / dense if dense else 0.0}
+
+
+def fp32_sync_bytes(meta: Optional[List[list]]) -> int:
+    """``sync/dense_fp32_bytes``: an fp32 copy of every stage but the driver's (stage 0 is on its host).
+
+    Args:
+        meta: the gatherer's per-stage ``[(name, shape, dtype), ...]`` (stage order), None
+            off the driver.
+    Returns: 4 x the parameters of stages 1..P-1 (0 for None or PP = 1).
+    """
+    if not meta:
+        return 0
+    numel = 0
+    for stage in meta[1:]:
+        for _, shape, _ in stage:
+            n = 1
+            for s in shape:
+                n *= int(s)
+            numel += n
+    return 4 * numel

@@ -1,0 +1,64 @@
+"""The whole-step byte ledger (issue 12 item 1): totals are the sums of the parts, exactly."""
+
+import pickle
+
+import pytest
+import torch
+
+from distributed_util import REPO, run_ranks
+from megatron_cegrpo.pipeline.broadcast import broadcast_nbytes
+from megatron_cegrpo.training.ledger import fp32_sync_bytes, whole_step_ledger
+
+PARTS = {"comm/fwd_bytes": 290, "comm/bwd_bytes": 290, "comm/dense_equiv_bytes": 11520,
+         "comm/batch_bytes": 1000, "comm/embd_sync_bytes": 3000, "comm/embd_sync_dense_bytes": 64000,
+         "sync/bytes": 5000, "sync/dense_fp32_bytes": 40000,
+         "anchor/bytes_in": 20700, "anchor/bytes_out": 1300, "anchor/bytes_ship": 20000,
+         "anchor/bytes_ship_fp32": 40000,
+         # not parts of the ledger: the cumulative boundary counter, a ratio
+         "comm/total_wire_bytes": 10 ** 9, "comm/bytes_ratio": 0.05}
+
+
+def test_totals_are_the_sums_of_the_parts():
+    out = whole_step_ledger(PARTS)
+    sent = 290 + 290 + 1000 + 3000 + 5000 + 20700 + 1300
+    dense = 11520 + 1000 + 64000 + 40000 + (20700 + 1300 - 20000 + 40000)
+    assert out == {"comm/total_bytes": sent, "comm/total_dense_bytes": dense,
+                   "comm/total_ratio": sent / dense}
+
+
+def test_missing_parts_count_zero_and_negative_bytes_are_refused():
+    assert whole_step_ledger({}) == {"comm/total_bytes": 0, "comm/total_dense_bytes": 0, "comm/total_ratio": 0.0}
+    only = whole_step_ledger({"comm/fwd_bytes": 5, "comm/dense_equiv_bytes": 100})
+    assert only["comm/total_bytes"] == 5 and only["comm/total_ratio"] == 0.05
+    with pytest.raises(ValueError, match="negative"):
+        whole_step_ledger({"sync/bytes": -1})
+
+
+def test_fp32_sync_bytes_counts_every_stage_but_the_drivers():
+    meta = [[("a", (3, 4), torch.float32)], [("b", (5,), torch.float32), ("c", (2, 3), torch.bfloat16)],
+            [("d", (7,), torch.float32)]]
+    assert fp32_sync_bytes(meta) == 4 * (5 + 6 + 7)
+    assert fp32_sync_bytes(None) == 0 and fp32_sync_bytes(meta[:1]) == 0
+
+
+WORKER = r'''
+import os, pickle, sys
+import torch, torch.distributed as dist
+from megatron_cegrpo.pipeline.broadcast import broadcast_metered
+dist.init_process_group("gloo")
+obj = {"tokens": torch.arange(300).view(3, 100), "adv": torch.randn(3, generator=torch.Generator().manual_seed(1))}
+got, n = broadcast_metered(obj if dist.get_rank() == 0 else None, dist.group.WORLD)
+assert torch.equal(got["tokens"], obj["tokens"]) and torch.equal(got["adv"], obj["adv"])
+print("BYTES", n, len(pickle.dumps(obj)))
+dist.destroy_process_group()
+'''
+
+
+def test_broadcast_bytes_are_the_pickle_sent(tmp_path):
+    script = tmp_path / "w.py"
+    script.write_text(WORKER)
+    outs = run_ranks([str(script)], 3, timeout=120)
+    for out in outs:
+        line = [x for x in out.splitlines() if x.startswith("BYTES")][0]
+        n, payload = map(int, line.split()[1:])
+        assert n == broadcast_nbytes(payload, 3) == 2 * (8 + payload)
