@@ -7,8 +7,15 @@ machine load; ``--warmup`` untimed steps come first:
 
     old log-probs: forward-only pipeline pass (log-prob + entropy on the last stage)
     update:        forward+backward pipeline pass, clipped-ratio GRPO loss (token-mean)
-    embd_sync:     all-reduce of the tied embedding gradient (first <-> last stage)
+    batch:         the driver's rollout batch to every stage (benchmarks/whole_step.py)
+    embd_sync:     the tied embedding's exchange (first <-> last stage): the dense all-reduce,
+                   or the rows of the batch's tokens (variant ``after``)
     optimizer:     global grad-norm clip (all-reduce over the pipeline) + DeepSpeedCPUAdam step
+    sampler_sync:  stage weights to the driver (fp32, or the modelled bf16 delta)
+    anchor:        the anchor shipments' link time per step (modelled: no anchor rank)
+
+``--codecs`` names the variants of benchmarks/whole_step.py: dense (dense-everything), mask
+(today), after (this issue).
 
 Iteration time is rank 0's wall time between two pipeline-wide barriers. Rank 0 writes
 all measurements as JSON to --result.
@@ -32,7 +39,6 @@ from megatron_cegrpo.grpo import core_algos as ca
 from megatron_cegrpo.initialize import initialize_distributed, shutdown_distributed
 from megatron_cegrpo.arguments import GRPOConfig
 from megatron_cegrpo.grpo.loss import grpo_token_loss
-from megatron_cegrpo.models import allreduce_tied_embedding_grads
 from megatron_cegrpo.models.stage import build_policy_stage
 from megatron_cegrpo.optim.hooks import GradClipHook
 
@@ -101,7 +107,9 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
     ap.add_argument("--pp", type=int, required=True)
-    ap.add_argument("--codecs", default="dense,mask")
+    ap.add_argument("--codecs", default="dense,mask,after")
+    ap.add_argument("--sync-fraction", type=float, default=0.022)
+    ap.add_argument("--anchor-interval", type=int, default=20)
     ap.add_argument("--keep-ratio", type=float, default=0.05)
     ap.add_argument("--settings", default="off,sim")
     ap.add_argument("--num-seqs", type=int, default=16)
@@ -125,6 +133,7 @@ def main():
     t_setup = time.monotonic()
 
     from benchmarks.link_model import LinkCommunicator, LinkModel
+    from benchmarks.whole_step import VARIANTS, WholeStep
     from megatron_cegrpo.pipeline.schedule import PipelineRunner
 
     ctx = initialize_distributed(args.pp, SEED, num_threads=args.threads)
@@ -145,18 +154,24 @@ def main():
     settings = [s for s in args.settings.split(",") if s]
     qdisc = Qdisc(args.tc_dev, args.tc_rate, args.tc_burst, args.tc_latency)
     comms, runners, meters = {}, {}, {}
-    for c in codecs:
-        codec = get_codec(c, keep_ratio=args.keep_ratio) if c == "mask" else get_codec(c)
-        meters[c] = ByteMeter()
-        comms[c] = LinkCommunicator(ctx.pp_group, tf, codec, meters[c], seed=SEED, link=link)
-        runners[c] = PipelineRunner(comms[c], ctx.pg_collection, args.micro_batch, ctx.pp_size)
+    whole = WholeStep(model, ctx, link, args.sync_fraction, args.anchor_interval)
+    for base in dict.fromkeys(VARIANTS[c][0] for c in codecs):  # variants of one codec share its caches
+        codec = get_codec(base, keep_ratio=args.keep_ratio) if base == "mask" else get_codec(base)
+        meter = ByteMeter()
+        comm = LinkCommunicator(ctx.pp_group, tf, codec, meter, seed=SEED, link=link)
+        runner = PipelineRunner(comm, ctx.pg_collection, args.micro_batch, ctx.pp_size)
+        for c in codecs:
+            if VARIANTS[c][0] == base:
+                meters[c], comms[c], runners[c] = meter, comm, runner
     batch = make_batch(args.num_seqs, args.seq_len, int(hf_config.vocab_size))
     num_tokens = float(batch["loss_mask"].sum())
     setup_s = time.monotonic() - t_setup
 
-    def step(codec: str, t: int) -> dict:
+    def step(codec: str, t: int) -> dict:  # codec: the variant (whole_step.VARIANTS)
         runner = runners[codec]
         dist.barrier()
+        tb = time.monotonic()
+        batch_bytes = whole.batch(batch)
         t0 = time.monotonic()
         model.eval()
         with torch.no_grad():
@@ -168,17 +183,21 @@ def main():
         optimizer.zero_grad(set_to_none=True)
         runner.run(model, batch, step=t, forward_only=False, loss_fn=partial(update_loss, num_tokens))
         t2 = time.monotonic()
-        if ctx.pp_size > 1 and embd_weight is not None:
-            allreduce_tied_embedding_grads(model, ctx.embd_group)
-            link.wait_until(time.monotonic() + link.collective_delay(embd_bytes))
+        embd_sent = whole.embedding(codec, batch["tokens"])
         t3 = time.monotonic()
         optimizer.step()  # the clip hook all-reduces one scalar over the pipeline group
         link.wait_until(time.monotonic() + (ctx.pp_size - 1) * link.collective_delay(0))  # ring: 2(n-1) steps
         t4 = time.monotonic()
-        dist.barrier()
+        sync_bytes = whole.sampler_sync(codec)
         t5 = time.monotonic()
-        return {"iter_s": t5 - t0, "old_logprob_s": t1 - t0, "update_s": t2 - t1, "embd_sync_s": t3 - t2,
-                "optimizer_s": t4 - t3}
+        anchor_bytes = whole.anchor(codec)
+        t6 = time.monotonic()
+        dist.barrier()
+        t7 = time.monotonic()
+        return {"iter_s": t7 - tb, "batch_s": t0 - tb, "old_logprob_s": t1 - t0, "update_s": t2 - t1,
+                "embd_sync_s": t3 - t2, "optimizer_s": t4 - t3, "sampler_sync_s": t5 - t4, "anchor_s": t6 - t5,
+                "batch_bytes": batch_bytes, "embd_sync_bytes": embd_sent, "sampler_sync_bytes": sync_bytes,
+                "anchor_bytes": anchor_bytes}
 
     records = []
     t = 0
@@ -221,7 +240,8 @@ def main():
     if ctx.rank == 0:
         out = {"model": args.model, "pp": args.pp, "d": int(tf.hidden_size), "num_layers": int(tf.num_layers),
                "vocab": int(hf_config.vocab_size), "pipeline_dtype": str(tf.pipeline_dtype),
-               "k": comms["mask"].codec.k(int(tf.hidden_size)) if "mask" in comms else None,
+               "k": next((cm.codec.k(int(tf.hidden_size)) for c, cm in comms.items() if VARIANTS[c][0] == "mask"),
+                         None),
                "threads_per_rank": args.threads, "ranks": gathered}
         with open(args.result, "w") as f:
             json.dump(out, f)

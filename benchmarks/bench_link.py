@@ -131,7 +131,8 @@ def run_ranks(args, settings: List[str], topo: Optional[Topology], ts_file: str,
               "--latency-ms", str(args.latency_ms), "--ts-file", ts_file, "--result", result_file,
               "--tc-rate", f"{args.bandwidth_mbit:g}mbit", "--tc-burst", args.tbf_burst,
               "--tc-latency", args.tbf_latency]
-    worker += ["--transfer", args.transfer]
+    worker += ["--transfer", args.transfer, "--sync-fraction", str(args.sync_fraction),
+               "--anchor-interval", str(args.anchor_interval)]
     if args.blocking_send:
         worker.append("--blocking-send")
     if args.trace:
@@ -189,6 +190,19 @@ def run_ranks(args, settings: List[str], topo: Optional[Topology], ts_file: str,
 # --------------------------------------------------------------------------- summary
 
 
+PHASES = ("batch_s", "old_logprob_s", "update_s", "embd_sync_s", "optimizer_s", "sampler_sync_s", "anchor_s")
+
+
+def whole_step_bytes(per_rank: List[List[dict]]) -> Dict[str, float]:
+    """Bytes of one step by transfer (the first timed record of each rank): boundaries (every
+    rank's metered sends), and rank 0's batch, embedding, sampler-sync and anchor bytes; total."""
+    r0 = per_rank[0][0]
+    out = {"boundaries": sum(recs[0]["wire_bytes"] for recs in per_rank), "batch": r0["batch_bytes"],
+           "embd_sync": r0["embd_sync_bytes"], "sampler_sync": r0["sampler_sync_bytes"], "anchor": r0["anchor_bytes"]}
+    out["total"] = sum(out.values())
+    return out
+
+
 def summarize(raw: dict, settings: List[str], codecs: List[str]) -> dict:
     ranks = sorted(raw["ranks"], key=lambda r: r["pp_rank"])
     summary: Dict[str, Dict[str, dict]] = {}
@@ -202,7 +216,7 @@ def summarize(raw: dict, settings: List[str], codecs: List[str]) -> dict:
             it = [rec["iter_s"] for rec in per_rank[0]]
             passes = [rec["old_logprob_s"] + rec["update_s"] for rec in per_rank[0]]
             phases = {}
-            for ph in ("old_logprob_s", "update_s", "embd_sync_s", "optimizer_s"):
+            for ph in PHASES:
                 phases[ph] = max(statistics.median(rec[ph] for rec in recs) for recs in per_rank)
             summary[s][c] = {
                 "iter_s_median": statistics.median(it), "iter_s_min": min(it), "iter_s_all": it,
@@ -212,6 +226,7 @@ def summarize(raw: dict, settings: List[str], codecs: List[str]) -> dict:
                 "boundary_dense_equiv_bytes_per_iter": sum(recs[0]["dense_equiv_bytes"] for recs in per_rank),
                 "link_wait_s_per_rank": [statistics.median(rec["link_wait_s"] for rec in recs) for recs in per_rank],
                 "embd_sync_bytes": max(r["embd_bytes"] for r in ranks),
+                "whole_step_bytes": whole_step_bytes(per_rank),
             }
     ratios = {}
     rank0 = ranks[0]["records"]
@@ -230,6 +245,14 @@ def summarize(raw: dict, settings: List[str], codecs: List[str]) -> dict:
             ratios[f"{s}: mask/dense pipeline passes s"] = (summary[s]["mask"]["passes_s_median"]
                                                             / summary[s]["dense"]["passes_s_median"])
             ratios[f"{s}: mask/dense boundary bytes"] = mask["boundary_wire_bytes_per_iter"] / db if db else None
+    for s in settings:
+        if "after" in summary[s]:
+            for c in ("dense", "mask"):
+                if c in summary[s]:
+                    ratios[f"{s}: {c}/after s/iter (whole step)"] = (summary[s][c]["iter_s_median"]
+                                                                   / summary[s]["after"]["iter_s_median"])
+                    ratios[f"{s}: {c}/after bytes (whole step)"] = (summary[s][c]["whole_step_bytes"]["total"]
+                                                                  / summary[s]["after"]["whole_step_bytes"]["total"])
     if "off" in summary and "dense" in summary["off"]:
         base = summary["off"]["dense"]["iter_s_median"]
         for s in settings:
@@ -276,20 +299,29 @@ def print_report(raw: dict, summ: dict, args, settings: List[str], codecs: List[
                     f"{m['boundary_wire_bytes_per_iter'] / d['boundary_wire_bytes_per_iter']:>12.4f}")
         print(row)
     print("\nphases (s, median of each rank, max over ranks; a phase includes waiting for other ranks):\n"
-          "  setting codec  old_logprob  update  embd_sync  optimizer   pipeline passes (rank 0: old_logprob+update)")
+          "  setting codec " + "".join(f"{ph[:-2]:>13}" for ph in PHASES) + "   passes (rank 0)")
     for s in settings:
         for c in codecs:
             if c in per[s]:
                 ph = per[s][c]["phases_s_max_over_ranks"]
-                print(f"  {s:<7} {c:<6} {ph['old_logprob_s']:>11.2f} {ph['update_s']:>7.2f} "
-                      f"{ph['embd_sync_s']:>10.2f} {ph['optimizer_s']:>10.2f}   {per[s][c]['passes_s_median']:>8.2f}")
-    emb = next(iter(next(iter(per.values())).values()))["embd_sync_bytes"]
-    if emb:
-        print(f"  (tied embedding gradient all-reduced each step between first and last stage: {emb / 1e6:.1f} MB, "
-              "the same for both codecs)")
+                print(f"  {s:<7} {c:<6}" + "".join(f"{ph[k]:>13.2f}" for k in PHASES)
+                      + f"   {per[s][c]['passes_s_median']:>8.2f}")
+    print_whole_step(per, settings, codecs)
     print("\nratios:")
     for k, v in summ["ratios"].items():
         print(f"  {k:<44} {v:.4f}" if v is not None else f"  {k:<44} n/a")
+
+
+def print_whole_step(per: dict, settings: List[str], codecs: List[str]) -> None:
+    """Bytes per step by transfer and variant (dense = dense-everything, mask = today, after =
+    issue 12), and the whole-step seconds per setting."""
+    s0 = settings[0]
+    print("\nwhole step, bytes per iteration (MB; boundaries metered, batch/embd/sync real payloads, "
+          "the sampler's bf16 delta and the anchor modelled: benchmarks/whole_step.py):")
+    print(f"  {'transfer':<14}" + "".join(f"{c:>12}" for c in codecs if c in per[s0]))
+    for part in next(iter(per[s0].values()))["whole_step_bytes"]:
+        print(f"  {part:<14}" + "".join(f"{per[s0][c]['whole_step_bytes'][part] / 1e6:>12.3f}"
+                                        for c in codecs if c in per[s0]))
 
 
 def main(argv=None):
@@ -298,7 +330,13 @@ def main(argv=None):
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="tiny-llama", help="tiny-llama | smollm2-135m-instruct | HF dir | .gguf")
     ap.add_argument("--pp", type=int, default=2, help="pipeline stages (one process each)")
-    ap.add_argument("--codecs", default="dense,mask")
+    ap.add_argument("--codecs", default="dense,mask,after",
+                    help="step variants (benchmarks/whole_step.py): dense = dense-everything, mask = today, "
+                         "after = issue 12 (sparse embedding rows, bf16 delta sampler sync and anchor shipments)")
+    ap.add_argument("--sync-fraction", type=float, default=0.022,
+                    help="after: sampler-sync bytes / a dense bf16 copy (modelled; the sampler-sync branch "
+                         "measured 2.2 %% on SmolLM2-135M at lr 2e-6)")
+    ap.add_argument("--anchor-interval", type=int, default=20, help="c: anchor shipments every c steps (modelled)")
     ap.add_argument("--keep-ratio", type=float, default=0.05)
     ap.add_argument("--settings", default="off,sim,tbf", help="comma list of off, sim, tbf")
     ap.add_argument("--bandwidth-mbit", type=float, default=200.0, help="link rate, Mbit/s (sim and tbf)")
