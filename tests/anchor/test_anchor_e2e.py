@@ -6,7 +6,9 @@ c = K = 2 over 6 iterations: fires at 2 (fallback: only theta(0) is old enough),
   at the same forecast weights and batch;
 - on every fire step each stage's optimizer consumed G = 0.25 G_comp + 0.75 |G_comp| sign(M)
   with exactly the anchor's sign(M) for that stage's parameters;
-- no-peek violations 0, staleness K, the replayed-sequence count, bytes per fire = 1 bit a parameter.
+- no-peek violations 0, staleness K, the replayed-sequence count, bytes per fire = 1 bit a parameter;
+- the shipments (an fp32 keyframe, then bf16 deltas: 2 bytes a parameter) and the whole-step
+  ledger (every part's bytes, totals = sums of the parts) byte for byte.
 """
 
 import glob
@@ -70,6 +72,8 @@ def test_anchor_gradient_signs_and_correction(tmp_path):
         # sign(M) for each stage, packed 8 a byte, plus an 8-byte header per stage and the stats object
         assert numel // 8 + header <= m["anchor/bytes_out"] <= (numel + 7) // 8 + len(metas) + header + 4096
 
+    _check_ledger(metrics, metas)
+
     for t in (2, 4, 6):
         a = torch.load(dump / f"anchor_fire_{t:05d}.pt", weights_only=True)
         # G_anc against an independent dense gradient at the same weights and batch
@@ -87,6 +91,35 @@ def test_anchor_gradient_signs_and_correction(tmp_path):
                 gname = global_param_name(name, meta["layer_offset"], meta["tied_output"])
                 assert torch.equal(sign, a["signs"][gname]), name
                 torch.testing.assert_close(g, 0.25 * g_comp + 0.75 * g_comp.abs() * sign, rtol=0, atol=0)
+
+
+def _numel(meta):
+    return sum(int(torch.Size(s).numel()) for _, s in meta["params"])
+
+
+def _check_ledger(metrics, metas):
+    """Shipments and the whole-step ledger, exactly (issue 12 items 1 and 4)."""
+    numel = sum(_numel(meta) for meta in metas)
+    embd = dict(metas[0]["params"])["embedding.word_embeddings.weight"]
+    for m in metrics:
+        ship = (m["step"] - 1) % 2 == 0  # theta(0), theta(2), theta(4) at steps 1, 3, 5
+        # one fp32 keyframe at the first shipment, bf16 deltas after it: half of fp32
+        assert m["anchor/bytes_ship"] == (0 if not ship else 4 * numel if m["step"] == 1 else 2 * numel)
+        assert m["anchor/bytes_ship_fp32"] == (4 * numel if ship else 0)
+        if ship and m["step"] > 1:
+            assert m["anchor/bytes_ship"] * 2 == m["anchor/bytes_ship_fp32"]
+        # the tied embedding's dense fp32 gradient, both ways, each optimizer step; the sampler's fp32
+        # copy of stage 1 (stage 0 is the driver's own)
+        assert m["comm/embd_sync_dense_bytes"] == 2 * 4 * embd[0] * embd[1] * m["actor/num_optimizer_steps"]
+        assert m["sync/dense_fp32_bytes"] == 4 * _numel(metas[1])
+        assert m["comm/batch_bytes"] > 0
+        sent = (m["comm/fwd_bytes"] + m["comm/bwd_bytes"] + m["comm/batch_bytes"] + m["comm/embd_sync_bytes"]
+                + m["sync/bytes"] + m["anchor/bytes_in"] + m["anchor/bytes_out"])
+        dense = (m["comm/dense_equiv_bytes"] + m["comm/batch_bytes"] + m["comm/embd_sync_dense_bytes"]
+                 + m["sync/dense_fp32_bytes"] + m["anchor/bytes_in"] + m["anchor/bytes_out"] - m["anchor/bytes_ship"]
+                 + m["anchor/bytes_ship_fp32"])
+        assert m["comm/total_bytes"] == sent and m["comm/total_dense_bytes"] == dense
+        assert m["comm/total_ratio"] == sent / dense < 1
 
 
 def test_fire_only_fold_and_next_step_apply(tmp_path):

@@ -91,6 +91,9 @@ def test_torchrun_dense_codec_has_no_mismatch(tmp_path):
     _common_checks(metrics)
     for m in metrics:
         assert m["comm/bytes_ratio"] == 1.0
+        # dense everywhere and no anchor: the whole step is its own dense-everything reference
+        assert m["comm/total_bytes"] == m["comm/total_dense_bytes"] > m["comm/dense_equiv_bytes"] > 0
+        assert m["comm/total_ratio"] == 1.0
         # the dense pipeline and the sampler hold the same weights: log-probs agree
         assert m["mismatch/abs_logprob_diff_mean"] < 1e-4, m["mismatch/abs_logprob_diff_mean"]
     assert metrics[0]["actor/kl_loss"] == 0.0  # reference == policy before the first step
