@@ -18,10 +18,12 @@ under the same machine load. Settings (see benchmarks/link_model.py):
          rank's egress; this kernel has no netem, so the latency is added by the same
          receive-side model (``latency`` mode).
 
-Besides the pipeline boundaries the step has two collectives that cross the same links:
-the tied-embedding gradient all-reduce between the first and last stage and the scalar
-grad-norm all-reduce; ``sim`` bills them too (2 latency-bound steps, B bytes each way),
-``tbf`` throttles them for real. The per-phase table shows where the time goes.
+Besides the pipeline boundaries the step moves the rollout batch, the tied embedding's
+exchange, the scalar grad-norm all-reduce, the weights to the sampler and the anchor's
+shipments (benchmarks/whole_step.py: three variants, ``dense`` = dense-everything, ``mask``
+= today, ``after`` = issue 12; what is real and what is modelled is said there); ``sim``
+bills them too, ``tbf`` throttles the real ones. The per-phase table shows where the time
+goes, the whole-step table the bytes of every transfer.
 
 Needs root and iproute2 for ``tbf`` (skipped with a note otherwise). Namespaces are
 removed on exit, on Ctrl-C and on SIGTERM; ``--cleanup`` removes leftovers of a run that

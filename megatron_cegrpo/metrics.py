@@ -322,8 +322,13 @@ def build_writers(log_dir: str, wandb_project: Optional[str] = None, tensorboard
     return MultiWriter(writers)
 
 
+def _mb(v) -> str:
+    return f"{v / 1e6:.1f}" if isinstance(v, (int, float)) else "-"
+
+
 def format_progress(m: Dict, total_iters: int) -> str:
-    """One console line per iteration."""
+    """One console line per iteration: the whole-step bytes (``comm/total_bytes``, its ratio to
+    dense-everything) before the boundary ratio."""
     def g(k, fmt="{:.3f}"):
         v = m.get(k)
         return fmt.format(v) if isinstance(v, (int, float)) else "-"
@@ -333,7 +338,9 @@ def format_progress(m: Dict, total_iters: int) -> str:
         f"pg_loss {g('actor/pg_loss', '{:+.4f}')} | kl {g('actor/kl_loss', '{:.4f}')} | "
         f"ent {g('actor/entropy', '{:.2f}')} | gnorm {g('actor/grad_norm', '{:.3f}')} | "
         f"mismatch {g('mismatch/abs_logprob_diff_mean', '{:.3f}')} | "
-        f"resp_len {g('response_length/mean', '{:.0f}')} | bytes_ratio {g('comm/bytes_ratio', '{:.4f}')} | "
+        f"resp_len {g('response_length/mean', '{:.0f}')} | "
+        f"comm {_mb(m.get('comm/total_bytes'))} MB, {g('comm/total_ratio', '{:.4f}')} of dense | "
+        f"boundary {g('comm/bytes_ratio', '{:.4f}')} | "
         f"{g('timing_s/step', '{:.1f}')} s"
     )
     if m.get("anchor/fire"):
