@@ -100,7 +100,9 @@ def _numel(meta):
 def _check_ledger(metrics, metas):
     """Shipments and the whole-step ledger, exactly (issue 12 items 1 and 4)."""
     numel = sum(_numel(meta) for meta in metas)
-    embd = dict(metas[0]["params"])["embedding.word_embeddings.weight"]
+    # W's shape from whichever stage ships it (the first stage's embedding or the last stage's tied copy)
+    embd = next(s for meta in metas for n, s in meta["params"]
+                if n in ("embedding.word_embeddings.weight", "output_layer.weight"))
     for m in metrics:
         ship = (m["step"] - 1) % 2 == 0  # theta(0), theta(2), theta(4) at steps 1, 3, 5
         # one fp32 keyframe at the first shipment, bf16 deltas after it: half of fp32
