@@ -163,7 +163,7 @@ class GRPOTrainer:
         m = {"step": t, **Driver.batch_metrics(batch), **obj[0], **self.reducer.reduce(gathered)}
         for c in self.circuits:
             m.update(c.driver_metrics())
-        m["sync/bytes"] = self.stage.gatherer.last_bytes
+        m.update(self.stage.gatherer.metrics())
         m.update(self.timers.snapshot_and_reset())
         m["timing_s/step"] = seconds
         every = self.cfg.data.eval_interval
