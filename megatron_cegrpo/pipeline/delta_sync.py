@@ -122,12 +122,12 @@ class DeltaWeightSync:
                 nbytes += self._send(torch.tensor([_OK], dtype=torch.uint8), src)
                 return {"bytes": nbytes, "changed": f[5], "resyncs": resyncs}
             except dc.SyncRejected as e:
+                nbytes += self._send(torch.tensor([_RESYNC], dtype=torch.uint8), src)  # the stage stops too
                 if attempt == 1:
                     raise RuntimeError(f"sampler weight sync: stage {r}'s full copy was rejected ({e})") from None
                 self.log(f"sampler weight sync: stage {r}'s update seq {f[1]} rejected ({e}); full resync "
                          f"of {2 * f[3]} bytes")
                 resyncs += 1
-                nbytes += self._send(torch.tensor([_RESYNC], dtype=torch.uint8), src)
         raise AssertionError("unreachable")
 
     @torch.no_grad()

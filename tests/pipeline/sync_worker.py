@@ -25,9 +25,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from pipeline_worker import SEED, build  # noqa: E402
 
-STEPS = 6
-#: step -> fault injected in that step's bf16 sync (step 4 replays step 3's rejected delta)
-FAULTS = {3: "corrupt", 4: "replay", 5: "drop", 6: "mirror"}
+STEPS = 7
+#: step -> fault injected in that step's bf16 sync (step 4 replays step 3's rejected delta; in the
+#: last step the full copy is corrupted too: both ends raise)
+FAULTS = {3: "corrupt", 4: "replay", 5: "drop", 6: "mirror", 7: "corrupt_twice"}
 QUIET = 2  # a step with no parameter change: an empty delta
 
 
@@ -64,7 +65,7 @@ def tamper(sync, kind, cache: dict) -> None:
     def send(t, peer):
         calls.append(t.clone())
         n = len(calls)
-        if kind == "corrupt" and n == 2:  # the delta's payload: one flipped bit
+        if (kind == "corrupt" and n == 2) or (kind == "corrupt_twice" and n in (2, 4)):  # one flipped bit
             bad = t.clone()
             bad[bad.numel() // 2] ^= 4
             return real(bad, peer)
@@ -108,6 +109,12 @@ def main(out: str) -> None:
         if rank == 0 and fault == "mirror":  # the driver's copy of the last stage goes bad in memory
             delta.mirrors[last][7] ^= 1
         counter.on, counter.bytes = True, 0
+        if fault == "corrupt_twice":  # the last step: the full copy is corrupted as well
+            try:
+                delta.gather()
+            except RuntimeError as e:
+                record["error"] = str(e)
+            break
         sds = delta.gather()
         counter.on = False
         record["sent"].append(counter.bytes)

@@ -44,8 +44,12 @@ def test_bf16_delta_sync_is_exact_metered_and_recovers_from_faults(tmp_path):
         assert by_step[t]["sync/full_resyncs"] == 1, t
         assert by_step[t]["sync/bytes"] > ranks[2]["sent_fp32"][0] // 2 + 2 * header
     lines = ranks[0]["lines"]
-    assert len(lines) == 4
+    assert len(lines) == 5
     for line, reason in zip(lines, ("payload checksum mismatch", "sequence number 3, expected 4",
                                     "sequence number 6, expected 5", "state digest mismatch after applying")):
         assert line.startswith("sampler weight sync: stage 2's update") and reason in line and "full resync" in line
-    assert sum("[cegrpo] warning: sampler weight sync" in line for line in outs[0].splitlines()) == 4
+    assert sum("[cegrpo] warning: sampler weight sync" in line for line in outs[0].splitlines()) == 5
+    # step 7: the delta and then the full copy arrive corrupted: the driver refuses the weights and
+    # both ends raise instead of running the sampler on weights nobody can vouch for
+    assert "stage 2's full copy was rejected (payload checksum mismatch)" in ranks[0]["error"]
+    assert "the driver rejected stage 2's full copy" in ranks[2]["error"] and "error" not in ranks[1]
