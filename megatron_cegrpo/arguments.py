@@ -362,8 +362,11 @@ class RolloutConfig:
     max_new_tokens: int = option(128, "longest response in tokens (verl response_length)")
     temperature: float = option(1.0, "sampling temperature, > 0 (verl)")
     top_p: float = option(1.0, "nucleus sampling cut in (0, 1], 1: none (verl)")
+    dtype: str = option("fp32", "the sampler's weights: fp32 (every stage's parameters sent in fp32 after each "
+                                "step) or bf16 (the trainer's rounded to bf16, only changed entries sent)",
+                        flag="--rollout-dtype", dest="rollout_dtype", choices=("fp32", "bf16"))
 
-    RESUME = ("engine", "max_prompt_length", "max_new_tokens", "temperature", "top_p")
+    RESUME = ("engine", "max_prompt_length", "max_new_tokens", "temperature", "top_p", "dtype")
     ENGINES = ("hf",)
 
     def validate(self) -> None:
@@ -371,6 +374,7 @@ class RolloutConfig:
         (prompt + response against the model's positions: once the model is known).
         Raises ConfigError."""
         _check_choice("--rollout-engine", self.engine, self.ENGINES)
+        _check_choice("--rollout-dtype", self.dtype, ("fp32", "bf16"))
         _check_int("--max-prompt-length", self.max_prompt_length, 1, "e.g. --max-prompt-length 256 (tokens)")
         _check_int("--max-new-tokens", self.max_new_tokens, 1, "e.g. --max-new-tokens 128 (tokens)")
         if _num(self.temperature) and self.temperature == 0:

@@ -17,17 +17,23 @@ class HFRolloutEngine(RolloutEngine):
 
     Args:
         hf_config: a transformers ``PretrainedConfig`` (llama or qwen2).
-        hf_state_dict: fp32 weights with HF names (what ``update_weights`` takes too).
+        hf_state_dict: weights with HF names (what ``update_weights`` takes too), any float dtype:
+            copied into the model's dtype (round-to-nearest-even for bf16).
         tokenizer: the model's tokenizer (decodes responses; gives pad/eos ids).
         eos_token_ids: token ids that end a response (default: the tokenizer's eos).
+        dtype: ``fp32`` or ``bf16`` (``--rollout-dtype``): the weights the sampler holds and the
+            dtype it computes in (bf16: what a GPU rollout engine does; logits are upcast to fp32
+            for the log-probs).
     """
 
+    DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
     def __init__(self, hf_config, hf_state_dict: Dict[str, torch.Tensor], tokenizer,
-                 eos_token_ids: Optional[Sequence[int]] = None):
+                 eos_token_ids: Optional[Sequence[int]] = None, dtype: str = "fp32"):
         from transformers import AutoModelForCausalLM
 
         self.tokenizer = tokenizer
-        self.model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+        self.model = AutoModelForCausalLM.from_config(hf_config, dtype=self.DTYPES[dtype])
         self.model.eval()
         self.update_weights(hf_state_dict)
         eos = list(eos_token_ids) if eos_token_ids else [tokenizer.eos_token_id]

@@ -69,7 +69,8 @@ class Driver:
         custom = load_custom_reward_function(d.custom_reward_function) if d.custom_reward_function else None
         self.get_reward_fn = (lambda _name: custom) if custom is not None else get_verifier
         self.rollout = get_rollout_engine(cfg.rollout.engine, hf_config=policy.hf_config,
-                                          hf_state_dict=policy.hf_state_dict, tokenizer=self.tokenizer)
+                                          hf_state_dict=policy.hf_state_dict, tokenizer=self.tokenizer,
+                                          dtype=cfg.rollout.dtype)
         lg = cfg.logging
         self.writer = build_writers(lg.log_dir, wandb_project=lg.wandb_project, tensorboard_dir=lg.tensorboard_dir,
                                     config=cfg.to_dict(), resume=bool(cfg.checkpoint.load),

@@ -34,9 +34,9 @@ bytes since the run started, kept for checkpoints.
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, Tuple
 
-__all__ = ["LEDGER_PARTS", "whole_step_ledger", "fp32_sync_bytes"]
+__all__ = ["LEDGER_PARTS", "whole_step_ledger"]
 
 #: (part, keys summed for the bytes sent, keys summed for the dense reference, keys subtracted from it)
 LEDGER_PARTS: Tuple[Tuple[str, Tuple[str, ...], Tuple[str, ...], Tuple[str, ...]], ...] = (
@@ -72,23 +72,3 @@ def whole_step_ledger(m: Dict) -> Dict[str, float]:
         dense += total(ref) - total(minus)
     return {"comm/total_bytes": sent, "comm/total_dense_bytes": dense,
             "comm/total_ratio": sent / dense if dense else 0.0}
-
-
-def fp32_sync_bytes(meta: Optional[List[list]]) -> int:
-    """``sync/dense_fp32_bytes``: an fp32 copy of every stage but the driver's (stage 0 is on its host).
-
-    Args:
-        meta: the gatherer's per-stage ``[(name, shape, dtype), ...]`` (stage order), None
-            off the driver.
-    Returns: 4 x the parameters of stages 1..P-1 (0 for None or PP = 1).
-    """
-    if not meta:
-        return 0
-    numel = 0
-    for stage in meta[1:]:
-        for _, shape, _ in stage:
-            n = 1
-            for s in shape:
-                n *= int(s)
-            numel += n
-    return 4 * numel

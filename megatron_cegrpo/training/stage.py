@@ -16,13 +16,13 @@ from megatron_cegrpo.compression import ByteMeter, build_codec, get_codec
 from megatron_cegrpo.grpo import core_algos as ca
 from megatron_cegrpo.grpo.batch import slice_batch
 from megatron_cegrpo.grpo.loss import grpo_token_loss
-from megatron_cegrpo.models import allreduce_tied_embedding_grads, stage_layer_range
+from megatron_cegrpo.models import allreduce_tied_embedding_grads, hf_to_megatron, stage_layer_range
 from megatron_cegrpo.models.stage import PolicyStage
 from megatron_cegrpo.optim.factory import build_lr_scheduler, build_optimizer
 from megatron_cegrpo.optim.hooks import GradClipHook
 from megatron_cegrpo.pipeline.communicator import CompressedP2PCommunicator
 from megatron_cegrpo.pipeline.schedule import PipelineRunner
-from megatron_cegrpo.pipeline.weight_sync import StageWeightGatherer
+from megatron_cegrpo.pipeline.weight_sync import build_weight_sync
 
 __all__ = ["StageWorker"]
 
@@ -61,7 +61,9 @@ class StageWorker:
         self.clip = GradClipHook(self.params, [p for p in self.params if not self.is_duplicate_tied_weight(p)],
                                  cfg.optim.clip_grad, group=ctx.pp_group if ctx.pp_size > 1 else None)
         self.optimizer.register_step_pre_hook(self._pre_step)
-        self.gatherer = StageWeightGatherer(self.model, ctx.pp_group)
+        # the sampler starts from the driver's HF state dict: the bf16 sync's baseline per stage
+        baseline = (partial(_stage_baseline, policy, ctx.pp_size) if policy.hf_state_dict is not None else None)
+        self.gatherer = build_weight_sync(self.model, ctx.pp_group, cfg.rollout.dtype, baseline=baseline)
         # a tied embedding's gradient is summed across the first and last stage every step: dense
         # traffic between stages outside the boundary codec, metered as comm/embd_sync_bytes
         tied = (ctx.pp_size > 1 and getattr(self.model, "share_embeddings_and_output_weights", False)
@@ -239,6 +241,11 @@ class StageWorker:
             diff += float((p.detach().double() - p0.double()).square().sum())
             base += float(p0.double().square().sum())
         return diff, base
+
+
+def _stage_baseline(policy: PolicyStage, pp_size: int, pp_rank: int) -> Dict[str, torch.Tensor]:
+    """Stage ``pp_rank``'s megatron tensors from the driver's HF state dict (the sampler's start)."""
+    return hf_to_megatron(policy.hf_state_dict, policy.hf_config, policy.tf_config, pp_rank, pp_size)
 
 
 def _weight_change(m: Dict) -> Dict[str, float]:

@@ -34,7 +34,7 @@ from megatron_cegrpo.pipeline.broadcast import broadcast_metered
 from megatron_cegrpo.training.checkpointer import Checkpointer, RNGState
 from megatron_cegrpo.training.circuit import Circuit, circuits_of
 from megatron_cegrpo.training.driver import Driver, log
-from megatron_cegrpo.training.ledger import fp32_sync_bytes, whole_step_ledger
+from megatron_cegrpo.training.ledger import whole_step_ledger
 from megatron_cegrpo.training.reduce import StageMetricsReducer
 from megatron_cegrpo.training.stage import StageWorker
 
@@ -164,8 +164,7 @@ class GRPOTrainer:
         m = {"step": t, **Driver.batch_metrics(batch), **obj[0], **self.reducer.reduce(gathered)}
         for c in self.circuits:
             m.update(c.driver_metrics())
-        m["sync/bytes"] = self.stage.gatherer.last_bytes
-        m["sync/dense_fp32_bytes"] = fp32_sync_bytes(self.stage.gatherer.meta)
+        m.update(self.stage.gatherer.metrics())
         m["comm/batch_bytes"] = self._batch_bytes
         m.update(whole_step_ledger(m))
         m.update(self.timers.snapshot_and_reset())

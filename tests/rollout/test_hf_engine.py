@@ -54,3 +54,17 @@ def test_update_weights_changes_outputs_and_rejects_bad_keys(engine):
     assert torch.equal(before, restored)
     with pytest.raises(KeyError, match="unexpected"):
         eng.update_weights({**sd, "bogus.weight": torch.zeros(1)})
+
+
+def test_bf16_engine_holds_the_weights_rounded_to_bf16():
+    """--rollout-dtype bf16: the sampler's weights are the fp32 state dict rounded to nearest even,
+    bit for bit, and it computes in bf16 (logits upcast to fp32 for the log-probs)."""
+    src = resolve_model("tiny-llama")
+    cfg, sd = load_hf_state_dict(src)
+    eng = HFRolloutEngine(cfg, sd, load_tokenizer(src), dtype="bf16")
+    own = eng.model.state_dict()
+    for k, v in sd.items():
+        assert own[k].dtype == torch.bfloat16
+        assert torch.equal(own[k].view(torch.int16), v.to(torch.bfloat16).view(torch.int16)), k
+    out = eng.generate([torch.tensor([1, 5, 9, 33])], max_new_tokens=4, temperature=1.0, generator_seed=0)
+    assert out.response_logprobs[0].dtype == torch.float32 and bool((out.response_logprobs[0] <= 0).all())

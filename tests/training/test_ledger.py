@@ -7,7 +7,7 @@ import torch
 
 from distributed_util import REPO, run_ranks
 from megatron_cegrpo.pipeline.broadcast import broadcast_nbytes
-from megatron_cegrpo.training.ledger import fp32_sync_bytes, whole_step_ledger
+from megatron_cegrpo.training.ledger import whole_step_ledger
 
 PARTS = {"comm/fwd_bytes": 290, "comm/bwd_bytes": 290, "comm/dense_equiv_bytes": 11520,
          "comm/batch_bytes": 1000, "comm/embd_sync_bytes": 3000, "comm/embd_sync_dense_bytes": 64000,
@@ -32,26 +32,6 @@ def test_missing_parts_count_zero_and_negative_bytes_are_refused():
     assert only["comm/total_bytes"] == 5 and only["comm/total_ratio"] == 0.05
     with pytest.raises(ValueError, match="negative"):
         whole_step_ledger({"sync/bytes": -1})
-
-
-def test_fp32_sync_bytes_counts_every_stage_but_the_drivers():
-    meta = [[("a", (3, 4), torch.float32)], [("b", (5,), torch.float32), ("c", (2, 3), torch.bfloat16)],
-            [("d", (7,), torch.float32)]]
-    assert fp32_sync_bytes(meta) == 4 * (5 + 6 + 7)
-    assert fp32_sync_bytes(None) == 0 and fp32_sync_bytes(meta[:1]) == 0
-
-
-WORKER = r'''
-import os, pickle, sys
-import torch, torch.distributed as dist
-from megatron_cegrpo.pipeline.broadcast import broadcast_metered
-dist.init_process_group("gloo")
-obj = {"tokens": torch.arange(300).view(3, 100), "adv": torch.randn(3, generator=torch.Generator().manual_seed(1))}
-got, n = broadcast_metered(obj if dist.get_rank() == 0 else None, dist.group.WORLD)
-assert torch.equal(got["tokens"], obj["tokens"]) and torch.equal(got["adv"], obj["adv"])
-print("BYTES", n, len(pickle.dumps(obj)))
-dist.destroy_process_group()
-'''
 
 
 def test_broadcast_bytes_are_the_pickle_sent(tmp_path):
