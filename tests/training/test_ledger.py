@@ -3,7 +3,6 @@
 import pickle
 
 import pytest
-import torch
 
 from distributed_util import REPO, run_ranks
 from megatron_cegrpo.pipeline.broadcast import broadcast_nbytes
@@ -32,6 +31,19 @@ def test_missing_parts_count_zero_and_negative_bytes_are_refused():
     assert only["comm/total_bytes"] == 5 and only["comm/total_ratio"] == 0.05
     with pytest.raises(ValueError, match="negative"):
         whole_step_ledger({"sync/bytes": -1})
+
+
+WORKER = r'''
+import os, pickle, sys
+import torch, torch.distributed as dist
+from megatron_cegrpo.pipeline.broadcast import broadcast_metered
+dist.init_process_group("gloo")
+obj = {"tokens": torch.arange(300).view(3, 100), "adv": torch.randn(3, generator=torch.Generator().manual_seed(1))}
+got, n = broadcast_metered(obj if dist.get_rank() == 0 else None, dist.group.WORLD)
+assert torch.equal(got["tokens"], obj["tokens"]) and torch.equal(got["adv"], obj["adv"])
+print("BYTES", n, len(pickle.dumps(obj)))
+dist.destroy_process_group()
+'''
 
 
 def test_broadcast_bytes_are_the_pickle_sent(tmp_path):
