@@ -113,14 +113,15 @@ def test_bit_stream_roundtrip():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_wire_bytes_exactly_as_documented(dtype):
-    """pcaq at keep 0.25, shape (10, 2, 32), rank 8, share 0.12: budget floor(0.25*20*32*e);
-    B = floor(8 (budget * 0.88 - 32) / 20); message = [8 x 32 fp16 + 8 fp32 on the first] + 8 fp32
-    scales + ceil(20 B / 8), padded to whole elements. lrq rank 4: r = min(4, budget // 144)."""
+    """pcaq at keep 0.25, shape (10, 2, 32), rank 8, share 0.12, 1 outlier per sequence:
+    budget floor(0.25*20*32*e); B = floor(8 (budget * 0.88 - 32 - 2 * 68) / 20); message =
+    [8 x 32 fp16 + 8 fp32 on the first] + 2 x (int32 + 32 fp16) outliers + 8 fp32 scales +
+    ceil(20 B / 8), padded to whole elements. lrq rank 4: r = min(4, budget // 144), no outliers."""
     shape, e = (10, 2, 32), torch.empty((), dtype=dtype).element_size()
     codec = build_codec("pcaq/rank=8:lrq/rank=4", 0.25)
     budget = int(0.25 * 20 * 32 * e)
-    bits = min(8 * 8, int(8 * (budget * 0.88 - 32) // 20))  # at most max_bits per row
-    coef = 32 + (20 * bits + 7) // 8
+    bits = min(8 * 8, int(8 * (budget * 0.88 - 32 - 2 * 68) // 20))  # at most max_bits per row
+    coef = 2 * 68 + 32 + (20 * bits + 7) // 8
     pad = lambda n: -(-n // e) * e  # noqa: E731
     assert codec.bytes_per_message("fwd", shape, e, True) == pad(8 * (64 + 4) + coef)
     assert codec.bytes_per_message("fwd", shape, e, False) == pad(coef)
@@ -189,3 +190,22 @@ def test_both_ends_in_separate_processes_decode_the_same_tensors(tmp_path):
     for t, c, got_t in zip(x, ctxs, decoded):
         assert torch.equal(ref.fwd.roundtrip(t, c), got_t)
     assert float(((decoded[0] - x[0]) ** 2).sum() / (x[0] ** 2).sum()) < 1e-3  # rank 6 data, 10 rows
+
+
+def test_outlier_tokens_travel_whole_and_stop_setting_the_scales():
+    """One token per sequence with a 300x norm (SmolLM2's attention sink): pcaq sends it in fp16
+    and quantises the others on their own scale; without outliers their error is far larger."""
+    shape = (16, 2, 48)
+    x = _lowrank_data(shape, rank=20)
+    x[0] *= 300.0
+    normal = torch.ones(16, 2, dtype=torch.bool)
+    normal[0] = False
+
+    def err(spec):
+        y = build_codec(spec, 0.25).fwd.roundtrip(x, _ctx())
+        return y, float(((y - x)[normal] ** 2).sum() / (x[normal] ** 2).sum())
+
+    y, e1 = err("pcaq/rank=24:dense")
+    assert torch.equal(y[0], x[0].half().float())
+    _, e0 = err("pcaq/rank=24/outliers=0:dense")
+    assert e1 < 0.1 * e0
