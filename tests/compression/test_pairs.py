@@ -93,7 +93,7 @@ def test_bit_allocation_is_the_greedy_reverse_water_filling():
 
 
 def test_quantiser_roundtrip_is_exact_and_within_half_a_step():
-    c = torch.randn(37, 5) * torch.tensor([10.0, 3.0, 1.0, 0.3, 0.1])
+    c = torch.randn(37, 5, generator=torch.Generator().manual_seed(3)) * torch.tensor([10.0, 3.0, 1.0, 0.3, 0.1])
     bits = [6, 4, 3, 1, 0]
     payload, c_hat = quantize_columns(c, bits)
     assert payload.numel() == 4 * 5 + (37 * 14 + 7) // 8
@@ -101,7 +101,7 @@ def test_quantiser_roundtrip_is_exact_and_within_half_a_step():
     a = c.abs().amax(0)
     for j, w in enumerate(bits):
         err = (c_hat[:, j] - c[:, j]).abs().max()
-        assert err <= (a[j] / (1 << w) if w else a[j]) + 1e-6
+        assert err <= (a[j] / (1 << w) if w else a[j]) + 1e-5 * a[j]  # fp32 rounding of -a + (i + 0.5) step
 
 
 def test_bit_stream_roundtrip():
