@@ -455,19 +455,31 @@ class CodecConfig:
 
     GROUP = "boundary compression"
 
-    boundary_codec: str = option("mask", "codec of the stage boundaries, registered in megatron_cegrpo.compression "
-                                         "(dense: no compression)")
+    boundary_codec: str = option("mask", "codec of the stage boundaries: a codec registered in "
+                                         "megatron_cegrpo.compression (dense: no compression; mask) or FWD:BWD, "
+                                         "independent forward and backward halves, e.g. pcaq:lrq "
+                                         "(compression/spec.py)")
     boundary_keep_ratio: float = option(0.05, "fraction in (0, 1] of the boundary values the codec keeps")
 
     RESUME = ()  # compared as meta["codec"] by checkpointing.check_compatible
 
     def validate(self) -> None:
-        """A registered codec and a keep ratio in (0, 1]. Raises ConfigError."""
-        from megatron_cegrpo.compression import available_codecs
+        """A keep ratio in (0, 1] and a spec that ``compression.build_codec`` accepts (its
+        byte budget is checked in ``train.preflight``, which knows the model's width).
+        Raises ConfigError."""
+        import warnings
 
-        _check_choice("--boundary-codec", self.boundary_codec, available_codecs(), "mask")
+        from megatron_cegrpo.compression import build_codec
+
         _check_float("--boundary-keep-ratio", self.boundary_keep_ratio, "e.g. --boundary-keep-ratio 0.05",
                      low=0.0, high=1.0, low_open=True)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                build_codec(self.boundary_codec, self.boundary_keep_ratio)
+        except ValueError as e:
+            raise ConfigError(f"--boundary-codec {self.boundary_codec!r}: {one_line(e)}; fix: e.g. "
+                              "--boundary-codec mask, or --boundary-codec pcaq:lrq") from None
 
 
 @dataclass

@@ -14,6 +14,7 @@ Anything else shows its traceback. ``docs/reliability.md`` lists the messages.
 import os
 import sys
 import time
+import warnings
 
 # torch-free modules only at module top: under a launcher this process may be the rank's
 # supervisor, which runs the rank in a child and must stay small; modules that import torch
@@ -53,6 +54,7 @@ def preflight(cfg) -> None:
 
     * ``--model`` resolves; its config fits ``--pipeline-model-parallel-size`` and the uneven
       split, and ``--max-prompt-length + --max-new-tokens`` fits its positions;
+    * ``--boundary-codec``'s bytes fit the ``--boundary-keep-ratio`` it claims (PP >= 2);
     * ``--custom-reward-function`` loads and takes ``(response, ground_truth)``;
     * ``--train-data`` resolves and loads, ``--num-holdout`` leaves a training prompt, and
       at least one prompt fits ``--max-prompt-length`` (``data.check_train_data``); every
@@ -90,6 +92,7 @@ def preflight(cfg) -> None:
             f"{r.max_prompt_length + r.max_new_tokens} tokens exceeds the {positions} positions of --model "
             f"{cfg.model.model}; fix: lower one of them so that their sum is at most {positions}")
 
+    _check_codec_budget(cfg, hf_config)
     d = cfg.data
 
     def encode(question):
@@ -120,6 +123,31 @@ def preflight(cfg) -> None:
                                 num_layers_in_last=p.decoder_last_pipeline_num_layers, codec=cfg.codec)
             if "trainer_state.pt" in ck.stage_file_names(meta, 0):  # continues a run (not weights only)
                 ck.check_resume(meta, cfg.resume_options(), train_iters=cfg.optim.train_iters)
+
+
+def _check_codec_budget(cfg, hf_config) -> None:
+    """``--boundary-codec``'s documented bytes within the ``--boundary-keep-ratio`` budget it
+    claims, per direction, over one iteration's messages at the longest micro-batch
+    (``compression.check_codec_budget``). Raises ConfigError naming both flags."""
+    from megatron_cegrpo.compression import build_codec, check_codec_budget
+
+    c, r, g = cfg.codec, cfg.rollout, cfg.grpo
+    if cfg.parallel.pipeline_model_parallel_size < 2:
+        return
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        codec = build_codec(c.boundary_codec, c.boundary_keep_ratio)
+    mbs = cfg.parallel.micro_batch_size
+    per_pass = g.sequences_per_iteration // mbs
+    fwd = per_pass * (1 + int(g.kl_coef > 0) + g.ppo_epochs)
+    shape = (r.max_prompt_length + r.max_new_tokens, mbs, int(hf_config.hidden_size))
+    elem = 2 if cfg.model.params_dtype == "bf16" else 4
+    try:
+        check_codec_budget(codec, c.boundary_keep_ratio, shape, fwd, elem=elem, bwd_messages=per_pass * g.ppo_epochs)
+    except ValueError as e:
+        raise ConfigError(f"--boundary-codec {c.boundary_codec} exceeds --boundary-keep-ratio "
+                          f"{c.boundary_keep_ratio:g}: {one_line(e)}; fix: lower the halves' rank/share "
+                          "parameters or raise --boundary-keep-ratio") from None
 
 
 def _configure(argv):

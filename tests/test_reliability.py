@@ -205,7 +205,11 @@ CASES = [
     Case("keep-ratio", "flag", ["--boundary-keep-ratio", "1.5"],
          "--boundary-keep-ratio must be a finite number > 0 and <= 1, got 1.5; fix: e.g. --boundary-keep-ratio 0.05"),
     Case("codec", "flag", ["--boundary-codec", "topk"],
-         "--boundary-codec must be one of dense, mask; got 'topk'; fix: pick one of those (e.g. --boundary-codec mask)"),
+         "--boundary-codec 'topk': unknown codec 'topk'; valid names: dense, mask, or FWD:BWD with halves from "
+         "dense, lrq, mask, pcaq; fix: e.g. --boundary-codec mask, or --boundary-codec pcaq:lrq"),
+    Case("codec-pair-syntax", "flag", ["--boundary-codec", "pcaq:lrq:mask"],
+         "--boundary-codec 'pcaq:lrq:mask': 'pcaq:lrq:mask' has 2 ':'; a pair is FWD:BWD; fix: e.g. "
+         "--boundary-codec mask, or --boundary-codec pcaq:lrq"),
     Case("save-interval", "flag", ["--save-interval", "5"],
          "--save-interval needs --save DIR (where to write the checkpoints); fix: add --save DIR or drop "
          "--save-interval"),
@@ -239,6 +243,11 @@ CASES = [
          "stage(s) (they must divide evenly, and first + last must equal the layer count when there are no "
          "middle stages); fix: choose first/last layer counts that leave each of the 1 other stage(s) the same "
          "number of the model's 4 layers (at least one)", env={"WORLD_SIZE": "2"}),
+    Case("codec-over-budget", "flag", ["--pipeline-model-parallel-size", "2", "--boundary-codec", "dense:lrq"],
+         "--boundary-codec dense:lrq exceeds --boundary-keep-ratio 0.05: forward sends 2359296 B per step "
+         "(100.00% of dense) > the budget 147456 B (6.25%) of keep ratio 0.05 at micro-batch shape (384, 4, 64) "
+         "x 6; fix: lower the halves' rank/share parameters or raise --boundary-keep-ratio",
+         env={"WORLD_SIZE": "2"}),
     # --- data (data.check_train_data / check_eval_data, from train.preflight) ---
     Case("train-data-missing-file", "data", ["--train-data", "{tmp}/typo.jsonl"],
          "--train-data {tmp}/typo.jsonl: no such file ({tmp}/typo.jsonl); fix: check the path, or pass a short "

@@ -1,8 +1,9 @@
 """Boundary compression for pipeline-stage links (DESIGN.md section 3).
 
 Pure tensor code (no torch.distributed): the Threefry-2x32 PRF, the exact-k
-channel mask derived from it, the boundary codecs (``dense``, ``mask``) and the
-byte meter that reports ``comm/bytes_ratio``.
+channel mask derived from it, the boundary codecs (``dense``, ``mask``), the
+independent forward/backward halves of ``FWD:BWD`` specs (``halves.py``, ``subspace.py``,
+``pair.py``; parsed in ``spec.py``) and the byte meter that reports ``comm/bytes_ratio``.
 """
 
 from .codecs import (
@@ -11,12 +12,15 @@ from .codecs import (
     DenseCodec,
     MaskCodec,
     available_codecs,
-    build_codec,
     get_codec,
     has_precompute,
     register_codec,
 )
+from .halves import DirectionCodec, available_halves, register_half
 from .meter import ByteMeter
+from .pair import PairCodec
+from . import subspace  # noqa: F401  (registers the pcaq and lrq halves)
+from .spec import build_codec, check_codec_budget, parse_codec_spec
 from .prf import exact_k_indices, keep_count, prf_channel_scores, threefry2x32
 
 __all__ = [
@@ -24,6 +28,12 @@ __all__ = [
     "BoundaryContext",
     "ByteMeter",
     "DenseCodec",
+    "DirectionCodec",
+    "PairCodec",
+    "available_halves",
+    "check_codec_budget",
+    "parse_codec_spec",
+    "register_half",
     "MaskCodec",
     "available_codecs",
     "build_codec",

@@ -18,9 +18,7 @@ torch.distributed.
 from __future__ import annotations
 
 import abc
-import inspect
 import threading
-import warnings
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Tuple, Type
@@ -37,7 +35,6 @@ __all__ = [
     "register_codec",
     "get_codec",
     "available_codecs",
-    "build_codec",
     "has_precompute",
 ]
 
@@ -106,24 +103,6 @@ def has_precompute(codec: "BoundaryCodec") -> bool:
     return type(codec).precompute is not BoundaryCodec.precompute
 
 
-def build_codec(name: str, keep_ratio: float) -> "BoundaryCodec":
-    """The codec for ``--boundary-codec name --boundary-keep-ratio keep_ratio``: the ratio goes
-    to codecs whose constructor takes ``keep_ratio``; for the others (``dense``) it does not
-    apply and a warning says so when it differs from the default 0.05.
-
-    Raises:
-        ValueError: unknown name (lists the valid ones).
-    """
-    cls = _REGISTRY.get(name)
-    if cls is None:
-        raise ValueError(f"unknown boundary codec {name!r}; valid names: {', '.join(available_codecs())}")
-    if "keep_ratio" in inspect.signature(cls).parameters:
-        return cls(keep_ratio=keep_ratio)
-    if keep_ratio != 0.05:
-        warnings.warn(f"--boundary-keep-ratio {keep_ratio} is ignored by --boundary-codec {name}")
-    return cls()
-
-
 def _check_shape(shape) -> Tuple[int, int, int]:
     shape = tuple(int(v) for v in shape)
     if len(shape) != 3:
@@ -181,6 +160,12 @@ class BoundaryCodec(abc.ABC):
     def state_dict(self) -> dict:
         """Checkpointable codec state (empty for stateless codecs)."""
         return {}
+
+    def wire_shape(self, direction: str, shape, ctx: BoundaryContext, dtype: torch.dtype, role: str):
+        """Payload shape of the next ``direction`` ("fwd"/"bwd") message of this boundary as
+        ``role`` ("send"/"recv") sees it; codecs whose payload varies per direction or per
+        message (``PairCodec``) override it. Default: :meth:`payload_shape`."""
+        return self.payload_shape(shape)
 
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict` output. Stateless codecs accept only ``{}``."""

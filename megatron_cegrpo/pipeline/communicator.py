@@ -174,8 +174,8 @@ class CompressedP2PCommunicator(P2PCommunicator):
         wait_on_reqs: bool = True,
     ):
         shape = tuple(int(x) for x in tensor_shape) if tensor_shape is not None else None
+        dtype = self.config.pipeline_dtype
         payload_next = payload_prev = None
-        ctx_next_send = ctx_prev_send = None
         with torch.no_grad():
             if tensor_send_next is not None:
                 ctx_next_send = self._context(self.pp_rank, "send_next")
@@ -188,7 +188,16 @@ class CompressedP2PCommunicator(P2PCommunicator):
                 self.prefetcher.wait(self.codec, ctx_prev_send, tuple(tensor_send_prev.shape))
                 payload_prev = self.codec.encode_backward(tensor_send_prev.detach(), ctx_prev_send).contiguous()
                 self.meter.add("bwd", self.pp_rank - 1, payload_prev, tensor_send_prev.numel())
-        payload_shape = self.codec.payload_shape(shape) if shape is not None else None
+        # the receive contexts are taken before the bytes arrive: a codec's payload shape may
+        # depend on the direction and the message (a per-step basis rides on the first one)
+        ctx_prev = self._context(self.pp_rank - 1, "recv_prev") if recv_prev else None
+        ctx_next = self._context(self.pp_rank, "recv_next") if recv_next else None
+        recv_shapes = [self.codec.wire_shape(dr, shape, c, dtype, "recv")
+                       for dr, c in (("fwd", ctx_prev), ("bwd", ctx_next)) if c is not None]
+        if len(set(recv_shapes)) > 1:
+            raise ValueError(f"one p2p call receives payloads of two shapes {recv_shapes} (interleaved "
+                             "schedules are not supported with direction-dependent codecs)")
+        payload_shape = recv_shapes[0] if recv_shapes else None
         recv_prev_t, recv_next_t, _ = super()._communicate(
             tensor_send_next=payload_next,
             tensor_send_prev=payload_prev,
@@ -200,13 +209,11 @@ class CompressedP2PCommunicator(P2PCommunicator):
         x = g = None
         with torch.no_grad():
             if recv_prev:
-                ctx = self._context(self.pp_rank - 1, "recv_prev")
-                self.prefetcher.wait(self.codec, ctx, shape)
-                x = self.codec.decode_forward(recv_prev_t.detach(), ctx, shape)
+                self.prefetcher.wait(self.codec, ctx_prev, shape)
+                x = self.codec.decode_forward(recv_prev_t.detach(), ctx_prev, shape)
             if recv_next:
-                ctx = self._context(self.pp_rank, "recv_next")
-                self.prefetcher.wait(self.codec, ctx, shape)
-                g = self.codec.decode_backward(recv_next_t.detach(), ctx, shape)
+                self.prefetcher.wait(self.codec, ctx_next, shape)
+                g = self.codec.decode_backward(recv_next_t.detach(), ctx_next, shape)
         if x is not None:
             x = x.to(self.config.pipeline_dtype).requires_grad_(True)
         if g is not None:

@@ -60,8 +60,10 @@ def build(pp_rank, pp_size, tf_kwargs):
 
 
 def codec_for(name):
-    from megatron_cegrpo.compression import get_codec
+    from megatron_cegrpo.compression import build_codec, get_codec
 
+    if ":" in name:  # a FWD:BWD pair (compression/spec.py), sized for keep ratio 0.25
+        return build_codec(name, 0.25)
     return get_codec(name, keep_ratio=0.25) if name == "mask" else get_codec(name)
 
 

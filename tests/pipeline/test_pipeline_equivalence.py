@@ -5,6 +5,7 @@
   (codec.forward_map with the same seed/boundary/step/sample ids) at the boundary; every
   rank's masks were precomputed on its background prefetch thread (both ends of a boundary
   in separate processes), none derived on the critical path.
+- a FWD:BWD pair (pcaq:lrq): equals a single process applying PairCodec.forward_map.
 """
 
 import os
@@ -84,3 +85,23 @@ def test_mask_three_stage_uneven_pipeline(tmp_path):
     ranks, ref = _run(tmp_path, "mask", 3, first_layers=2)
     _compare(ranks, ref, atol=1e-6)
     _assert_prefetched(ranks, 4)
+
+
+def test_pair_pipeline_equals_single_process_map(tmp_path):
+    """A FWD:BWD pair in a real gloo pipeline equals one process applying PairCodec.forward_map
+    (forward half's roundtrip, backward half's roundtrip of the gradient; per-step basis sent on
+    the first message of step 7 and reused by the update pass)."""
+    spec = "pcaq/rank=16:lrq"
+    ranks, ref = _run(tmp_path, spec, 2)
+    _compare(ranks, ref, atol=1e-5)
+    from megatron_cegrpo.compression import build_codec
+
+    codec = build_codec(spec, 0.25)
+    shape, mbs = (16, 2, 64), 4
+    f, b = ranks[0]["meter"], ranks[1]["meter"]
+    # bytes exactly as documented: 2 passes x 4 micro-batches forward, the first one with the basis
+    assert f["comm/fwd_bytes"] == (codec.bytes_per_message("fwd", shape, 4, True)
+                                   + (2 * mbs - 1) * codec.bytes_per_message("fwd", shape, 4, False))
+    assert b["comm/bwd_bytes"] == mbs * codec.bytes_per_message("bwd", shape, 4, False)
+    assert f["comm/fwd_bytes"] <= 0.25 * 2 * mbs * 16 * 2 * 64 * 4  # within the claimed budget
+    assert b["comm/bwd_bytes"] <= 0.25 * mbs * 16 * 2 * 64 * 4

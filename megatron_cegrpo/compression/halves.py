@@ -1,0 +1,168 @@
+"""One direction of a stage boundary: the halves a ``FWD:BWD`` codec spec names.
+
+A :class:`DirectionCodec` turns a dense boundary tensor ``[s, b, d]`` into a wire payload on
+the sending stage and back on the receiving one, for ONE direction (activations forward or
+activation-gradients backward). :class:`~megatron_cegrpo.compression.pair.PairCodec` joins
+two of them into a :class:`~megatron_cegrpo.compression.codecs.BoundaryCodec`
+(issue 10, item 4: independent forward and backward codecs).
+
+Halves registered here: ``dense`` (identity) and ``mask`` (the exact-k PRF mask of
+:class:`~megatron_cegrpo.compression.codecs.MaskCodec`); ``subspace.py`` adds ``pcaq`` and
+``lrq``. Payloads are in the dense tensor's dtype (the pipeline dtype megatron-core's p2p
+buffers use); halves whose payload is a byte string view it as that dtype (``wire.py``).
+
+Sender and receiver state are kept apart (a stage can be both, for different boundaries, and
+the single-process reference :meth:`DirectionCodec.roundtrip` plays both).
+
+Pure tensor code: no torch.distributed.
+"""
+
+from __future__ import annotations
+
+import abc
+import inspect
+from typing import Callable, Dict, List, Tuple, Type
+
+import torch
+
+from .codecs import BoundaryContext, MaskCodec, _check_shape
+
+__all__ = ["DirectionCodec", "DenseHalf", "MaskHalf", "register_half", "get_half", "available_halves"]
+
+_HALVES: Dict[str, Type["DirectionCodec"]] = {}
+
+
+def register_half(name: str) -> Callable[[Type["DirectionCodec"]], Type["DirectionCodec"]]:
+    """Class decorator registering a :class:`DirectionCodec` under ``name`` (a spec half).
+
+    Raises:
+        ValueError: ``name`` already registered to another class.
+    """
+
+    def deco(cls):
+        if _HALVES.get(name, cls) is not cls:
+            raise ValueError(f"half codec {name!r} already registered to {_HALVES[name].__name__}")
+        _HALVES[name] = cls
+        cls.name = name
+        return cls
+
+    return deco
+
+
+def available_halves() -> List[str]:
+    """Sorted names usable on either side of ``FWD:BWD``."""
+    return sorted(_HALVES)
+
+
+def get_half(name: str, keep_ratio: float, params: Dict[str, str]) -> "DirectionCodec":
+    """Instantiate half ``name`` with the run's keep ratio and the spec's ``key=value`` params
+    (converted to the constructor's annotated int/float types).
+
+    Raises:
+        ValueError: unknown name, unknown parameter or a value of the wrong type/range.
+    """
+    cls = _HALVES.get(name)
+    if cls is None:
+        raise ValueError(f"unknown half codec {name!r}; valid: {', '.join(available_halves())}")
+    sig = inspect.signature(cls)
+    kwargs = {}
+    for key, raw in params.items():
+        if key == "keep_ratio" or key not in sig.parameters:
+            allowed = [p for p in sig.parameters if p != "keep_ratio"]
+            raise ValueError(f"{name} takes no parameter {key!r} (its parameters: {', '.join(allowed) or 'none'})")
+        default = sig.parameters[key].default
+        try:
+            kwargs[key] = float(raw) if isinstance(default, float) else int(raw)
+        except ValueError:
+            raise ValueError(f"{name}/{key}={raw!r} is not a number") from None
+    if "keep_ratio" in sig.parameters:
+        kwargs["keep_ratio"] = keep_ratio
+    return cls(**kwargs)
+
+
+class DirectionCodec(abc.ABC):
+    """One direction's codec. ``shape`` is always the dense ``(s, b, d)``."""
+
+    name = "abstract"
+    #: the Jacobian of roundtrip is its own transpose and roundtrip is linear given ctx
+    #: (mask, dense): as the backward half after the same forward half it is the exact chain rule
+    self_adjoint_linear = False
+
+    @abc.abstractmethod
+    def wire_shape(self, shape, ctx: BoundaryContext, dtype: torch.dtype, role: str) -> Tuple[int, ...]:
+        """Payload shape for the next message of this boundary as seen by ``role``
+        ("send" or "recv"); both roles answer the same for the same message."""
+
+    @abc.abstractmethod
+    def encode(self, t: torch.Tensor, ctx: BoundaryContext) -> torch.Tensor:
+        """Sender: dense [s, b, d] -> payload (t's dtype, no grad)."""
+
+    @abc.abstractmethod
+    def decode(self, payload: torch.Tensor, ctx: BoundaryContext, shape) -> torch.Tensor:
+        """Receiver: payload -> dense [s, b, d] in payload's dtype."""
+
+    @abc.abstractmethod
+    def nbytes(self, shape, elem: int, first_of_step: bool) -> int:
+        """Documented wire bytes of one message (padding to whole elements included);
+        ``first_of_step``: the first message of its (boundary, step), which carries any
+        per-step basis."""
+
+    def roundtrip(self, t: torch.Tensor, ctx: BoundaryContext) -> torch.Tensor:
+        """Single-process reference of decode(encode(t)), with the same state updates as
+        the two ends of a pipeline (no grad)."""
+        with torch.no_grad():
+            payload = self.encode(t.detach(), ctx)
+            return self.decode(payload, ctx, tuple(t.shape))
+
+    def reset(self) -> None:
+        """Forget any per-step state (both roles)."""
+
+
+@register_half("dense")
+class DenseHalf(DirectionCodec):
+    """Identity: payload = the tensor, bytes s * b * d * element_size."""
+
+    self_adjoint_linear = True
+
+    def wire_shape(self, shape, ctx, dtype, role):
+        return _check_shape(shape)
+
+    def encode(self, t, ctx):
+        return t.detach().contiguous()
+
+    def decode(self, payload, ctx, shape):
+        return payload.view(_check_shape(shape))
+
+    def nbytes(self, shape, elem, first_of_step):
+        s, b, d = _check_shape(shape)
+        return s * b * d * elem
+
+
+@register_half("mask")
+class MaskHalf(DirectionCodec):
+    """The exact-k PRF mask of :class:`MaskCodec` (same indices in both directions, so
+    ``mask:mask`` is bit-identical to ``mask``): payload [s, b, k], k = ceil(keep_ratio * d),
+    decoded as (d/k) * scatter; unbiased (E = identity) and self-adjoint.
+    Bytes s * b * k * element_size."""
+
+    self_adjoint_linear = True
+
+    def __init__(self, keep_ratio: float = 0.05):
+        self.mask = MaskCodec(keep_ratio=keep_ratio)
+        self.keep_ratio = self.mask.keep_ratio
+
+    def wire_shape(self, shape, ctx, dtype, role):
+        return self.mask.payload_shape(shape)
+
+    def encode(self, t, ctx):
+        return self.mask.encode_forward(t, ctx)
+
+    def decode(self, payload, ctx, shape):
+        return self.mask.decode_forward(payload, ctx, shape)
+
+    def nbytes(self, shape, elem, first_of_step):
+        s, b, d = _check_shape(shape)
+        return s * b * self.mask.k(d) * elem
+
+    def reset(self):
+        self.mask.clear_cache()
