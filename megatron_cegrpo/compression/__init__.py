@@ -1,7 +1,7 @@
 """Boundary compression for pipeline-stage links (DESIGN.md section 3).
 
 Pure tensor code (no torch.distributed): the Threefry-2x32 PRF, the exact-k
-channel mask derived from it, the boundary codecs (``dense``, ``mask``) and the
+channel mask derived from it, the boundary codecs (``dense``, ``mask``, ``lowrank``) and the
 byte meter that reports ``comm/bytes_ratio``.
 """
 
@@ -16,6 +16,7 @@ from .codecs import (
     has_precompute,
     register_codec,
 )
+from .lowrank import LowRankCodec
 from .meter import ByteMeter
 from .prf import exact_k_indices, keep_count, prf_channel_scores, threefry2x32
 
@@ -24,6 +25,7 @@ __all__ = [
     "BoundaryContext",
     "ByteMeter",
     "DenseCodec",
+    "LowRankCodec",
     "MaskCodec",
     "available_codecs",
     "build_codec",

@@ -106,10 +106,12 @@ def has_precompute(codec: "BoundaryCodec") -> bool:
     return type(codec).precompute is not BoundaryCodec.precompute
 
 
-def build_codec(name: str, keep_ratio: float) -> "BoundaryCodec":
+def build_codec(name: str, keep_ratio: float, **options) -> "BoundaryCodec":
     """The codec for ``--boundary-codec name --boundary-keep-ratio keep_ratio``: the ratio goes
     to codecs whose constructor takes ``keep_ratio``; for the others (``dense``) it does not
-    apply and a warning says so when it differs from the default 0.05.
+    apply and a warning says so when it differs from the default 0.05. Each of ``options``
+    (``TrainConfig.boundary_codec_options``: the lowrank basis owner, tokens per iteration, ...)
+    goes to the constructor only when it names one of its parameters.
 
     Raises:
         ValueError: unknown name (lists the valid ones).
@@ -117,11 +119,13 @@ def build_codec(name: str, keep_ratio: float) -> "BoundaryCodec":
     cls = _REGISTRY.get(name)
     if cls is None:
         raise ValueError(f"unknown boundary codec {name!r}; valid names: {', '.join(available_codecs())}")
-    if "keep_ratio" in inspect.signature(cls).parameters:
-        return cls(keep_ratio=keep_ratio)
+    params = inspect.signature(cls).parameters
+    kwargs = {k: v for k, v in options.items() if k in params}
+    if "keep_ratio" in params:
+        return cls(keep_ratio=keep_ratio, **kwargs)
     if keep_ratio != 0.05:
         warnings.warn(f"--boundary-keep-ratio {keep_ratio} is ignored by --boundary-codec {name}")
-    return cls()
+    return cls(**kwargs)
 
 
 def _check_shape(shape) -> Tuple[int, int, int]:
@@ -177,6 +181,19 @@ class BoundaryCodec(abc.ABC):
             True if something was derived (or was already held) for later reuse.
         """
         return False
+    # -- basis traffic (codecs whose two ends share a basis the sender refreshes; lowrank) --
+    def basis_to_send(self, ctx: BoundaryContext) -> Optional[torch.Tensor]:
+        """Sender, after ``encode_forward``: a tensor to ship to the receiver before this payload
+        (metered as basis bytes), or None (the default: nothing)."""
+        return None
+
+    def basis_to_receive(self, ctx: BoundaryContext, shape, dtype: torch.dtype) -> Optional[torch.Tensor]:
+        """Receiver, before ``decode_forward``: an empty buffer for the tensor the sender ships
+        with this payload, or None (the default: nothing)."""
+        return None
+
+    def accept_basis(self, ctx: BoundaryContext, basis: torch.Tensor) -> None:
+        """Receiver: the tensor announced by :meth:`basis_to_receive` has arrived."""
 
     def state_dict(self) -> dict:
         """Checkpointable codec state (empty for stateless codecs)."""

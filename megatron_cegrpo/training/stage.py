@@ -49,7 +49,8 @@ class StageWorker:
         # theta_0 for actor/weight_rel_change: the frozen reference when there is one
         self.theta0 = ([p.detach() for p in self.ref_model.parameters()] if self.ref_model is not None
                        else [p.detach().clone() for p in self.model.parameters()])
-        self.codec = build_codec(cfg.codec.boundary_codec, cfg.codec.boundary_keep_ratio)
+        self.codec = build_codec(cfg.codec.boundary_codec, cfg.codec.boundary_keep_ratio,
+                                 **cfg.boundary_codec_options())
         self.meter = ByteMeter()
         self.comm = (CompressedP2PCommunicator(ctx.pp_group, self.tf_config, self.codec, self.meter,
                                                seed=cfg.optim.seed) if ctx.pp_size > 1 else None)

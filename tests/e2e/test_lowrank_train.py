@@ -1,0 +1,82 @@
+"""End to end with ``--boundary-codec lowrank`` (issue 10 item 3), deepspeed launcher, tiny model, PP=2.
+
+- fast-owned basis, no anchor: trains; the meter's bytes are exactly the coefficients of every
+  pass plus one [d, r] basis per iteration (d = 64, r = 2: T = 8 x 12 x 4 = 384 boundary tokens
+  per iteration, r = floor(0.05 * 64 * 384 / (384 + 64)) = 2).
+- anchor-owned basis, anchor c = K = 1 (a fire every iteration): the anchor's bases reach both
+  stages (anchor/bytes_out counts them), and 4 iterations straight equal 3, a checkpoint,
+  and 1 resumed iteration bit for bit (metrics and weights). (Resuming at iteration 3 would
+  not be bit-exact with any codec: DeepSpeedCPUAdam's C++ side recomputes beta2^3 with
+  ``pow`` after a restart instead of its running product, 1 ulp apart in fp32 for 0.999;
+  deepspeed/ops/csrc/includes/cpu_adam.h ``IncrementStep``. At step 4 both agree.)
+"""
+
+import json
+import os
+import subprocess
+
+import torch
+from safetensors.torch import load_file
+
+from distributed_util import PARITY_REWARD, REPO, free_port, launcher
+
+D, R = 64, 2
+ARGS = [
+    "--model", "tiny-llama", "--train-data", "mawps/singleop", "--pipeline-model-parallel-size", "2",
+    "--micro-batch-size", "4", "--rollout-batch-size", "2", "--num-generations", "4",
+    "--max-new-tokens", "12", "--lr", "1e-4", "--temperature", "1.0", "--kl-coef", "0.01",
+    "--deepspeed_config", "ds_configs/cpu_adamw.json", "--no-tqdm", "--num-threads", "1",
+    "--boundary-codec", "lowrank", "--boundary-keep-ratio", "0.05",
+]
+
+
+def _train(tmp_path, name, anchors, *extra):
+    (tmp_path / "reward.py").write_text(PARITY_REWARD)
+    cmd = [launcher("deepspeed"), "--num_gpus", str(2 + anchors), "--master_port", str(free_port()),
+           "megatron_cegrpo/train.py", *ARGS, "--anchor-ranks", str(anchors), "--log-dir", str(tmp_path / name),
+           "--custom-reward-function", f"{tmp_path / 'reward.py'}:parity_reward", *extra]
+    p = subprocess.run(cmd, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1"),
+                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=900)
+    assert p.returncode == 0, p.stdout[-8000:]
+    return {m["step"]: m for m in map(json.loads, (tmp_path / name / "metrics.jsonl").read_text().splitlines())
+            if "step" in m and "comm/fwd_bytes" in m}
+
+
+def test_lowrank_fast_owned_basis_trains_and_meters_exact_bytes(tmp_path):
+    metrics = _train(tmp_path, "fast", 0, "--train-iters", "2")
+    assert sorted(metrics) == [1, 2]
+    for m in metrics.values():
+        tokens = m["comm/dense_equiv_bytes"] // (4 * D)  # boundary token crossings, all passes
+        assert m["comm/basis_bytes"] == D * R * 4
+        assert m["comm/fwd_bytes"] + m["comm/bwd_bytes"] == tokens * R * 4 + D * R * 4
+        assert m["comm/bwd_bytes"] == tokens // 4 * R * 4  # one of the 4 crossings is backward
+        assert m["comm/bytes_ratio"] <= 0.05
+        assert m["mismatch/abs_logprob_diff_mean"] > 0
+    assert metrics[2]["actor/weight_rel_change/stage_0"] > 0
+
+
+def _weights(ckpt):
+    return [load_file(os.path.join(ckpt, "iter_0000004", f"stage_{r:02d}", "model.safetensors")) for r in range(2)]
+
+
+def test_lowrank_anchor_owned_basis_resumes_bit_exactly(tmp_path):
+    anchor = ["--anchor-interval", "1", "--anchor-delay", "1", "--lowrank-q-owner", "anchor"]
+    straight = _train(tmp_path, "straight", 1, *anchor, "--train-iters", "4", "--save", str(tmp_path / "ck1"),
+                      "--save-interval", "3")
+    # every fire sends sign(M) and one [d, r] basis to each stage: more bytes than the signs alone
+    for t in (1, 2, 3, 4):
+        assert straight[t]["anchor/fire"] == 1 and straight[t]["anchor/bytes_out"] >= 2 * (8 + D * R * 4)
+        assert "comm/basis_bytes" not in straight[t]  # the pipeline ships no basis
+    _train(tmp_path, "first", 1, *anchor, "--train-iters", "3", "--save", str(tmp_path / "ck2"))
+    resumed = _train(tmp_path, "first", 1, *anchor, "--train-iters", "4", "--load", str(tmp_path / "ck2"),
+                     "--save", str(tmp_path / "ck2"))
+    a = {k: v for k, v in straight[4].items() if not k.startswith("timing_s/")}
+    b = {k: v for k, v in resumed[4].items() if not k.startswith("timing_s/")}
+    # the resumed stages describe their parameters to the anchor again (a few kB); the straight
+    # run's step 4 also counts the anchor's answer to the save at 3 (tens of bytes)
+    assert b.pop("anchor/bytes_in") > a.pop("anchor/bytes_in")
+    out_a, out_b = a.pop("anchor/bytes_out"), b.pop("anchor/bytes_out")
+    assert 0 < out_a - out_b < 2048, (out_a, out_b)
+    assert a == b, {k: (a[k], b.get(k)) for k in a if a[k] != b.get(k)}
+    for wa, wb in zip(_weights(tmp_path / "ck1"), _weights(tmp_path / "ck2")):
+        assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
