@@ -19,6 +19,7 @@ import torch
 from safetensors.torch import load_file
 
 from distributed_util import PARITY_REWARD, REPO, free_port, launcher
+from megatron_cegrpo.compression.lowrank import initial_basis
 
 D, R = 64, 2
 ARGS = [
@@ -80,3 +81,11 @@ def test_lowrank_anchor_owned_basis_resumes_bit_exactly(tmp_path):
     assert a == b, {k: (a[k], b.get(k)) for k in a if a[k] != b.get(k)}
     for wa, wb in zip(_weights(tmp_path / "ck1"), _weights(tmp_path / "ck2")):
         assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    # both stages hold the anchor's basis of fire 3 (serving iteration 4) and, pending, fire 4's
+    codecs = [torch.load(tmp_path / "ck1" / "iter_0000004" / f"stage_{r:02d}" / "trainer_state.pt",
+                         weights_only=True)["codec"] for r in range(2)]
+    (q0, from0), (q1, from1) = codecs[0]["bases"][0], codecs[1]["bases"][0]
+    assert torch.equal(q0, q1) and from0 == from1 == 4 and q0.shape == (D, R)
+    assert not torch.equal(q0, initial_basis(1234, 0, D, R))  # the run seed's basis was replaced
+    assert torch.equal(codecs[0]["pending"][0][0], codecs[1]["pending"][0][0])
+    assert codecs[0]["pending"][0][1] == 5
