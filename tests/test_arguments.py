@@ -29,7 +29,7 @@ def test_defaults_validate_and_derived_sizes():
     (["--clip-ratio-low", "1.0"], "--clip-ratio-low"),
     (["--lr-decay-style", "step"], "--lr-decay-style"),
     (["--min-lr", "1.0", "--lr", "1e-6"], "--min-lr"),
-    (["--boundary-codec", "topk"], "--boundary-codec must be one of dense, mask"),
+    (["--boundary-codec", "topk"], "--boundary-codec must be one of dense, lowrank, mask"),
     (["--anchor-ranks", "2"], "--anchor-ranks"),
     (["--anchor-interval", "0"], "--anchor-interval"),
     (["--save-interval", "5"], "--save-interval needs --save"),

@@ -205,7 +205,13 @@ CASES = [
     Case("keep-ratio", "flag", ["--boundary-keep-ratio", "1.5"],
          "--boundary-keep-ratio must be a finite number > 0 and <= 1, got 1.5; fix: e.g. --boundary-keep-ratio 0.05"),
     Case("codec", "flag", ["--boundary-codec", "topk"],
-         "--boundary-codec must be one of dense, mask; got 'topk'; fix: pick one of those (e.g. --boundary-codec mask)"),
+         "--boundary-codec must be one of dense, lowrank, mask; got 'topk'; fix: pick one of those (e.g. "
+         "--boundary-codec mask)"),
+    Case("lowrank-q-owner", "flag", ["--lowrank-q-owner", "driver"],
+         "argument --lowrank-q-owner: invalid choice: 'driver' (choose from 'fast', 'anchor'); " + _FIX_HELP),
+    Case("lowrank-anchor-owner-no-anchor", "flag", ["--boundary-codec", "lowrank", "--lowrank-q-owner", "anchor"],
+         "--lowrank-q-owner anchor needs an anchor rank, but --anchor-ranks is 0; fix: pass --anchor-ranks 1 or "
+         "--lowrank-q-owner fast"),
     Case("save-interval", "flag", ["--save-interval", "5"],
          "--save-interval needs --save DIR (where to write the checkpoints); fix: add --save DIR or drop "
          "--save-interval"),

@@ -51,6 +51,8 @@ class StageWorker:
                        else [p.detach().clone() for p in self.model.parameters()])
         self.codec = build_codec(cfg.codec.boundary_codec, cfg.codec.boundary_keep_ratio,
                                  **cfg.boundary_codec_options())
+        if hasattr(self.codec, "rank"):  # a lowrank budget too small for rank 1 fails here, naming the flag
+            self.codec.rank(self.tf_config.hidden_size)
         self.meter = ByteMeter()
         self.comm = (CompressedP2PCommunicator(ctx.pp_group, self.tf_config, self.codec, self.meter,
                                                seed=cfg.optim.seed) if ctx.pp_size > 1 else None)
