@@ -4,8 +4,8 @@
   pass plus one [d, r] basis per iteration (d = 64, r = 2: T = 8 x 12 x 4 = 384 boundary tokens
   per iteration, r = floor(0.05 * 64 * 384 / (384 + 64)) = 2).
 - anchor-owned basis, anchor c = K = 1 (a fire every iteration): the anchor's bases reach both
-  stages (anchor/bytes_out counts them), and 4 iterations straight equal 3, a checkpoint,
-  and 1 resumed iteration bit for bit (metrics and weights). (Resuming at iteration 3 would
+  stages (anchor/bytes_out counts them), and the straight run's iteration 4 equals iteration 4
+  resumed from its checkpoint at 3, bit for bit (metrics and weights). (Resuming at iteration 3 would
   not be bit-exact with any codec: DeepSpeedCPUAdam's C++ side recomputes beta2^3 with
   ``pow`` after a restart instead of its running product, 1 ulp apart in fp32 for 0.999;
   deepspeed/ops/csrc/includes/cpu_adam.h ``IncrementStep``. At step 4 both agree.)
@@ -68,9 +68,10 @@ def test_lowrank_anchor_owned_basis_resumes_bit_exactly(tmp_path):
     for t in (1, 2, 3, 4):
         assert straight[t]["anchor/fire"] == 1 and straight[t]["anchor/bytes_out"] >= 2 * (8 + D * R * 4)
         assert "comm/basis_bytes" not in straight[t]  # the pipeline ships no basis
-    _train(tmp_path, "first", 1, *anchor, "--train-iters", "3", "--save", str(tmp_path / "ck2"))
-    resumed = _train(tmp_path, "first", 1, *anchor, "--train-iters", "4", "--load", str(tmp_path / "ck2"),
-                     "--save", str(tmp_path / "ck2"))
+    # resume from the straight run's checkpoint at 3 (a committed iter_ directory) to 4
+    resumed = _train(tmp_path, "resumed", 1, *anchor, "--train-iters", "4",
+                     "--load", str(tmp_path / "ck1" / "iter_0000003"), "--save", str(tmp_path / "ck2"))
+    assert sorted(resumed) == [4]
     a = {k: v for k, v in straight[4].items() if not k.startswith("timing_s/")}
     b = {k: v for k, v in resumed[4].items() if not k.startswith("timing_s/")}
     # the resumed stages describe their parameters to the anchor again (a few kB); the straight
