@@ -460,12 +460,16 @@ class CodecConfig:
                                          "independent forward and backward halves, e.g. pcaq:lrq "
                                          "(compression/spec.py)")
     boundary_keep_ratio: float = option(0.05, "fraction in (0, 1] of the boundary values the codec keeps")
+    lowrank_q_owner: str = option("fast", "who refreshes the lowrank codec's basis Q: the sending stage every "
+                                          "iteration (fast, Q shipped and metered) or the anchor at its fires "
+                                          "(anchor)", choices=("fast", "anchor"))
 
-    RESUME = ()  # compared as meta["codec"] by checkpointing.check_compatible
+    RESUME = ()  # compared as meta["codec"] by checkpointing.check_compatible (the owner by the codec's state)
 
     def validate(self) -> None:
-        """A keep ratio in (0, 1] and a spec that ``compression.build_codec`` accepts (its
-        byte budget is checked in ``train.preflight``, which knows the model's width).
+        """A keep ratio in (0, 1], a known lowrank basis owner and a spec that
+        ``compression.build_codec`` accepts (its byte budget is checked in ``train.preflight``,
+        which knows the model's width).
         Raises ConfigError."""
         import warnings
 
@@ -480,6 +484,7 @@ class CodecConfig:
         except ValueError as e:
             raise ConfigError(f"--boundary-codec {self.boundary_codec!r}: {one_line(e)}; fix: e.g. "
                               "--boundary-codec mask, or --boundary-codec pcaq:lrq") from None
+        _check_choice("--lowrank-q-owner", self.lowrank_q_owner, ("fast", "anchor"))
 
 
 @dataclass
@@ -666,6 +671,16 @@ class TrainConfig:
     def num_microbatches(self) -> int:
         return self.global_batch_size // self.parallel.micro_batch_size
 
+    def boundary_codec_options(self) -> Dict[str, Any]:
+        """Options for ``compression.build_codec`` beyond the keep ratio (each codec takes those
+        its constructor names): the lowrank basis owner, the anchor interval c, and the boundary
+        tokens per iteration T at this run's nominal shape = sequences per iteration x
+        --max-new-tokens x crossings (old-logprob, reference if --kl-coef > 0, and forward +
+        backward per --ppo-epochs): the amortisation of ``compression.lowrank.lowrank_rank``."""
+        crossings = 1 + (self.grpo.kl_coef > 0) + 2 * self.grpo.ppo_epochs
+        return {"q_owner": self.codec.lowrank_q_owner, "anchor_interval": self.anchor.anchor_interval,
+                "tokens_per_iteration": self.grpo.sequences_per_iteration * self.rollout.max_new_tokens * crossings}
+
     def sections(self):
         """``[(name, sub-config)]`` in declaration order."""
         return [(f.name, getattr(self, f.name)) for f in dataclasses.fields(self)]
@@ -731,6 +746,7 @@ class TrainConfig:
                 "--pipeline-model-parallel-size 1 (no stage boundary is compressed); fix: drop "
                 "--drift-probe-interval or run with --pipeline-model-parallel-size >= 2"
             )
+        self._validate_codec()
         expected = p.pipeline_model_parallel_size + self.anchor.anchor_ranks
         if world_size is not None and world_size != expected:
             alt = ""
@@ -745,6 +761,14 @@ class TrainConfig:
                 f"{expected}`){alt}"
             )
         return self
+
+
+    def _validate_codec(self) -> None:
+        """An anchor-owned lowrank basis needs an anchor. Raises ConfigError."""
+        if (self.codec.boundary_codec == "lowrank" and self.codec.lowrank_q_owner == "anchor"
+                and self.anchor.anchor_ranks == 0):
+            raise ConfigError("--lowrank-q-owner anchor needs an anchor rank, but --anchor-ranks is 0; fix: pass "
+                              "--anchor-ranks 1 or --lowrank-q-owner fast")
 
 
 class _Parser(argparse.ArgumentParser):

@@ -205,11 +205,16 @@ CASES = [
     Case("keep-ratio", "flag", ["--boundary-keep-ratio", "1.5"],
          "--boundary-keep-ratio must be a finite number > 0 and <= 1, got 1.5; fix: e.g. --boundary-keep-ratio 0.05"),
     Case("codec", "flag", ["--boundary-codec", "topk"],
-         "--boundary-codec 'topk': unknown codec 'topk'; valid names: dense, mask, or FWD:BWD with halves from "
+         "--boundary-codec 'topk': unknown codec 'topk'; valid names: dense, lowrank, mask, or FWD:BWD with halves from "
          "dense, lrq, mask, pcaq; fix: e.g. --boundary-codec mask, or --boundary-codec pcaq:lrq"),
     Case("codec-pair-syntax", "flag", ["--boundary-codec", "pcaq:lrq:mask"],
          "--boundary-codec 'pcaq:lrq:mask': 'pcaq:lrq:mask' has 2 ':'; a pair is FWD:BWD; fix: e.g. "
          "--boundary-codec mask, or --boundary-codec pcaq:lrq"),
+    Case("lowrank-q-owner", "flag", ["--lowrank-q-owner", "driver"],
+         "argument --lowrank-q-owner: invalid choice: 'driver' (choose from 'fast', 'anchor'); " + _FIX_HELP),
+    Case("lowrank-anchor-owner-no-anchor", "flag", ["--boundary-codec", "lowrank", "--lowrank-q-owner", "anchor"],
+         "--lowrank-q-owner anchor needs an anchor rank, but --anchor-ranks is 0; fix: pass --anchor-ranks 1 or "
+         "--lowrank-q-owner fast"),
     Case("save-interval", "flag", ["--save-interval", "5"],
          "--save-interval needs --save DIR (where to write the checkpoints); fix: add --save DIR or drop "
          "--save-interval"),

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from typing import Dict
 
+from megatron_cegrpo.anchor.basis import stage_boundaries
 from megatron_cegrpo.anchor.client import AnchorClient
 from megatron_cegrpo.checkpointing import ANCHOR_DIR
 from megatron_cegrpo.optim.hooks import SignCorrectionHook
@@ -36,7 +37,8 @@ class AnchorCircuit:
         stage.register_correction(self.correction)
         tied_copy = any(stage.is_duplicate_tied_weight(p) for p in stage.params)
         self.client = AnchorClient(stage.model, stage.layer_offset, tied_copy, ctx.anchor_rank, ctx.is_driver,
-                                   cfg.anchor, self.correction, group=ctx.anchor_group, rank=ctx.rank)
+                                   cfg.anchor, self.correction, group=ctx.anchor_group, rank=ctx.rank,
+                                   bases=_anchor_bases(cfg, ctx, stage))
         self._dump = cfg.anchor.anchor_debug_dir
         self._applied_before = 0
 
@@ -84,6 +86,16 @@ class AnchorCircuit:
 
     def load_state_dict(self, state: Dict) -> None:
         self.client.load_state_dict(state)
+
+
+def _anchor_bases(cfg, ctx, stage):
+    """``(slots, sink)`` for :class:`AnchorClient` when the anchor owns the lowrank basis, else None."""
+    if cfg.codec.boundary_codec != "lowrank" or cfg.codec.lowrank_q_owner != "anchor":
+        return None
+    d = stage.tf_config.hidden_size
+    slots = [(b, stage.codec.basis_shape(d), stage.tf_config.pipeline_dtype)
+             for b in stage_boundaries(ctx.pp_rank, ctx.pp_size)]
+    return slots, stage.codec.stage_basis
 
 
 def _correction(m: Dict) -> Dict:

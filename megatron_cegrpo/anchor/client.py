@@ -22,7 +22,7 @@ import torch.distributed as dist
 from megatron_cegrpo.anchor.shipment import ShipmentEncoder
 from megatron_cegrpo.anchor.signs import packed_nbytes, unpack_sign_list
 from megatron_cegrpo.anchor.transport import (
-    META_TAG, TAG_BATCH, TAG_PARAMS, TAG_SAVE, TAG_SAVE_DONE, TAG_SIGN_HDR, TAG_SIGNS, TAG_STATS,
+    META_TAG, TAG_BASIS, TAG_BATCH, TAG_PARAMS, TAG_SAVE, TAG_SAVE_DONE, TAG_SIGN_HDR, TAG_SIGNS, TAG_STATS,
     flatten_params, is_fire_step, is_ship_step, isend_object, recv_object, recv_tensor, send_object,
 )
 
@@ -45,10 +45,14 @@ class AnchorClient:
         correction: the optimizer's SignCorrectionHook.
         group: the anchor group (``DistContext.anchor_group``).
         rank: this rank's global rank (for messages).
+        bases: with an anchor-owned lowrank basis, ``(slots, sink)``: ``slots`` the
+            ``(boundary, shape, dtype)`` of each basis the anchor sends this stage (ascending
+            boundaries), ``sink(boundary, q, first_step)`` the codec's ``stage_basis``; a basis
+            received during iteration t serves from t + 1 at both ends. None: no bases.
     """
 
     def __init__(self, model, layer_offset: int, tied_output: bool, anchor_rank: int, is_driver: bool,
-                 anchor, correction, group=None, rank: int = 0):
+                 anchor, correction, group=None, rank: int = 0, bases=None):
         self.a = anchor
         self.params = [p for p in model.parameters()]
         self.shapes = [tuple(p.shape) for p in self.params]
@@ -70,6 +74,8 @@ class AnchorClient:
         self.ship_bytes = 0  # the weight shipments' part of bytes_in
         self.ship_dense_bytes = 0  # the same shipments in fp32 (the ledger's dense baseline)
         self.stats: Dict = {}
+        self.bases = bases
+        self._now = 0  # the iteration whose before_optimizer_step (or finish) receives signs
         self._meta = {"params": [(n, tuple(p.shape)) for n, p in model.named_parameters()],
                       "layer_offset": int(layer_offset), "tied_output": bool(tied_output)}
         dump = self.a.anchor_debug_dir
@@ -154,6 +160,7 @@ class AnchorClient:
         """Receive the sign where the apply mode says so; set the hook's signs for this step."""
         due = self._awaiting is not None and (
             self.a.anchor_apply == "fire-step" or t > self._awaiting)
+        self._now = t
         if due:
             fire = self._awaiting
             with timers.phase("anchor_wait"):
@@ -167,18 +174,32 @@ class AnchorClient:
         hdr = torch.zeros(1, dtype=torch.int64)
         recv_tensor(hdr, self.anchor, TAG_SIGN_HDR, self.group, self.timeout)
         self.bytes_out += 8
-        if int(hdr.item()):
+        flags = int(hdr.item())
+        if flags & 1:
             numel = sum(int(torch.Size(s).numel()) for s in self.shapes)
             packed = torch.empty(packed_nbytes(numel), dtype=torch.uint8)
             recv_tensor(packed, self.anchor, TAG_SIGNS, self.group, self.timeout)
             self.bytes_out += packed.numel()
             self.correction.set_signs(unpack_sign_list(packed, self.shapes))
+        if flags & 2:
+            self._receive_bases()
         if self.is_driver:
             self.stats, n = recv_object(self.anchor, TAG_STATS, self.group, self.timeout)
             self.bytes_out += n
 
+    def _receive_bases(self) -> None:
+        """The anchor's lowrank bases of this stage's boundaries, serving from the next iteration."""
+        assert self.bases is not None, "the anchor sent lowrank bases to a stage that expects none"
+        slots, sink = self.bases
+        for boundary, shape, dtype in slots:
+            q = torch.empty(shape, dtype=dtype)
+            recv_tensor(q, self.anchor, TAG_BASIS, self.group, self.timeout)
+            self.bytes_out += q.numel() * q.element_size()
+            sink(boundary, q, self._now + 1)
+
     def finish(self, t_last: int, timers) -> None:
         """Drain: a fire whose sign was never applied is still received (the anchor sent it)."""
+        self._now = t_last
         if self._awaiting is not None:
             with timers.phase("anchor_wait"):
                 self._guard("draining the last fire", self._receive_signs)

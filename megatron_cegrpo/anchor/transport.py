@@ -8,8 +8,10 @@ needed: for iteration t,
   a bf16 delta, ``--anchor-ship``, ``anchor/shipment.py``) with ``isend`` (the trainer does not wait), and the
   driver sends the rollout batch of iteration t, the one theta(s) generated (``TAG_BATCH``);
 - fire (t is a multiple of c): the driver sends batch(t) unless it went out at ship time;
-  the anchor answers each stage with a header (``TAG_SIGN_HDR``: 1 = signs follow) and
-  sign(M) packed 8 parameters a byte (``TAG_SIGNS``), and the driver with its statistics
+  the anchor answers each stage with a header (``TAG_SIGN_HDR``: bit 0 = signs follow,
+  bit 1 = bases follow), sign(M) packed 8 parameters a byte (``TAG_SIGNS``), with an
+  anchor-owned lowrank codec the [d, r] basis of each boundary the stage touches, ascending
+  (``TAG_BASIS``, pipeline dtype; ``anchor/basis.py``), and the driver with its statistics
   (``TAG_STATS``);
 - save (a checkpoint iteration): the driver sends the checkpoint's temporary directory
   (``TAG_SAVE``), the anchor writes its state there and answers ``"ok"`` or an error
@@ -40,11 +42,11 @@ import torch.distributed as dist
 from megatron_cegrpo.pipeline.weight_sync import flatten_params, unflatten  # noqa: F401  (re-exported)
 
 __all__ = ["TAG_PARAMS", "TAG_BATCH", "TAG_SIGN_HDR", "TAG_SIGNS", "TAG_STATS", "META_TAG", "TAG_SAVE",
-           "TAG_SAVE_DONE", "is_ship_step", "is_fire_step", "send_object", "recv_object", "recv_tensor", "isend_object",
+           "TAG_SAVE_DONE", "TAG_BASIS", "is_ship_step", "is_fire_step", "send_object", "recv_object", "recv_tensor", "isend_object",
            "flatten_params", "unflatten"]
 
 TAG_PARAMS, TAG_BATCH, TAG_SIGN_HDR, TAG_SIGNS, TAG_STATS, META_TAG = 11, 12, 13, 14, 15, 16
-TAG_SAVE, TAG_SAVE_DONE = 17, 18
+TAG_SAVE, TAG_SAVE_DONE, TAG_BASIS = 17, 18, 19
 
 
 def is_ship_step(t: int, c: int) -> bool:

@@ -10,6 +10,7 @@ verifier); its only output is sign(M), one bit per parameter.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import time
@@ -17,15 +18,17 @@ from typing import Dict, List, Optional
 
 import torch
 
+from megatron_cegrpo.anchor.basis import AnchorBasis
 from megatron_cegrpo.anchor.forecast import get_forecast
 from megatron_cegrpo.anchor.memory import AnchorMemory
 from megatron_cegrpo.anchor.ring import CheckpointRing
 from megatron_cegrpo.anchor.shipment import ShipmentDecoder
 from megatron_cegrpo.anchor.signs import pack_sign_list
 from megatron_cegrpo.anchor.transport import (
-    META_TAG, TAG_BATCH, TAG_PARAMS, TAG_SIGN_HDR, TAG_SIGNS, TAG_STATS,
+    META_TAG, TAG_BASIS, TAG_BATCH, TAG_PARAMS, TAG_SIGN_HDR, TAG_SIGNS, TAG_STATS,
     is_fire_step, is_ship_step, isend_object, recv_object, recv_tensor, unflatten,
 )
+from megatron_cegrpo.compression import build_codec
 from megatron_cegrpo.grpo import core_algos as ca
 from megatron_cegrpo.grpo.batch import microbatches
 from megatron_cegrpo.grpo.loss import grpo_token_loss
@@ -81,6 +84,18 @@ class AnchorWorker:
         # one decoder per stage: fp32 keyframe first, then bf16 deltas (anchor/shipment.py)
         self.decoders = [ShipmentDecoder(self.a.anchor_ship, sum(int(torch.Size(s).numel()) for _, s in m["params"]))
                          for m in self.stage_meta]
+        self.basis = self._build_basis()
+
+    def _build_basis(self) -> Optional[AnchorBasis]:
+        """The boundary bases the anchor owns (``--boundary-codec lowrank --lowrank-q-owner anchor``)."""
+        c = self.cfg.codec
+        if c.boundary_codec != "lowrank" or c.lowrank_q_owner != "anchor":
+            return None
+        d = int(self.model.config.hidden_size)
+        r = build_codec("lowrank", c.boundary_keep_ratio, **self.cfg.boundary_codec_options()).rank(d)
+        last_layers = [meta["layer_offset"] - 1 for meta in self.stage_meta[1:]]
+        return AnchorBasis(self.model.decoder.layers, last_layers, self.cfg.optim.seed, d, r,
+                           next(self.model.parameters()).dtype)
 
     # ------------------------------------------------------------------ loop
     def run(self, on_iteration_end=None) -> None:
@@ -142,8 +157,11 @@ class AnchorWorker:
             # forecast replays the newest batch (t); matching replays the batch theta(s1) generated (s1 + 1)
             batch_t = t if res.branch == "forecast" else res.batch_step + 1
             batch = self.batches[batch_t]
-            grads = self._dense_gradient(res.weights, batch)
+            with self.basis.capture() if self.basis is not None else contextlib.nullcontext():
+                grads = self._dense_gradient(res.weights, batch)
             self.memory.update(grads)
+            if self.basis is not None:
+                self.basis.refresh()
             stats.update({"anchor/branch": res.branch, "anchor/staleness": t - max(res.source_steps),
                           "anchor/source_steps": list(res.source_steps), "anchor/replay_batch": batch_t})
             if self.dump_dir:
@@ -162,12 +180,15 @@ class AnchorWorker:
         self._send_signs(stats, range(len(self.stage_ranks)))
 
     def _send_signs(self, stats: dict, stages) -> None:
-        """sign(M) to each stage in ``stages`` (header 0 when M is unset), ``stats`` to the driver."""
+        """sign(M) to each stage in ``stages`` (header bit 0: signs follow, unset when M is), the
+        stage's boundary bases after them (header bit 1: an anchor-owned lowrank basis has been
+        refreshed at a fire), ``stats`` to the driver."""
         has = self.memory.is_set
+        bases = self.basis is not None and self.basis.num_refreshes > 0
         self.wait_sends()
         for i in stages:
             r, meta = self.stage_ranks[i], self.stage_meta[i]
-            hdr = torch.tensor([1 if has else 0], dtype=torch.int64)
+            hdr = torch.tensor([(1 if has else 0) | (2 if bases else 0)], dtype=torch.int64)
             self._pending.append([[torch.distributed.isend(hdr, dst=r, tag=TAG_SIGN_HDR, group=self.group)], hdr])
             self.bytes_out += 8
             if has:
@@ -176,6 +197,9 @@ class AnchorWorker:
                 self._pending.append([[torch.distributed.isend(packed, dst=r, tag=TAG_SIGNS, group=self.group)],
                                       packed])
                 self.bytes_out += packed.numel()
+            for q in self.basis.for_stage(i, len(self.stage_ranks)) if bases else []:
+                self._pending.append([[torch.distributed.isend(q, dst=r, tag=TAG_BASIS, group=self.group)], q])
+                self.bytes_out += q.numel() * q.element_size()
             if i == 0:
                 keep, n = isend_object(stats, r, TAG_STATS, self.group)
                 self._pending.append(keep)
@@ -213,7 +237,8 @@ class AnchorWorker:
     def state_dict(self) -> dict:
         return {"ring": self.ring.state_dict(), "memory": self.memory.state_dict(),
                 "batches": self.batches, "bytes_in": self.bytes_in, "bytes_out": self.bytes_out,
-                "last_stats": self.last_stats, "num_replayed_sequences": self.num_replayed_sequences}
+                "last_stats": self.last_stats, "num_replayed_sequences": self.num_replayed_sequences,
+                "basis": self.basis.state_dict() if self.basis is not None else None}
 
     def load_state_dict(self, state: dict) -> None:
         self.ring.load_state_dict(state["ring"])
@@ -222,6 +247,8 @@ class AnchorWorker:
         self.bytes_in, self.bytes_out = state["bytes_in"], state["bytes_out"]
         self.last_stats = state.get("last_stats")  # absent in checkpoints written before it existed
         self.num_replayed_sequences = state.get("num_replayed_sequences", 0)
+        if self.basis is not None and state.get("basis") is not None:
+            self.basis.load_state_dict(state["basis"])
 
 
 def ring_capacity(a) -> int:

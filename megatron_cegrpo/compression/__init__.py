@@ -1,7 +1,7 @@
 """Boundary compression for pipeline-stage links (DESIGN.md section 3).
 
 Pure tensor code (no torch.distributed): the Threefry-2x32 PRF, the exact-k
-channel mask derived from it, the boundary codecs (``dense``, ``mask``), the
+channel mask derived from it, the boundary codecs (``dense``, ``mask``, ``lowrank``), the
 independent forward/backward halves of ``FWD:BWD`` specs (``halves.py``, ``subspace.py``,
 ``pair.py``; parsed in ``spec.py``) and the byte meter that reports ``comm/bytes_ratio``.
 """
@@ -17,6 +17,7 @@ from .codecs import (
     register_codec,
 )
 from .halves import DirectionCodec, available_halves, register_half
+from .lowrank import LowRankCodec
 from .meter import ByteMeter
 from .pair import PairCodec
 from . import subspace  # noqa: F401  (registers the pcaq and lrq halves)
@@ -29,6 +30,7 @@ __all__ = [
     "ByteMeter",
     "DenseCodec",
     "DirectionCodec",
+    "LowRankCodec",
     "PairCodec",
     "available_halves",
     "check_codec_budget",

@@ -156,6 +156,19 @@ class BoundaryCodec(abc.ABC):
             True if something was derived (or was already held) for later reuse.
         """
         return False
+    # -- basis traffic (codecs whose two ends share a basis the sender refreshes; lowrank) --
+    def basis_to_send(self, ctx: BoundaryContext) -> Optional[torch.Tensor]:
+        """Sender, after ``encode_forward``: a tensor to ship to the receiver before this payload
+        (metered as basis bytes), or None (the default: nothing)."""
+        return None
+
+    def basis_to_receive(self, ctx: BoundaryContext, shape, dtype: torch.dtype) -> Optional[torch.Tensor]:
+        """Receiver, before ``decode_forward``: an empty buffer for the tensor the sender ships
+        with this payload, or None (the default: nothing)."""
+        return None
+
+    def accept_basis(self, ctx: BoundaryContext, basis: torch.Tensor) -> None:
+        """Receiver: the tensor announced by :meth:`basis_to_receive` has arrived."""
 
     def state_dict(self) -> dict:
         """Checkpointable codec state (empty for stateless codecs)."""

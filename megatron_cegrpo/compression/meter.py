@@ -33,6 +33,8 @@ class ByteMeter:
         comm/bytes_ratio                    (fwd + bwd) / dense_equiv, float; 0.0 if no traffic
         comm/boundary_{i}/fwd_bytes         per boundary seen in the interval
         comm/boundary_{i}/bwd_bytes
+        comm/basis_bytes                    of comm/fwd_bytes: bases shipped by the sender
+                                            (``add_basis``; lowrank with a fast-owned basis)
         comm/total_wire_bytes               cumulative wire bytes since creation/restore
 
     ``state_dict()`` holds the cumulative totals (``comm/total_wire_bytes``,
@@ -46,6 +48,7 @@ class ByteMeter:
 
     def _reset_interval(self) -> None:
         self._wire: Dict[str, int] = {d: 0 for d in _DIRECTIONS}
+        self._basis = 0
         self._dense = 0
         self._per_boundary: Dict[int, Dict[str, int]] = defaultdict(lambda: {d: 0 for d in _DIRECTIONS})
 
@@ -74,6 +77,14 @@ class ByteMeter:
         self._total_dense += dense
         return wire
 
+    def add_basis(self, boundary: int, basis: torch.Tensor) -> int:
+        """Record a basis the sender ships forward (no dense equivalent: it is pure overhead, so it
+        counts in ``comm/fwd_bytes`` and the ratio, and separately in ``comm/basis_bytes``).
+        Returns its wire bytes. Raises ValueError as :meth:`add`."""
+        wire = self.add("fwd", boundary, basis, 0)
+        self._basis += wire
+        return wire
+
     def snapshot_and_reset(self) -> dict:
         """Return the interval's counters (see class docstring) and start a new interval."""
         fwd, bwd = self._wire["fwd"], self._wire["bwd"]
@@ -83,6 +94,8 @@ class ByteMeter:
             "comm/dense_equiv_bytes": self._dense,
             "comm/bytes_ratio": float(fwd + bwd) / self._dense if self._dense > 0 else 0.0,
         }
+        if self._basis:
+            out["comm/basis_bytes"] = self._basis
         for i in sorted(self._per_boundary):
             out[f"comm/boundary_{i}/fwd_bytes"] = self._per_boundary[i]["fwd"]
             out[f"comm/boundary_{i}/bwd_bytes"] = self._per_boundary[i]["bwd"]

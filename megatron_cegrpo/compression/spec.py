@@ -86,12 +86,15 @@ def parse_codec_spec(text: str) -> CodecSpec:
     return CodecSpec(text=text, fwd=f, bwd=b, fwd_params=fp, bwd_params=bp)
 
 
-def build_codec(spec: str, keep_ratio: float) -> BoundaryCodec:
+def build_codec(spec: str, keep_ratio: float, **options) -> BoundaryCodec:
     """The codec for ``--boundary-codec spec --boundary-keep-ratio keep_ratio``.
 
     A single registered name gets ``keep_ratio`` when its constructor takes one (``mask``);
     for the others (``dense``) it does not apply and a warning says so when it differs from
-    0.05. A pair gets a :class:`PairCodec` of its two halves, each sized for ``keep_ratio``.
+    0.05. Each of ``options`` (``TrainConfig.boundary_codec_options``: the lowrank basis owner,
+    tokens per iteration, ...) goes to a single codec's constructor only when it names one of
+    its parameters. A pair gets a :class:`PairCodec` of its two halves, each sized for
+    ``keep_ratio``.
 
     Raises:
         ValueError: malformed spec, unknown name, bad parameter, keep_ratio outside (0, 1].
@@ -100,11 +103,13 @@ def build_codec(spec: str, keep_ratio: float) -> BoundaryCodec:
     p = parse_codec_spec(spec)
     if p.single:
         cls = _REGISTRY[p.single]
-        if "keep_ratio" in inspect.signature(cls).parameters:
-            return cls(keep_ratio=keep_ratio)
+        params = inspect.signature(cls).parameters
+        kwargs = {k: v for k, v in options.items() if k in params}
+        if "keep_ratio" in params:
+            return cls(keep_ratio=keep_ratio, **kwargs)
         if keep_ratio != 0.05:
             warnings.warn(f"--boundary-keep-ratio {keep_ratio} is ignored by --boundary-codec {p.single}")
-        return cls()
+        return cls(**kwargs)
     return PairCodec(get_half(p.fwd, keep_ratio, p.fwd_params), get_half(p.bwd, keep_ratio, p.bwd_params),
                      spec=p.text)
 

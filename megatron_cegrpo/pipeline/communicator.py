@@ -22,6 +22,10 @@ announced yet) hands every crossing this rank will encode or decode to a
 :class:`~megatron_cegrpo.pipeline.prefetch.CodecPrefetcher`: the codec's per-crossing work
 (the mask's PRF indices) runs on a background thread, off the critical path (issue 10
 item 6), and ``_communicate`` only waits for it (normally already done).
+A codec that shares a basis between the ends (``lowrank`` with a fast-owned basis) hands the
+communicator a tensor after encoding a payload (``basis_to_send``); it goes to the next rank
+before the payload (tag ``BASIS_TAG``, metered by ``ByteMeter.add_basis``), and the receiver
+installs it before decoding (``basis_to_receive`` / ``accept_basis``).
 
 Boundary ``i`` is the link between pipeline rank ``i`` and ``i + 1``; forward
 payloads are metered on the sender (rank i), backward payloads on the sender
@@ -41,6 +45,8 @@ from megatron_cegrpo.compression import BoundaryCodec, BoundaryContext, ByteMete
 from megatron_cegrpo.pipeline.prefetch import CodecPrefetcher
 
 __all__ = ["CompressedP2PCommunicator"]
+
+BASIS_TAG = 23  # a codec's basis (lowrank), sent before the payload it decodes
 
 
 class CompressedP2PCommunicator(P2PCommunicator):
@@ -162,6 +168,16 @@ class CompressedP2PCommunicator(P2PCommunicator):
             seed=self.seed, boundary=boundary, step=self._step, sample_ids=self._mb_sample_ids[idx]
         )
 
+    def _send_basis(self, ctx: BoundaryContext) -> list:
+        """Ship the basis the codec refreshed for this payload (lowrank, fast-owned), metered."""
+        basis = self.codec.basis_to_send(ctx)
+        if basis is None:
+            return []
+        basis = basis.contiguous()
+        self.meter.add_basis(self.pp_rank, basis)
+        self._basis_keep = basis
+        return [dist.isend(basis, dst=self.next_rank, group=self.pp_group, tag=BASIS_TAG)]
+
     # ---- the one override ---------------------------------------------------
     def _communicate(
         self,
@@ -176,6 +192,7 @@ class CompressedP2PCommunicator(P2PCommunicator):
         shape = tuple(int(x) for x in tensor_shape) if tensor_shape is not None else None
         dtype = self.config.pipeline_dtype
         payload_next = payload_prev = None
+        basis_reqs = []
         with torch.no_grad():
             if tensor_send_next is not None:
                 ctx_next_send = self._context(self.pp_rank, "send_next")
@@ -183,6 +200,7 @@ class CompressedP2PCommunicator(P2PCommunicator):
                 payload_next = self.codec.encode_forward(tensor_send_next.detach(), ctx_next_send).contiguous()
                 self.meter.add("fwd", self.pp_rank, payload_next, tensor_send_next.numel())
                 shape = shape or tuple(tensor_send_next.shape)
+                basis_reqs += self._send_basis(ctx_next_send)
             if tensor_send_prev is not None:
                 ctx_prev_send = self._context(self.pp_rank - 1, "send_prev")
                 self.prefetcher.wait(self.codec, ctx_prev_send, tuple(tensor_send_prev.shape))
@@ -206,10 +224,16 @@ class CompressedP2PCommunicator(P2PCommunicator):
             tensor_shape=payload_shape,
             wait_on_reqs=True,  # decoding needs the bytes
         )
+        for req in basis_reqs:
+            req.wait()
         x = g = None
         with torch.no_grad():
             if recv_prev:
                 self.prefetcher.wait(self.codec, ctx_prev, shape)
+                basis = self.codec.basis_to_receive(ctx_prev, shape, self.config.pipeline_dtype)
+                if basis is not None:
+                    dist.irecv(basis, src=self.prev_rank, group=self.pp_group, tag=BASIS_TAG).wait()
+                    self.codec.accept_basis(ctx_prev, basis)
                 x = self.codec.decode_forward(recv_prev_t.detach(), ctx_prev, shape)
             if recv_next:
                 self.prefetcher.wait(self.codec, ctx_next, shape)

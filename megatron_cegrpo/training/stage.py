@@ -49,7 +49,10 @@ class StageWorker:
         # theta_0 for actor/weight_rel_change: the frozen reference when there is one
         self.theta0 = ([p.detach() for p in self.ref_model.parameters()] if self.ref_model is not None
                        else [p.detach().clone() for p in self.model.parameters()])
-        self.codec = build_codec(cfg.codec.boundary_codec, cfg.codec.boundary_keep_ratio)
+        self.codec = build_codec(cfg.codec.boundary_codec, cfg.codec.boundary_keep_ratio,
+                                 **cfg.boundary_codec_options())
+        if hasattr(self.codec, "rank"):  # a lowrank budget too small for rank 1 fails here, naming the flag
+            self.codec.rank(self.tf_config.hidden_size)
         self.meter = ByteMeter()
         self.comm = (CompressedP2PCommunicator(ctx.pp_group, self.tf_config, self.codec, self.meter,
                                                seed=cfg.optim.seed) if ctx.pp_size > 1 else None)

@@ -59,11 +59,18 @@ def build(pp_rank, pp_size, tf_kwargs):
     return hf_config, tf, model
 
 
+#: lowrank at d = 64: T = 8 sequences x 16 tokens x 3 crossings (forward-only, update forward and
+#: backward) = 384, fast-owned basis (q = 1): r = floor(0.25 * 64 * 384 / (384 + 64)) = 13
+LOWRANK = {"keep_ratio": 0.25, "q_owner": "fast", "tokens_per_iteration": N * S * 3}
+
+
 def codec_for(name):
     from megatron_cegrpo.compression import build_codec, get_codec
 
     if ":" in name:  # a FWD:BWD pair (compression/spec.py), sized for keep ratio 0.25
         return build_codec(name, 0.25)
+    if name == "lowrank":
+        return get_codec(name, **LOWRANK)
     return get_codec(name, keep_ratio=0.25) if name == "mask" else get_codec(name)
 
 
@@ -93,7 +100,7 @@ def run_pipeline(args):
     allreduce_tied_embedding_grads(model, ctx.embd_group)
     offset = stage_layer_range(tf, ctx.pp_rank, ctx.pp_size)[0]
     grads = {global_name(n, offset): p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    torch.save({"grads": grads, "meter": meter.snapshot_and_reset(),
+    torch.save({"grads": grads, "meter": meter.snapshot_and_reset(), "codec_state": comm.codec.state_dict(),
                 "losses": [o["loss"] for o in upd], "logprobs": [o["logprobs"] for o in upd],
                 "fwd_logprobs": [o["logprobs"] for o in fwd], "prefetch_queued": queued,
                 "derivations": dict(getattr(comm.codec, "derivations", {})), "k_d": (getattr(comm.codec, "k", None) and

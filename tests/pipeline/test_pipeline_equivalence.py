@@ -105,3 +105,24 @@ def test_pair_pipeline_equals_single_process_map(tmp_path):
     assert b["comm/bwd_bytes"] == mbs * codec.bytes_per_message("bwd", shape, 4, False)
     assert f["comm/fwd_bytes"] <= 0.25 * 2 * mbs * 16 * 2 * 64 * 4  # within the claimed budget
     assert b["comm/bwd_bytes"] <= 0.25 * mbs * 16 * 2 * 64 * 4
+
+
+def test_lowrank_pipeline_equals_projected_reference(tmp_path):
+    # issue 10 item 3: the fast-owned basis is refreshed by the sender from the first micro-batch
+    # of the step and shipped once; both processes hold the same Q bit for bit, the pipeline
+    # equals one process applying (x Q) Q^T at the boundary, and the meter counts exactly the
+    # coefficients (both directions) plus one [d, r] basis
+    ranks, ref = _run(tmp_path, "lowrank", 2)
+    _compare(ranks, ref, atol=1e-5)
+    (q0, step0), (q1, step1) = ranks[0]["codec_state"]["bases"][0], ranks[1]["codec_state"]["bases"][0]
+    assert torch.equal(q0, q1) and step0 == step1 == 7
+    d, r = 64, 13
+    assert q0.shape == (d, r)
+    torch.testing.assert_close(q0.t() @ q0, torch.eye(r), rtol=0, atol=1e-5)
+    f, b = ranks[0]["meter"], ranks[1]["meter"]
+    coeff = 4 * 16 * 2 * r * 4  # one pass: 4 micro-batches x [S=16, mbs=2, r] fp32
+    assert f["comm/basis_bytes"] == d * r * 4
+    assert f["comm/fwd_bytes"] == 2 * coeff + d * r * 4
+    assert b["comm/bwd_bytes"] == coeff
+    dense = 3 * 4 * 16 * 2 * d * 4
+    assert (f["comm/fwd_bytes"] + b["comm/bwd_bytes"]) / dense <= 0.25
