@@ -63,6 +63,8 @@ import tempfile
 import time
 from typing import Dict, List, Optional
 
+from megatron_cegrpo.bootstrap import bootstrap
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 #: The demo's rollout shape (examples/run_smollm2_mawps.sh), no anchor, no evaluation.
@@ -263,10 +265,8 @@ def _run(trainer, args, specs: List[str]) -> Optional[List[Dict]]:
 
 
 def worker(args) -> int:
-    """One rank: the trainer's start-up (flags, checks, process groups, GRPOTrainer), then :func:`_run`."""
-    from megatron_cegrpo.bootstrap import bootstrap
-
-    bootstrap(cpu_compat=True)
+    """One rank (after ``bootstrap(cpu_compat=True)``): the trainer's start-up (flags, checks,
+    process groups, GRPOTrainer), then :func:`_run`."""
     from megatron_cegrpo.compression import available_codecs
     from megatron_cegrpo.initialize import initialize_distributed, shutdown_distributed
     from megatron_cegrpo.train import _configure
@@ -295,11 +295,11 @@ def worker(args) -> int:
 
 
 def main(argv=None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = parse_args(argv)
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    bootstrap(cpu_compat=args.worker)  # the launcher itself imports no torch
     if args.worker:
         return worker(args)
-    return launch(args, argv)
+    return launch(args, list(sys.argv[1:] if argv is None else argv))
 
 
 if __name__ == "__main__":
