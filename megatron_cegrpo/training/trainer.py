@@ -124,7 +124,7 @@ class GRPOTrainer:
     # ------------------------------------------------------------------ one iteration
     def train_step(self) -> Optional[Dict]:
         """Run iteration ``self.iteration + 1``; returns the metrics dict on the driver."""
-        ctx, stage, timers = self.ctx, self.stage, self.timers
+        stage, timers = self.stage, self.timers
         t = self.iteration + 1
         t_start = time.perf_counter()
         batch = self.rollout(t)
