@@ -124,12 +124,18 @@ def launch(args, argv) -> int:
             procs.append(subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker",
                                            "--log-dir", os.path.join(logdir, "run"), *argv],
                                           env=env, stdout=out, stderr=subprocess.STDOUT if out else None))
+        while any(p.poll() is None for p in procs):  # one rank failing: the others would wait forever
+            if any(p.poll() for p in procs):
+                for p in procs:
+                    if p.poll() is None:
+                        p.kill()
+            time.sleep(0.5)
         codes = [p.wait() for p in procs]
         for r, code in enumerate(codes):
-            if code and r > 0:
+            if code > 0 and r > 0:
                 logs[r].close()
                 print(f"[fidelity] rank {r} exited {code}:\n" + open(logs[r].name).read()[-4000:], file=sys.stderr)
-        return max(codes)
+        return 0 if all(c == 0 for c in codes) else 1
     finally:
         for p in procs:
             if p.poll() is None:
