@@ -245,6 +245,7 @@ def _run(trainer, args, specs: List[str]) -> Optional[List[Dict]]:
     trackers = {s: BoundaryErrorTracker() for s in specs}
     per = {s: [] for s in specs}
     say = (lambda msg: print(f"[fidelity] {msg}", flush=True)) if ctx.is_driver else (lambda msg: None)
+    say(f"codecs: {', '.join(specs)} at keep ratio {args.keep_ratio} (the trainer's own --boundary-codec is unused)")
     for t in range(1, args.batches + 1):
         t0 = time.perf_counter()
         batch = trainer.rollout(t)
