@@ -26,6 +26,8 @@ that batch and the same (never updated) weights:
 4. ``error_persistence``: ``codec/error_persistence`` between successive batches (from
    the second batch on; undefined for a codec without error, e.g. dense).
 
+``--out`` is rewritten after every batch (an interrupted run keeps the batches it finished).
+
 ``--codecs``: specs accepted by ``compression.build_codec(spec, --keep-ratio)``; default: every
 registered codec (``available_codecs()``), so new codecs join automatically. A codec keeps
 its state from batch to batch, as in training.
@@ -266,9 +268,12 @@ def _run(trainer, args, specs: List[str]) -> Optional[List[Dict]]:
                     f"{m.get('fidelity/cos', float('nan')):.4f} cos_stage0 "
                     f"{m.get('fidelity/cos/stage_0', float('nan')):.4f} sign "
                     f"{m.get('fidelity/sign_agreement', float('nan')):.3f} ({m['seconds']:.1f} s)")
-    if not ctx.is_driver:
-        return None
-    return make_rows(per, ctx.pp_size, {"model": args.model, "pp": ctx.pp_size, "keep_ratio": args.keep_ratio})
+        if ctx.is_driver:  # after every batch, so that an interrupted run keeps what it measured
+            rows = make_rows(per, ctx.pp_size, {"model": args.model, "pp": ctx.pp_size,
+                                                "keep_ratio": args.keep_ratio})
+            with open(args.out, "w") as f:
+                json.dump(rows, f, indent=1)
+    return rows if ctx.is_driver else None
 
 
 def worker(args) -> int:
@@ -291,8 +296,6 @@ def worker(args) -> int:
             os.makedirs(args.save_grads, exist_ok=True)
         rows = _run(GRPOTrainer(cfg, ctx), args, specs)
         if rows is not None:
-            with open(args.out, "w") as f:
-                json.dump(rows, f, indent=1)
             print(format_table(rows), flush=True)
             print(f"[fidelity] {len(specs)} codecs x {args.batches} batches, PP={args.pp}, {args.model}: "
                   f"{time.perf_counter() - t0:.0f} s; wrote {args.out}", flush=True)
