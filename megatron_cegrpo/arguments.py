@@ -499,6 +499,11 @@ class LoggingConfig:
     tqdm: bool = option(True, "no progress bar", flag="--no-tqdm")
     drift_probe_interval: int = option(0, "every N iterations repeat the log-prob passes with compression off "
                                           "and log probe/* (0: never)")
+    grad_fidelity_interval: int = option(0, "every N iterations also compute the dense-boundary gradient of the "
+                                            "update loss on the same batch and weights (not applied) and log "
+                                            "fidelity/* (cosine, per-stage cosine, sign agreement, norm ratio vs "
+                                            "the codec's gradient); costs one more dense forward+backward per "
+                                            "optimizer step and a dense log-prob pass (0: never)")
     wandb_project: Optional[str] = option(None, "also log to this wandb project (WANDB_MODE=offline works "
                                                 "offline)")
     wandb_run_name: Optional[str] = option(None, "wandb run name (default: wandb's)")
@@ -518,6 +523,8 @@ class LoggingConfig:
         _check_int("--log-interval", self.log_interval, 1, "e.g. --log-interval 1 (a console line every iteration)")
         _check_int("--drift-probe-interval", self.drift_probe_interval, 0,
                    "e.g. --drift-probe-interval 4, or 0 for no probe")
+        _check_int("--grad-fidelity-interval", self.grad_fidelity_interval, 0,
+                   "e.g. --grad-fidelity-interval 4, or 0 for no probe")
         if self.wandb_mode is not None:
             _check_choice("--wandb-mode", self.wandb_mode, ("online", "offline", "disabled"))
         for flag, value in (("--wandb-run-name", self.wandb_run_name), ("--wandb-mode", self.wandb_mode)):
@@ -745,6 +752,12 @@ class TrainConfig:
                 f"--drift-probe-interval {self.logging.drift_probe_interval} probes nothing with "
                 "--pipeline-model-parallel-size 1 (no stage boundary is compressed); fix: drop "
                 "--drift-probe-interval or run with --pipeline-model-parallel-size >= 2"
+            )
+        if self.logging.grad_fidelity_interval and p.pipeline_model_parallel_size == 1:
+            raise ConfigError(
+                f"--grad-fidelity-interval {self.logging.grad_fidelity_interval} compares nothing with "
+                "--pipeline-model-parallel-size 1 (no stage boundary is compressed); fix: drop "
+                "--grad-fidelity-interval or run with --pipeline-model-parallel-size >= 2"
             )
         self._validate_codec()
         expected = p.pipeline_model_parallel_size + self.anchor.anchor_ranks

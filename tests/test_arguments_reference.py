@@ -51,7 +51,7 @@ ARGVS = {
         "--save", "ck", "--save-interval", "2", "--load", "ck/iter_0000002", "--keep-last", "2",
         "--log-dir", "runs/x", "--log-interval", "3", "--no-tqdm", "--wandb-project", "p",
         "--wandb-run-name", "n", "--wandb-mode", "offline", "--tensorboard-dir", "tb",
-        "--drift-probe-interval", "2",
+        "--drift-probe-interval", "2", "--grad-fidelity-interval", "3",
         "--local_rank", "0", "--deepspeed",
     ],
     "equals-forms": ["--lr=1e-5", "--seed=0", "--kl-coef=0.01", "--local-rank=1", "--anchor-ranks=1",

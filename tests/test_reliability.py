@@ -202,6 +202,9 @@ CASES = [
     Case("drift-probe-pp1", "flag", ["--drift-probe-interval", "2"],
          "--drift-probe-interval 2 probes nothing with --pipeline-model-parallel-size 1 (no stage boundary is "
          "compressed); fix: drop --drift-probe-interval or run with --pipeline-model-parallel-size >= 2"),
+    Case("grad-fidelity-pp1", "flag", ["--grad-fidelity-interval", "2"],
+         "--grad-fidelity-interval 2 compares nothing with --pipeline-model-parallel-size 1 (no stage boundary is "
+         "compressed); fix: drop --grad-fidelity-interval or run with --pipeline-model-parallel-size >= 2"),
     Case("keep-ratio", "flag", ["--boundary-keep-ratio", "1.5"],
          "--boundary-keep-ratio must be a finite number > 0 and <= 1, got 1.5; fix: e.g. --boundary-keep-ratio 0.05"),
     Case("codec", "flag", ["--boundary-codec", "topk"],

@@ -82,17 +82,31 @@ class CompressedP2PCommunicator(P2PCommunicator):
         # where megatron's p2p allocates (the CPU under compat.cpu, else the current GPU)
         self.prefetcher = CodecPrefetcher(torch.device("cuda", torch.cuda.current_device())
                                           if torch.cuda.is_available() else torch.device("cpu"))
+        self.error_tracker = None  # a BoundaryErrorTracker while tracking_error() is active
 
     @contextlib.contextmanager
     def using(self, codec: BoundaryCodec, meter: ByteMeter):
         """Temporarily move payloads with another codec and bill them to another meter
-        (the compression-off drift probe runs dense passes without touching ``comm/*``)."""
-        saved = self.codec, self.meter
-        self.codec, self.meter = codec, meter
+        (the compression-off drift probe runs dense passes without touching ``comm/*``);
+        no boundary error is recorded meanwhile."""
+        saved = self.codec, self.meter, self.error_tracker
+        self.codec, self.meter, self.error_tracker = codec, meter, None
         try:
             yield self
         finally:
-            self.codec, self.meter = saved
+            self.codec, self.meter, self.error_tracker = saved
+
+    @contextlib.contextmanager
+    def tracking_error(self, tracker):
+        """While active, every forward send adds ``(x, x_hat)`` to ``tracker``
+        (:class:`~megatron_cegrpo.pipeline.boundary_error.BoundaryErrorTracker`): ``x_hat`` is
+        the codec's ``decode_forward`` of the payload just encoded, recomputed at the sender."""
+        saved = self.error_tracker
+        self.error_tracker = tracker
+        try:
+            yield self
+        finally:
+            self.error_tracker = saved
 
     # ---- pass bookkeeping -------------------------------------------------
     def prefetch(self, step: int, microbatch_sample_ids: Sequence[torch.Tensor], seq_len: int) -> int:
@@ -201,6 +215,9 @@ class CompressedP2PCommunicator(P2PCommunicator):
                 self.meter.add("fwd", self.pp_rank, payload_next, tensor_send_next.numel())
                 shape = shape or tuple(tensor_send_next.shape)
                 basis_reqs += self._send_basis(ctx_next_send)
+                if self.error_tracker is not None:
+                    x_hat = self.codec.decode_forward(payload_next, ctx_next_send, tuple(tensor_send_next.shape))
+                    self.error_tracker.add(self.pp_rank, tensor_send_next, x_hat)
             if tensor_send_prev is not None:
                 ctx_prev_send = self._context(self.pp_rank - 1, "send_prev")
                 self.prefetcher.wait(self.codec, ctx_prev_send, tuple(tensor_send_prev.shape))

@@ -6,6 +6,7 @@ Every trainer rank holds one :class:`StageWorker`; the driver's work is in ``dri
 
 from __future__ import annotations
 
+import contextlib
 import math
 from functools import partial
 from typing import Callable, Dict, List, Tuple
@@ -20,6 +21,7 @@ from megatron_cegrpo.models import allreduce_tied_embedding_grads, hf_to_megatro
 from megatron_cegrpo.models.stage import PolicyStage
 from megatron_cegrpo.optim.factory import build_lr_scheduler, build_optimizer
 from megatron_cegrpo.optim.hooks import GradClipHook
+from megatron_cegrpo.pipeline.boundary_error import BoundaryErrorTracker, declare_error_persistence
 from megatron_cegrpo.pipeline.communicator import CompressedP2PCommunicator
 from megatron_cegrpo.pipeline.schedule import PipelineRunner
 from megatron_cegrpo.pipeline.weight_sync import build_weight_sync
@@ -54,6 +56,7 @@ class StageWorker:
         if hasattr(self.codec, "rank"):  # a lowrank budget too small for rank 1 fails here, naming the flag
             self.codec.rank(self.tf_config.hidden_size)
         self.meter = ByteMeter()
+        self.error_tracker = BoundaryErrorTracker()  # codec/error_persistence (pipeline/boundary_error.py)
         self.comm = (CompressedP2PCommunicator(ctx.pp_group, self.tf_config, self.codec, self.meter,
                                                seed=cfg.optim.seed) if ctx.pp_size > 1 else None)
         self.runner = PipelineRunner(self.comm, ctx.pg_collection, cfg.parallel.micro_batch_size, ctx.pp_size)
@@ -174,9 +177,11 @@ class StageWorker:
                 ca.masked_mean(ca.kl_penalty(batch["old_logprobs"], batch["ref_logprobs"], kind), mask))
         return out
 
-    def update(self, batch: Dict[str, torch.Tensor], t: int) -> Dict[str, float]:
+    def update(self, batch: Dict[str, torch.Tensor], t: int, probe=None) -> Dict[str, float]:
         """Step 7: 1F1B forward+backward per mini-batch, tied-embedding sum, optimizer step
-        (corrections, then clipping); the LR schedule advances once per iteration."""
+        (corrections, then clipping); the LR schedule advances once per iteration.
+        ``probe``: a prepared ``GradFidelityProbe`` (``training/fidelity.py``) that computes the
+        dense gradient before, and compares after, each codec backward; None: no probe."""
         cfg = self.cfg
         n, gbs = batch["tokens"].shape[0], cfg.global_batch_size
         sums = {"pg_loss_sum": 0.0, "clip_sum": 0.0, "ppo_kl_sum": 0.0, "kl_sum": 0.0, "tokens": 0.0}
@@ -184,19 +189,10 @@ class StageWorker:
         self.model.train()
         for _ in range(cfg.grpo.ppo_epochs):
             for start in range(0, n, gbs):
-                mini = slice_batch(batch, start, start + gbs)
-                self.optimizer.zero_grad(set_to_none=True)
-                outs = self.runner.run(self.model, mini, step=t, forward_only=False,
-                                       loss_fn=partial(self._update_loss_fn, float(mini["loss_mask"].sum()),
-                                                       float(gbs)))
-                for o in outs:
+                for o in self.accumulate_gradients(slice_batch(batch, start, start + gbs), start, t, probe):
                     for k in sums:
                         if k in o:
                             sums[k] += float(o[k])
-                if self.ctx.pp_size > 1:
-                    allreduce_tied_embedding_grads(self.model, self.ctx.embd_group)
-                    self._embd_sync_bytes += self._tied_grad_bytes
-                    self._embd_sync_dense_bytes += self._tied_grad_bytes
                 norms.append(self._step(t))
         self.scheduler.step()
         out = {"actor/grad_norm": float(sum(norms) / len(norms)), "actor/lr": self.optimizer.param_groups[0]["lr"],
@@ -208,6 +204,32 @@ class StageWorker:
             if self.ref_model is not None:
                 out["actor/kl_loss"] = sums["kl_sum"] / tok
         return out
+
+    def accumulate_gradients(self, mini: Dict[str, torch.Tensor], start: int, t: int, probe=None) -> List[dict]:
+        """One optimizer step's gradients, not applied: rows ``start:`` of the batch (``mini``)
+        through the codec pipeline (forward+backward, boundary error recorded), then the
+        tied-embedding sum; with a ``probe``, its dense gradient before and its comparison after.
+
+        Returns:
+            the loss function's per-micro-batch dicts on the last stage (empty elsewhere).
+        """
+        loss_fn = partial(self._update_loss_fn, float(mini["loss_mask"].sum()), float(self.cfg.global_batch_size))
+        if probe is not None:
+            probe.dense_gradient(mini, start, t, loss_fn)
+        self.optimizer.zero_grad(set_to_none=True)
+        with self._tracking_error():
+            outs = self.runner.run(self.model, mini, step=t, forward_only=False, loss_fn=loss_fn)
+        if self.ctx.pp_size > 1:
+            allreduce_tied_embedding_grads(self.model, self.ctx.embd_group)
+            self._embd_sync_bytes += self._tied_grad_bytes
+            self._embd_sync_dense_bytes += self._tied_grad_bytes
+        if probe is not None:
+            probe.compare()
+        return outs
+
+    def _tracking_error(self):
+        """The codec update passes record their forward boundary error (``codec/error_persistence``)."""
+        return self.comm.tracking_error(self.error_tracker) if self.comm is not None else contextlib.nullcontext()
 
     def _step(self, t: int) -> float:
         skipped = self.clip.num_skipped
@@ -226,14 +248,17 @@ class StageWorker:
     def declare_metrics(reducer) -> None:
         """How the driver reduces :meth:`stage_metrics` over the stages."""
         reducer.declare("comm/", "sum").declare("_weight/", "stages").derive(_weight_change).derive(_bytes_ratio)
+        declare_error_persistence(reducer)
 
     def stage_metrics(self) -> Dict[str, float]:
-        """This stage's bytes since the last call and its weight change (reset on read)."""
+        """This stage's bytes since the last call, its weight change and its boundary error
+        sums (reset on read)."""
         out = {k: v for k, v in self.meter.snapshot_and_reset().items() if k != "comm/bytes_ratio"}
         out["comm/embd_sync_bytes"] = self._embd_sync_bytes
         out["comm/embd_sync_dense_bytes"] = self._embd_sync_dense_bytes
         self._embd_sync_bytes = self._embd_sync_dense_bytes = 0
         out["_weight/diff_sq"], out["_weight/base_sq"] = self._weight_change_sums()
+        out.update(self.error_tracker.end_iteration())
         return out
 
     @torch.no_grad()

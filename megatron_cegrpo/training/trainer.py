@@ -9,6 +9,8 @@ One iteration t, each phase in a named timer (``timing_s/<phase>``):
   old_log_prob  forward-only pipeline pass, compressed (masks keyed by t)  (stage.py)
   ref           the frozen reference, same masks (only when --kl-coef > 0)
   probe         every --drift-probe-interval: the same passes with compression off
+  fidelity      every --grad-fidelity-interval: dense old-logprob/reference passes, and inside
+                the update one dense forward+backward per optimizer step (fidelity.py)
   update        megatron-core 1F1B forward+backward per mini-batch, optimizer step
                 (pre-step: the circuits' corrections, then global-norm clipping)
   sync          stage weights -> the driver's sampler
@@ -34,6 +36,7 @@ from megatron_cegrpo.pipeline.broadcast import broadcast_metered
 from megatron_cegrpo.training.checkpointer import Checkpointer, RNGState
 from megatron_cegrpo.training.circuit import Circuit, circuits_of
 from megatron_cegrpo.training.driver import Driver, log
+from megatron_cegrpo.training.fidelity import GradFidelityProbe
 from megatron_cegrpo.training.ledger import whole_step_ledger
 from megatron_cegrpo.training.reduce import StageMetricsReducer
 from megatron_cegrpo.training.stage import StageWorker
@@ -66,6 +69,9 @@ class GRPOTrainer:
         self.circuits: List[Circuit] = circuits_of(cfg, ctx, self.stage)
         self.reducer = StageMetricsReducer()
         self.stage.declare_metrics(self.reducer)
+        self.fidelity = GradFidelityProbe(self.stage) if cfg.logging.grad_fidelity_interval else None
+        if self.fidelity is not None:
+            self.fidelity.declare_metrics(self.reducer)
         for c in self.circuits:
             c.declare_metrics(self.reducer)
         self.timers = PhaseTimers()
@@ -100,7 +106,7 @@ class GRPOTrainer:
         """The objects in a checkpoint's ``trainer_state``, by their key there."""
         s = self.stage
         out = {"optimizer": s.optimizer, "scheduler": s.scheduler, "rng": RNGState(), "meter": s.meter,
-               "codec": s.codec}
+               "codec": s.codec, "codec_error": s.error_tracker}
         if self.driver is not None:
             out["sampler"] = self.driver.sampler
         out.update({c.name: c for c in self.circuits})
@@ -119,12 +125,10 @@ class GRPOTrainer:
     # ------------------------------------------------------------------ one iteration
     def train_step(self) -> Optional[Dict]:
         """Run iteration ``self.iteration + 1``; returns the metrics dict on the driver."""
-        ctx, stage, timers = self.ctx, self.stage, self.timers
+        stage, timers = self.stage, self.timers
         t = self.iteration + 1
         t_start = time.perf_counter()
-        batch = self.driver.generate_and_score(t, timers) if self.driver is not None else None
-        with timers.phase("broadcast"):  # the rollout group: the stages wait as long as the driver generates
-            batch, self._batch_bytes = broadcast_metered(batch, ctx.rollout_group)
+        batch = self.rollout(t)
         stage.prefetch_codec(batch, t)  # masks of this iteration, on a background thread
         for c in self.circuits:
             with timers.phase(c.phase):
@@ -138,16 +142,30 @@ class GRPOTrainer:
         if probe and t % probe == 0 and stage.comm is not None:
             with timers.phase("probe"):
                 stats.update(stage.drift_probe(batch, t))
-        with timers.phase("update"):
+        every = self.cfg.logging.grad_fidelity_interval
+        fid = self.fidelity if every and t % every == 0 else None
+        if fid is not None:
+            with timers.phase("fidelity"):
+                fid.prepare(batch, t)
+        with timers.phase("update"):  # includes the probe's dense forward+backward when probed
             for c in self.circuits:
                 c.before_optimizer_step(t, timers)
-            stats.update(stage.update(batch, t))
+            stats.update(stage.update(batch, t, probe=fid))
         with timers.phase("sync"):
             stage_sds = stage.gather_weights()
             if self.driver is not None:
                 self.driver.update_sampler(stage_sds)
         self.iteration = t
         return self._metrics(batch, stats, t, time.perf_counter() - t_start)
+
+    def rollout(self, t: int) -> Dict:
+        """Steps 1-4 of iteration ``t``: the driver generates and scores the batch, every stage
+        receives it (a collective over the rollout group, its bytes kept for the ledger);
+        returns the packed batch."""
+        batch = self.driver.generate_and_score(t, self.timers) if self.driver is not None else None
+        with self.timers.phase("broadcast"):  # the rollout group: the stages wait as long as the driver generates
+            batch, self._batch_bytes = broadcast_metered(batch, self.ctx.rollout_group)
+        return batch
 
     def _metrics(self, batch, stats: Dict[str, float], t: int, seconds: float) -> Optional[Dict]:
         """Loss metrics from the last stage, every stage's reduced by the declared rules, the
@@ -156,6 +174,8 @@ class GRPOTrainer:
         obj = [stats if ctx.is_last_stage else None]
         dist.broadcast_object_list(obj, src=ctx.last_stage_rank, group=ctx.pp_group)
         local = self.stage.stage_metrics()
+        if self.fidelity is not None:
+            local.update(self.fidelity.stage_metrics())
         for c in self.circuits:
             local.update(c.stage_metrics(t))
         gathered = [None] * ctx.pp_size if ctx.is_driver else None
