@@ -471,16 +471,12 @@ class CodecConfig:
         ``compression.build_codec`` accepts (its byte budget is checked in ``train.preflight``,
         which knows the model's width).
         Raises ConfigError."""
-        import warnings
-
         from megatron_cegrpo.compression import build_codec
 
         _check_float("--boundary-keep-ratio", self.boundary_keep_ratio, "e.g. --boundary-keep-ratio 0.05",
                      low=0.0, high=1.0, low_open=True)
         try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                build_codec(self.boundary_codec, self.boundary_keep_ratio)
+            build_codec(self.boundary_codec, self.boundary_keep_ratio, warn=False)
         except ValueError as e:
             raise ConfigError(f"--boundary-codec {self.boundary_codec!r}: {one_line(e)}; fix: e.g. "
                               "--boundary-codec mask, or --boundary-codec pcaq:lrq") from None

@@ -14,7 +14,6 @@ Anything else shows its traceback. ``docs/reliability.md`` lists the messages.
 import os
 import sys
 import time
-import warnings
 
 # torch-free modules only at module top: under a launcher this process may be the rank's
 # supervisor, which runs the rank in a child and must stay small; modules that import torch
@@ -134,9 +133,7 @@ def _check_codec_budget(cfg, hf_config) -> None:
     c, r, g = cfg.codec, cfg.rollout, cfg.grpo
     if cfg.parallel.pipeline_model_parallel_size < 2:
         return
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        codec = build_codec(c.boundary_codec, c.boundary_keep_ratio)
+    codec = build_codec(c.boundary_codec, c.boundary_keep_ratio, warn=False)
     mbs = cfg.parallel.micro_batch_size
     per_pass = g.sequences_per_iteration // mbs
     fwd = per_pass * (1 + int(g.kl_coef > 0) + g.ppo_epochs)

@@ -23,6 +23,8 @@ import time
 
 import torch
 
+from megatron_cegrpo.bootstrap import bootstrap
+
 
 def make_batch(model, tok, n_prompts, samples, max_new, data_root):
     """Sample ``samples`` responses to each of the first ``n_prompts`` MAWPS prompts."""
@@ -88,6 +90,7 @@ def iteration_bytes_ratio(codec, shape, mbs_per_pass):
 
 
 def main():
+    bootstrap()
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--specs", default="mask,pcaq:lrq")
     ap.add_argument("--keep-ratio", type=float, default=0.05)

@@ -86,12 +86,13 @@ def parse_codec_spec(text: str) -> CodecSpec:
     return CodecSpec(text=text, fwd=f, bwd=b, fwd_params=fp, bwd_params=bp)
 
 
-def build_codec(spec: str, keep_ratio: float, **options) -> BoundaryCodec:
+def build_codec(spec: str, keep_ratio: float, *, warn: bool = True, **options) -> BoundaryCodec:
     """The codec for ``--boundary-codec spec --boundary-keep-ratio keep_ratio``.
 
     A single registered name gets ``keep_ratio`` when its constructor takes one (``mask``);
     for the others (``dense``) it does not apply and a warning says so when it differs from
-    0.05. Each of ``options`` (``TrainConfig.boundary_codec_options``: the lowrank basis owner,
+    0.05 (``warn=False``: no warning, for the start-up checks that build a codec only to
+    validate it). Each of ``options`` (``TrainConfig.boundary_codec_options``: the lowrank basis owner,
     tokens per iteration, ...) goes to a single codec's constructor only when it names one of
     its parameters. A pair gets a :class:`PairCodec` of its two halves, each sized for
     ``keep_ratio``.
@@ -107,7 +108,7 @@ def build_codec(spec: str, keep_ratio: float, **options) -> BoundaryCodec:
         kwargs = {k: v for k, v in options.items() if k in params}
         if "keep_ratio" in params:
             return cls(keep_ratio=keep_ratio, **kwargs)
-        if keep_ratio != 0.05:
+        if keep_ratio != 0.05 and warn:
             warnings.warn(f"--boundary-keep-ratio {keep_ratio} is ignored by --boundary-codec {p.single}")
         return cls(**kwargs)
     return PairCodec(get_half(p.fwd, keep_ratio, p.fwd_params), get_half(p.bwd, keep_ratio, p.bwd_params),
