@@ -57,7 +57,7 @@ class Driver:
         d = cfg.data
         self.tokenizer = load_tokenizer(policy.source)
         split = load_train_split(d.train_data, format=d.train_data_format, num_holdout=d.num_holdout,
-                                 seed=cfg.optim.seed, data_root=d.data_root)
+                                 seed=cfg.holdout_split_seed, data_root=d.data_root)
         kept, self.prompt_ids, too_long = select_prompts(split.train, self._encode, cfg.rollout.max_prompt_length,
                                                          source=f"--train-data {split.path}")
         if too_long:
