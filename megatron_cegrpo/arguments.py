@@ -540,6 +540,10 @@ class AnchorConfig:
     anchor_ema_decay: float = option(0.25, "a in M <- a M + (1 - a) G_anc")
     sign_blend_alpha: float = option(0.25, "alpha in G = alpha G_comp + beta |G_comp| sign(M)")
     sign_blend_beta: float = option(0.75, "beta in G = alpha G_comp + beta |G_comp| sign(M)")
+    sign_blend_magnitude: str = option(
+        "grad", "|G_comp| in the blend: the fast gradient's own per coordinate (grad), or the ablation of issue 11 "
+                "that replaces it by one constant per parameter tensor, mean(|G_comp|) (mean)",
+        choices=("grad", "mean"))
     sign_fold: str = option("every-step", "apply sign(M) on every optimizer step or only on the step a fresh "
                                           "sign arrives", choices=("every-step", "fire-only"))
     anchor_apply: str = option("fire-step", "the trainer waits for a fire's sign on the fire step or the next "
@@ -554,8 +558,8 @@ class AnchorConfig:
 
     # everything but anchor_ranks only matters with an anchor (TrainConfig.resume_options)
     RESUME = ("anchor_ranks", "anchor_interval", "anchor_delay", "anchor_replay", "anchor_forecast",
-              "anchor_forecast_points", "anchor_ema_decay", "sign_blend_alpha", "sign_blend_beta", "sign_fold",
-              "anchor_apply")
+              "anchor_forecast_points", "anchor_ema_decay", "sign_blend_alpha", "sign_blend_beta",
+              "sign_blend_magnitude", "sign_fold", "anchor_apply")
 
     def validate(self) -> None:
         """0 or 1 anchor rank, c >= 1, K a positive multiple of c (with an anchor), the EMA decay
@@ -570,6 +574,7 @@ class AnchorConfig:
         for flag, value, valid in (("--anchor-replay", self.anchor_replay, ("forecast", "matching")),
                                    ("--anchor-forecast", self.anchor_forecast, ("secant", "lsq")),
                                    ("--sign-fold", self.sign_fold, ("every-step", "fire-only")),
+                                   ("--sign-blend-magnitude", self.sign_blend_magnitude, ("grad", "mean")),
                                    ("--anchor-apply", self.anchor_apply, ("fire-step", "next-step"))):
             _check_choice(flag, value, valid)
         _check_int("--anchor-forecast-points", self.anchor_forecast_points, 2, "e.g. --anchor-forecast-points 4")
