@@ -80,7 +80,9 @@ class Driver:
             self.eval_sets = load_eval_datasets(list(self.eval_modes), d.eval_limit, d.data_root)
         with open(os.path.join(lg.log_dir, "config.json"), "w") as f:
             json.dump(cfg.to_dict(), f, indent=2)
-        log(f"data {split.path}: {len(kept)} train prompts, {len(split.holdout)} held out")
+        dup = f" ({split.duplicates_dropped} training rows repeating a held-out question dropped)" \
+            if split.duplicates_dropped else ""
+        log(f"data {split.path}: {len(kept)} train prompts, {len(split.holdout)} held out{dup}")
 
     def _encode(self, question: str) -> torch.Tensor:
         text = build_prompt(self.tokenizer, question, self.cfg.data.prompt_template)
