@@ -12,7 +12,7 @@
 #   <codec>, <codec>_anchor  every other registered codec (lowrank, ...)             first seed
 #
 # Every arm: same seed(s), same data order, same held-out rows (--holdout-seed), no KL, no
-# entropy bonus (as the seeds' runs), held-out greedy accuracy before and after training with
+# entropy bonus (as the seeds' runs; KL_COEF), held-out greedy accuracy before and after training with
 # its standard error, and the other data set's accuracy at step 0 and at the end, logged by the
 # run itself (metrics.jsonl: val/holdout/acc, val/holdout/acc_stderr, val/<set>/acc).
 #
@@ -55,6 +55,10 @@ GROUP=${GROUP:-8}
 LR=${LR:-2e-6}
 TEMPERATURE=${TEMPERATURE:-1.0}
 KEEP_RATIO=${KEEP_RATIO:-0.05}
+# no KL term (the seeds): no reference model, so no actor/kl_loss and no KL figure; KL_COEF=0.001
+# draws the KL curve at the cost of one reference forward pass a step (about 15 % of a step)
+KL_COEF=${KL_COEF:-0}
+EVAL_BATCH=${EVAL_BATCH:-32}
 
 other_codecs() {  # registered codecs beyond dense and mask
   "$PYTHON" -c "from megatron_cegrpo.compression import available_codecs as a
@@ -104,10 +108,10 @@ run_arm() {  # run_arm ARM SEED
     --model smollm2-135m-instruct --train-data "$TRAIN_DATA" --prompt-template "$TEMPLATE"
     --num-holdout "$NUM_HOLDOUT" --holdout-seed "$HOLDOUT_SEED"
     --eval-datasets "$EVAL_DATA" --eval-limit "$EVAL_LIMIT" --eval-interval "$TRAIN_ITERS"
-    --eval-max-new-tokens "$EVAL_MAX_NEW_TOKENS"
+    --eval-max-new-tokens "$EVAL_MAX_NEW_TOKENS" --eval-batch-size "$EVAL_BATCH"
     --pipeline-model-parallel-size 2 --micro-batch-size 4
     --rollout-batch-size "$ROLLOUT_BATCH" --num-generations "$GROUP" --max-new-tokens "$MAX_NEW_TOKENS"
-    --temperature "$TEMPERATURE" --train-iters "$TRAIN_ITERS" --lr "$LR" --kl-coef 0
+    --temperature "$TEMPERATURE" --train-iters "$TRAIN_ITERS" --lr "$LR" --kl-coef "$KL_COEF"
     --boundary-codec "$codec" --boundary-keep-ratio "$KEEP_RATIO" "${anchor_flags[@]}" "${extra_flags[@]}"
     --seed "$seed" --deepspeed_config ds_configs/cpu_adamw.json --no-tqdm
     --log-dir "$dir" --save "$dir/ckpt" --save-interval "$SAVE_INTERVAL" --keep-last 1 "${load[@]}")
