@@ -29,6 +29,9 @@ summary field                source in metrics.jsonl
 ``boundary_bytes_ratio``     sum over steps of ``comm/fwd_bytes + comm/bwd_bytes`` / sum of
                              ``comm/dense_equiv_bytes`` (the run's cumulative
                              ``comm/bytes_ratio``, stage boundaries only)
+``launch_wall_s``            (not from the log) the sum of ``wall_seconds``, one line per
+                             (re)start written by study_cpu.sh, start-up included; None
+                             without that file
 ``other``                    ``{name: {acc_before, acc_after, acc_stderr, rows}}`` for every
                              other ``val/<name>/acc`` (``--eval-datasets``)
 ============================ ================================================================
@@ -133,6 +136,14 @@ def _eval_points(records: Sequence[dict]) -> Dict[str, Dict[int, Tuple[float, Op
     return out
 
 
+def _launch_wall(run_dir: str) -> Optional[float]:
+    p = os.path.join(run_dir, "wall_seconds")
+    if not os.path.isfile(p):
+        return None
+    with open(p, encoding="utf-8") as f:
+        return float(sum(float(x) for x in f.read().split()))
+
+
 def summarize_run(run_dir: str) -> Dict:
     """One arm's summary (see the module docstring for each field's source)."""
     records = read_records(run_dir)
@@ -172,6 +183,7 @@ def summarize_run(run_dir: str) -> Dict:
                        "acc_before_stderr": ob[1] if ob else None, "acc_stderr": oa[1] if oa else None,
                        "rows": (oa or ob)[2] if (oa or ob) else None}
     out["other"] = other
+    out["launch_wall_s"] = _launch_wall(run_dir)
     out["run_dir"] = os.path.abspath(run_dir)
     return out
 

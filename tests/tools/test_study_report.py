@@ -55,6 +55,7 @@ def study(tmp_path):
         _holdout(2, 0.40, 0.03, 38.0),
     ], arm={"arm": "dense", "seed": 1, "codec": "dense", "anchor": False},
         tail='{"step": 3, "critic/sco')  # a line cut short by a kill
+    (root / "dense-s1" / "wall_seconds").write_text("100\n250\n")  # started twice
     # mask + anchor: unfinished (no holdout record at its last step); identity from config.json
     _write_run(root / "mask_anchor-s1", [
         _holdout(0, 0.30, 0.02, 41.0),
@@ -77,7 +78,7 @@ def test_summary_values(study, tmp_path):
         "arm": "dense", "seed": 1, "codec": "dense", "anchor": False, "iterations": 2,
         "wall_s": 60.0 + 62.5 + 50.0 + 40.0 + 45.0 + 38.0, "acc_before": 0.30, "acc_after": 0.40,
         "acc_stderr": 0.03, "heldout_rows": 300, "boundary_bytes_ratio": 1.0}
-    assert dense["acc_before_stderr"] == 0.02
+    assert dense["acc_before_stderr"] == 0.02 and dense["launch_wall_s"] == 350.0
     assert dense["gain"] == pytest.approx(0.10, abs=1e-15)
     assert dense["gain_z"] == pytest.approx(0.10 / math.sqrt(0.02 ** 2 + 0.03 ** 2), rel=1e-12)
     assert dense["other"] == {"mawps/singleop": {"acc_before": 0.25, "acc_after": 0.3, "acc_before_stderr": 0.025,
@@ -86,7 +87,7 @@ def test_summary_values(study, tmp_path):
         "arm": "mask_anchor-s1", "seed": 1, "codec": "mask", "anchor": True, "iterations": 1,
         "wall_s": 41.0 + 70.0, "acc_before": 0.30, "acc_after": None, "acc_stderr": None, "heldout_rows": 300,
         "boundary_bytes_ratio": 100 / 2000}
-    assert mask["gain"] is None and mask["gain_z"] is None and mask["other"] == {}
+    assert mask["gain"] is None and mask["gain_z"] is None and mask["other"] == {} and mask["launch_wall_s"] is None
 
     md = (docs / "study.md").read_text()
     assert "| dense | 1 | dense | no | 2 | 4.9 | 0.300 ± 0.020 | 0.400 ± 0.030 | +0.100 (+2.8) | 300 | 1.0000 |" in md
