@@ -400,6 +400,9 @@ class DataConfig:
         None, "FILE.py:FUNCTION scoring (response, ground_truth) -> float; replaces the verifier "
               "(verl custom_reward_function)")
     num_holdout: int = option(0, "rows held out of training and scored greedily before and after")
+    holdout_seed: Optional[int] = option(
+        None, "seed of the --num-holdout split (default: --seed); fix it so that runs of different seeds hold "
+              "out the same rows")
     eval_max_new_tokens: int = option(128, "longest response in tokens when evaluating")
     eval_interval: int = option(0, "dense-view evaluation every N iterations (and before training); 0: off")
     eval_datasets: Optional[str] = option(
@@ -409,7 +412,8 @@ class DataConfig:
     data_root: Optional[str] = option(None, "folder holding gsm8k/, mawps/, ... (default: $CEGRPO_DATA_ROOT "
                                             "or ../shared/data)")
 
-    RESUME = ("train_data", "train_data_format", "prompt_template", "custom_reward_function", "num_holdout")
+    RESUME = ("train_data", "train_data_format", "prompt_template", "custom_reward_function", "num_holdout",
+              "holdout_seed")
 
     def validate(self) -> None:
         """Names from the data registries (format, template, evaluation sets), counts in
@@ -423,6 +427,9 @@ class DataConfig:
             _check_choice("--train-data-format", self.train_data_format, available_formats())
         _check_choice("--prompt-template", self.prompt_template, available_templates(), "plain")
         _check_int("--num-holdout", self.num_holdout, 0, "e.g. --num-holdout 48, or 0 for none")
+        if self.holdout_seed is not None:
+            _check_int("--holdout-seed", self.holdout_seed, 0, "e.g. --holdout-seed 1234, or drop it to split "
+                       "with --seed", maximum=OptimConfig.MAX_SEED)
         _check_int("--eval-max-new-tokens", self.eval_max_new_tokens, 1, "e.g. --eval-max-new-tokens 128")
         _check_int("--eval-interval", self.eval_interval, 0, "e.g. --eval-interval 10, or 0 for none")
         if self.eval_limit is not None:
@@ -557,6 +564,10 @@ class AnchorConfig:
     anchor_ema_decay: float = option(0.25, "a in M <- a M + (1 - a) G_anc")
     sign_blend_alpha: float = option(0.25, "alpha in G = alpha G_comp + beta |G_comp| sign(M)")
     sign_blend_beta: float = option(0.75, "beta in G = alpha G_comp + beta |G_comp| sign(M)")
+    sign_blend_magnitude: str = option(
+        "grad", "|G_comp| in the blend: the fast gradient's own per coordinate (grad), or the ablation of issue 11 "
+                "that replaces it by one constant per parameter tensor, mean(|G_comp|) (mean)",
+        choices=("grad", "mean"))
     sign_fold: str = option("every-step", "apply sign(M) on every optimizer step or only on the step a fresh "
                                           "sign arrives", choices=("every-step", "fire-only"))
     anchor_apply: str = option("fire-step", "the trainer waits for a fire's sign on the fire step or the next "
@@ -575,8 +586,8 @@ class AnchorConfig:
 
     # everything but anchor_ranks only matters with an anchor (TrainConfig.resume_options)
     RESUME = ("anchor_ranks", "anchor_interval", "anchor_delay", "anchor_replay", "anchor_forecast",
-              "anchor_forecast_points", "anchor_ema_decay", "sign_blend_alpha", "sign_blend_beta", "sign_fold",
-              "anchor_apply")
+              "anchor_forecast_points", "anchor_ema_decay", "sign_blend_alpha", "sign_blend_beta",
+              "sign_blend_magnitude", "sign_fold", "anchor_apply")
 
     def validate(self) -> None:
         """0 or 1 anchor rank, c >= 1, K a positive multiple of c (with an anchor), the EMA decay
@@ -591,6 +602,7 @@ class AnchorConfig:
         for flag, value, valid in (("--anchor-replay", self.anchor_replay, ("forecast", "matching")),
                                    ("--anchor-forecast", self.anchor_forecast, ("secant", "lsq")),
                                    ("--sign-fold", self.sign_fold, ("every-step", "fire-only")),
+                                   ("--sign-blend-magnitude", self.sign_blend_magnitude, ("grad", "mean")),
                                    ("--anchor-apply", self.anchor_apply, ("fire-step", "next-step")),
                                    ("--anchor-ship", self.anchor_ship, ("fp32", "bf16-delta"))):
             _check_choice(flag, value, valid)
@@ -671,6 +683,12 @@ class TrainConfig:
         return self.grpo.sequences_per_iteration if gbs is None else gbs
 
     @property
+    def holdout_split_seed(self) -> int:
+        """Seed of the held-out split (``split_holdout``): ``--holdout-seed``, else ``--seed``."""
+        d = self.data
+        return self.optim.seed if d.holdout_seed is None else d.holdout_seed
+
+    @property
     def num_microbatches(self) -> int:
         return self.global_batch_size // self.parallel.micro_batch_size
 
@@ -696,7 +714,8 @@ class TrainConfig:
         no effect: ``--min-lr`` and ``--train-iters`` with ``--lr-decay-style constant`` (so a
         constant-LR run may be resumed with a larger ``--train-iters`` to train longer),
         ``--kl-loss-type`` with ``--kl-coef 0``, and the anchor settings with
-        ``--anchor-ranks 0``. ``--global-batch-size`` is recorded as its effective value,
+        ``--anchor-ranks 0``. ``--global-batch-size`` and ``--holdout-seed`` are recorded as
+        their effective values,
         ``--no-norm-adv-by-std`` as whether it is given.
         """
         skip = set()
@@ -714,6 +733,8 @@ class TrainConfig:
                 value = getattr(sec, name)
                 if (sname, name) == ("grpo", "global_batch_size"):
                     value = self.global_batch_size
+                elif (sname, name) == ("data", "holdout_seed"):
+                    value = self.holdout_split_seed
                 elif (sname, name) == ("grpo", "norm_adv_by_std"):
                     value = not value
                 out[flag_name(sec, name)] = value

@@ -102,8 +102,9 @@ def preflight(cfg) -> None:
         from megatron_cegrpo.rewards.custom import load_custom_reward_function
 
         load_custom_reward_function(d.custom_reward_function)  # RewardError: file, name, signature
-    check_train_data(d.train_data, format=d.train_data_format, num_holdout=d.num_holdout, seed=cfg.optim.seed,
-                     data_root=d.data_root, encode=encode, max_prompt_length=r.max_prompt_length)
+    check_train_data(d.train_data, format=d.train_data_format, num_holdout=d.num_holdout,
+                     seed=cfg.holdout_split_seed, data_root=d.data_root, encode=encode,
+                     max_prompt_length=r.max_prompt_length)
     if d.eval_datasets:
         from megatron_cegrpo.evaluation import parse_dataset_specs
 

@@ -104,6 +104,11 @@ def test_resume_options_leave_out_what_has_no_effect():
     decay = cfg("--lr-decay-style", "cosine", "--train-iters", "30", "--no-norm-adv-by-std").resume_options()
     assert decay["--train-iters"] == 30 and decay["--min-lr"] == 0.0 and decay["--anchor-interval"] == 20
     assert decay["--no-norm-adv-by-std"] is True
+    # the held-out split's seed is recorded as used: --seed unless --holdout-seed fixes it
+    assert plain["--holdout-seed"] == 1234
+    fixed = cfg("--seed", "7", "--holdout-seed", "1234")
+    assert fixed.resume_options()["--holdout-seed"] == 1234 == fixed.holdout_split_seed
+    assert cfg("--seed", "7").holdout_split_seed == 7
     # every recorded name is a real flag of the parser (or the DeepSpeed key)
     flags = {s for a in build_parser()._actions for s in a.option_strings}
     assert set(decay) - flags == {"optimizer.type in --deepspeed_config"}

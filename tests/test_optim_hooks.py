@@ -33,6 +33,29 @@ def test_correction_is_identity_until_signs_arrive_then_matches_formula():
     assert hook.num_applied == 1
 
 
+def test_constant_magnitude_ablation_replaces_abs_g_by_its_tensor_mean():
+    ps = _params()
+    before = [p.grad.clone() for p in ps]
+    signs = [torch.where(torch.rand_like(p) > 0.5, 1.0, -1.0) for p in ps]
+    opt = torch.optim.SGD(ps, lr=0.0)
+    hook = SignCorrectionHook(ps, alpha=0.25, beta=0.75, magnitude="mean")
+    opt.register_step_pre_hook(hook)
+    hook.set_signs(signs)
+    opt.step()
+    for p, g, s in zip(ps, before, signs):
+        torch.testing.assert_close(p.grad, 0.25 * g + 0.75 * g.abs().mean() * s)
+    # alpha 0, beta 1: every coordinate is mean|G| of its tensor with the sign of M
+    for p, g in zip(ps, before):
+        p.grad = g.clone()
+    pure = SignCorrectionHook(ps, alpha=0.0, beta=1.0, magnitude="mean")
+    pure.set_signs(signs)
+    pure(opt, (), {})
+    for p, g, s in zip(ps, before, signs):
+        assert torch.equal(p.grad.abs(), g.abs().mean().expand_as(g)) and torch.equal(p.grad.sign(), s)
+    with pytest.raises(ValueError, match="magnitude must be one of"):
+        SignCorrectionHook(ps, magnitude="const")
+
+
 def test_clip_hook_global_norm():
     ps = _params()
     grads = [p.grad.clone() for p in ps]

@@ -197,6 +197,9 @@ CASES = [
     Case("eval-limit", "flag", ["--eval-datasets", "mawps", "--eval-limit", "0"],
          "--eval-limit must be an integer >= 1, got 0; fix: pass the rows per evaluation data set, or drop "
          "--eval-limit for every row"),
+    Case("holdout-seed", "flag", ["--holdout-seed", "-1"],
+         "--holdout-seed must be an integer in [0, 4294967295], got -1; fix: e.g. --holdout-seed 1234, or drop "
+         "it to split with --seed"),
     Case("seed", "flag", ["--seed", "-1"],
          "--seed must be an integer in [0, 4294967295], got -1; fix: e.g. --seed 1234"),
     Case("drift-probe-pp1", "flag", ["--drift-probe-interval", "2"],

@@ -33,7 +33,8 @@ class AnchorCircuit:
     def __init__(self, cfg, ctx, stage):
         self.ctx = ctx
         self.correction = SignCorrectionHook(stage.params, alpha=cfg.anchor.sign_blend_alpha,
-                                             beta=cfg.anchor.sign_blend_beta)
+                                             beta=cfg.anchor.sign_blend_beta,
+                                             magnitude=cfg.anchor.sign_blend_magnitude)
         stage.register_correction(self.correction)
         tied_copy = any(stage.is_duplicate_tied_weight(p) for p in stage.params)
         self.client = AnchorClient(stage.model, stage.layer_offset, tied_copy, ctx.anchor_rank, ctx.is_driver,

@@ -31,6 +31,7 @@ __all__ = [
     "check_eval_data",
     "check_train_data",
     "load_train_split",
+    "question_key",
     "resolve_train_data",
     "select_prompts",
 ]
@@ -43,6 +44,13 @@ class TrainSplit:
     path: str
     train: List[PromptRecord]
     holdout: List[PromptRecord]
+    #: training rows dropped because their question is also a held-out row's (a file's duplicates)
+    duplicates_dropped: int = 0
+
+
+def question_key(question: str) -> str:
+    """The identity of a question for the held-out split: lower case, whitespace collapsed."""
+    return " ".join(question.lower().split())
 
 
 def _root_hint(data_root: Optional[str]) -> str:
@@ -89,12 +97,15 @@ def load_train_split(spec: str, *, format: Optional[str] = None, num_holdout: in
                      data_root: Optional[str] = None) -> TrainSplit:
     """Resolve ``--train-data``, load every row and hold ``--num-holdout`` rows out.
 
-    The split is :func:`~megatron_cegrpo.data.split_holdout` (``random.Random(seed)``).
+    The split is :func:`~megatron_cegrpo.data.split_holdout` (``random.Random(seed)``); then
+    every training row whose question (:func:`question_key`) is also a held-out row's is
+    dropped (MAWPS files repeat some questions), so the held-out rows are unseen in training.
 
     Raises:
         ConfigError: the file cannot be resolved (:func:`resolve_train_data`), a row is
             malformed (:class:`~megatron_cegrpo.data.DatasetError`, file + line + field),
-            ``--train-data-format`` is unknown, or ``num_holdout`` leaves no training row.
+            ``--train-data-format`` is unknown, or ``num_holdout`` leaves no training row
+            (also after dropping the held-out questions' duplicates).
     """
     path = resolve_train_data(spec, data_root)
     try:
@@ -109,7 +120,12 @@ def load_train_split(spec: str, *, format: Optional[str] = None, num_holdout: in
         raise ConfigError(f"--num-holdout {num_holdout} leaves no training prompt: {path} has {n} rows; "
                           f"fix: pass --num-holdout {max(n - 1, 0)} or less")
     train, holdout = split_holdout(records, num_holdout, seed)
-    return TrainSplit(path, train, holdout)
+    held = {question_key(r.question) for r in holdout}
+    unseen = [r for r in train if question_key(r.question) not in held]
+    if not unseen:
+        raise ConfigError(f"--num-holdout {num_holdout} leaves no training prompt: every training row of {path} "
+                          f"repeats a held-out question; fix: pass a smaller --num-holdout")
+    return TrainSplit(path, unseen, holdout, len(train) - len(unseen))
 
 
 def select_prompts(records: Sequence[PromptRecord], encode: Callable[[str], Sequence[int]],

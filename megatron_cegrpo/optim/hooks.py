@@ -27,14 +27,28 @@ class SignCorrectionHook:
     arrived) gradients pass unchanged. The anchor circuit (a separate
     component) feeds ``set_signs``.
 
+    Ablation (issue 11, ``magnitude="mean"``): ``|G|`` is replaced by one constant per
+    parameter tensor, ``mean(|G|)`` over its coordinates, so the fast gradient no longer
+    sets per-coordinate magnitudes in the beta term; with alpha 0, beta 1 every corrected
+    coordinate is ``mean(|G|) * sign(M)``.
+
     Args:
         params: the stage's parameters, in the order the signs are given.
         alpha, beta: blend weights.
+        magnitude: ``"grad"`` (``|G|``, the seeds' blend) or ``"mean"`` (the ablation).
+    Raises:
+        ValueError: an unknown ``magnitude``.
     """
 
-    def __init__(self, params: List[torch.nn.Parameter], alpha: float = 0.25, beta: float = 0.75):
+    MAGNITUDES = ("grad", "mean")
+
+    def __init__(self, params: List[torch.nn.Parameter], alpha: float = 0.25, beta: float = 0.75,
+                 magnitude: str = "grad"):
+        if magnitude not in self.MAGNITUDES:
+            raise ValueError(f"magnitude must be one of {self.MAGNITUDES}, got {magnitude!r}")
         self.params = list(params)
         self.alpha, self.beta = float(alpha), float(beta)
+        self.magnitude = magnitude
         self.signs: Optional[List[torch.Tensor]] = None
         self.num_applied = 0
         self.last_agreement = (0, 0)  # (coordinates where sign(G_comp) == sign(M), coordinates)
@@ -63,7 +77,8 @@ class SignCorrectionHook:
             g = p.grad
             agree += int(((g >= 0) == (s > 0)).sum())  # sign(0) = +1, as for M
             total += g.numel()
-            g.copy_(self.alpha * g + self.beta * g.abs() * s.to(g.dtype))
+            mag = g.abs() if self.magnitude == "grad" else g.abs().mean()
+            g.copy_(self.alpha * g + self.beta * mag * s.to(g.dtype))
         self.last_agreement = (agree, total)
         self.num_applied += 1
         if self.dump_path:

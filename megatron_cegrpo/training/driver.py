@@ -57,7 +57,7 @@ class Driver:
         d = cfg.data
         self.tokenizer = load_tokenizer(policy.source)
         split = load_train_split(d.train_data, format=d.train_data_format, num_holdout=d.num_holdout,
-                                 seed=cfg.optim.seed, data_root=d.data_root)
+                                 seed=cfg.holdout_split_seed, data_root=d.data_root)
         kept, self.prompt_ids, too_long = select_prompts(split.train, self._encode, cfg.rollout.max_prompt_length,
                                                          source=f"--train-data {split.path}")
         if too_long:
@@ -81,7 +81,9 @@ class Driver:
             self.eval_sets = load_eval_datasets(list(self.eval_modes), d.eval_limit, d.data_root)
         with open(os.path.join(lg.log_dir, "config.json"), "w") as f:
             json.dump(cfg.to_dict(), f, indent=2)
-        log(f"data {split.path}: {len(kept)} train prompts, {len(split.holdout)} held out")
+        dup = f" ({split.duplicates_dropped} training rows repeating a held-out question dropped)" \
+            if split.duplicates_dropped else ""
+        log(f"data {split.path}: {len(kept)} train prompts, {len(split.holdout)} held out{dup}")
 
     def _encode(self, question: str) -> torch.Tensor:
         text = build_prompt(self.tokenizer, question, self.cfg.data.prompt_template)

@@ -125,8 +125,16 @@ def _check_ledger(metrics, metas):
 
 
 def test_fire_only_fold_and_next_step_apply(tmp_path):
-    metrics, _ = _run(tmp_path, "--sign-fold", "fire-only", "--anchor-apply", "next-step")
+    # (with the constant-magnitude ablation of the blend, --sign-blend-magnitude mean)
+    metrics, dump = _run(tmp_path, "--sign-fold", "fire-only", "--anchor-apply", "next-step",
+                         "--sign-blend-magnitude", "mean")
     # the sign of fire t is taken at step t + 1 and folded only there
     assert [m["anchor/correction_applied"] for m in metrics] == [0, 0, 1, 0, 1, 0]
     assert [m["anchor/fire"] for m in metrics] == [0, 1, 0, 1, 0, 1]
     assert all(m["anchor/no_peek_violations"] == 0 for m in metrics if "anchor/no_peek_violations" in m)
+    steps = sorted(os.path.basename(f) for f in glob.glob(str(dump / "stage0_step*.pt")))
+    assert steps == ["stage0_step00003.pt", "stage0_step00005.pt"]
+    for f in glob.glob(str(dump / "stage*_step*.pt")):
+        d = torch.load(f, weights_only=True)
+        for g_comp, sign, g in zip(d["g_comp"], d["signs"], d["g"]):
+            torch.testing.assert_close(g, 0.25 * g_comp + 0.75 * g_comp.abs().mean() * sign, rtol=0, atol=0)

@@ -54,6 +54,23 @@ def test_holdout_must_leave_a_training_prompt(tmp_path):
                                 "fix: pass --num-holdout 4 or less")
 
 
+def test_training_rows_repeating_a_held_out_question_are_dropped(tmp_path):
+    p = tmp_path / "dups.jsonl"
+    qs = ["What is 1 plus 1?", "What is 2 plus 2?", "what  is 1 plus 1?", "What is 3 plus 3?", "What is 2 plus 2? "]
+    p.write_text("".join(json.dumps({"input": q, "target": 1.0}) + "\n" for q in qs))
+    # random.Random(3).sample(range(5), 1) == [1]: row 2 (1-based) is held out, and row 5 repeats it
+    split = load_train_split(str(p), num_holdout=1, seed=3)
+    assert [r.row for r in split.holdout] == [2]
+    assert [r.row for r in split.train] == [1, 3, 4] and split.duplicates_dropped == 1
+    # rows 1 and 3 are one question too (case and spacing): holding out row 3 drops row 1
+    split = load_train_split(str(p), num_holdout=2, seed=9)
+    assert [r.row for r in split.holdout] == [3, 4]
+    assert [r.row for r in split.train] == [2, 5] and split.duplicates_dropped == 1
+    p.write_text("".join(json.dumps({"input": "Same?", "target": 1.0}) + "\n" for _ in range(3)))
+    with pytest.raises(ConfigError, match="every training row of .* repeats a held-out question"):
+        load_train_split(str(p), num_holdout=1, seed=0)
+
+
 def test_bad_rows_are_config_errors(tmp_path):
     p = tmp_path / "bad.jsonl"
     p.write_text('{"input": "q", "target": 1}\n{"input": "q2"\n')
@@ -83,7 +100,7 @@ def test_select_prompts_keeps_what_fits_and_names_the_shortest(tmp_path):
 def test_check_train_and_eval_data_on_the_real_files(tmp_path):
     split = check_train_data("mawps/singleop", num_holdout=48, seed=1234, encode=lambda q: q.split(),
                              max_prompt_length=200)
-    assert len(split.train) + len(split.holdout) == 562 and len(split.holdout) == 48
+    assert len(split.train) + len(split.holdout) + split.duplicates_dropped == 562 and len(split.holdout) == 48
     check_eval_data(["mawps", "gsm8k/test"])
     with pytest.raises(ConfigError, match=r"--eval-datasets: the file of 'amc23' \(.*amc23/test.jsonl\) does not "
                                           r"exist; .*fix: point --data-root"):

@@ -1,0 +1,150 @@
+#!/usr/bin/env bash
+# Issue 11's CPU study: the same GRPO run of SmolLM2-135M-Instruct on MAWPS, arm after arm,
+# differing only in the pipeline boundaries' compression (and the anchor):
+#
+#   dense                  the byte-matched control (no compression, no anchor)     SEEDS
+#   mask                   exact-k PRF mask at 5 %, no anchor                        first seed
+#   mask_anchor            mask + dense anchor, c = K = TRAIN_ITERS / 5               SEEDS
+#                          (the seeds: c = K = 20 over 100 steps)
+#   mask_anchor_constmag   mask + anchor, sign blend with |G_comp| replaced by
+#                          mean |G_comp| per tensor, alpha 0 beta 1 (every corrected
+#                          coordinate = constant * sign(M)): what the fast path adds  first seed
+#   <codec>, <codec>_anchor  every other registered codec (lowrank, ...)             first seed
+#
+# Every arm: same seed(s), same data order, same held-out rows (--holdout-seed), no KL, no
+# entropy bonus (as the seeds' runs; KL_COEF), held-out greedy accuracy before and after training with
+# its standard error, and the other data set's accuracy at step 0 and at the end, logged by the
+# run itself (metrics.jsonl: val/holdout/acc, val/holdout/acc_stderr, val/<set>/acc).
+#
+# Resumable: each arm writes its log and checkpoints under $STUDY_DIR/<arm>-s<seed>/ (outside
+# the checkout), saves every SAVE_INTERVAL iterations, and a rerun continues an unfinished arm
+# from its newest checkpoint (--load) and skips the finished ones (a DONE file). Each arm holds
+# $STUDY_LOCK (flock; SmolLM2 runs take turns on this machine) while it runs.
+#
+# Then: python tools/study_report.py "$STUDY_DIR"   (docs/study.md, docs/study/summary.json)
+# Needs `deepspeed` and `python` of the project's venv on PATH (PATH=$PWD/.venv/bin:$PATH).
+#
+#   ARMS="dense mask_anchor" SEEDS="1234" bash examples/study_cpu.sh    # a subset
+#   DRY_RUN=1 bash examples/study_cpu.sh                                # print the commands
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+STUDY_DIR=${STUDY_DIR:-/work/study-runs/study}
+STUDY_LOCK=${STUDY_LOCK:-/tmp/smollm2.lock}
+PYTHON=${PYTHON:-python}
+SEEDS=${SEEDS:-"1234 4321"}
+FIRST_SEED=${SEEDS%% *}
+TRAIN_ITERS=${TRAIN_ITERS:-40}
+ANCHOR_INTERVAL=${ANCHOR_INTERVAL:-$(( TRAIN_ITERS / 5 > 0 ? TRAIN_ITERS / 5 : 1 ))}
+ANCHOR_DELAY=${ANCHOR_DELAY:-$ANCHOR_INTERVAL}
+SAVE_INTERVAL=${SAVE_INTERVAL:-$ANCHOR_INTERVAL}
+MASTER_PORT=${MASTER_PORT:-29571}
+KEEP_CKPT=${KEEP_CKPT:-0}
+
+# The learnable configuration (issue 11, "What to build" 1; see docs/study.md for how it was chosen).
+TRAIN_DATA=${TRAIN_DATA:-mawps/singleop}
+TEMPLATE=${TEMPLATE:-plain}
+NUM_HOLDOUT=${NUM_HOLDOUT:-300}
+HOLDOUT_SEED=${HOLDOUT_SEED:-1234}
+EVAL_DATA=${EVAL_DATA:-mawps/multiarith}
+EVAL_LIMIT=${EVAL_LIMIT:-300}
+MAX_NEW_TOKENS=${MAX_NEW_TOKENS:-128}
+EVAL_MAX_NEW_TOKENS=${EVAL_MAX_NEW_TOKENS:-$MAX_NEW_TOKENS}
+ROLLOUT_BATCH=${ROLLOUT_BATCH:-4}
+GROUP=${GROUP:-8}
+LR=${LR:-2e-6}
+TEMPERATURE=${TEMPERATURE:-1.0}
+KEEP_RATIO=${KEEP_RATIO:-0.05}
+# no KL term (the seeds): no reference model, so no actor/kl_loss and no KL figure; KL_COEF=0.001
+# draws the KL curve at the cost of one reference forward pass a step (about 15 % of a step)
+KL_COEF=${KL_COEF:-0}
+EVAL_BATCH=${EVAL_BATCH:-32}
+
+other_codecs() {  # registered codecs beyond dense and mask
+  "$PYTHON" -c "from megatron_cegrpo.compression import available_codecs as a
+print(' '.join(c for c in a() if c not in ('dense', 'mask')))"
+}
+
+if [[ -z "${ARMS:-}" ]]; then
+  ARMS="dense mask mask_anchor mask_anchor_constmag"
+  for c in $(other_codecs); do ARMS="$ARMS $c ${c}_anchor"; done
+fi
+MULTI_SEED=${MULTI_SEED:-"dense mask_anchor"}  # the control and the best compressed arm
+
+# arm -> "codec anchor_ranks extra flags..."
+arm_spec() {
+  case "$1" in
+    dense) echo "dense 0" ;;
+    mask) echo "mask 0" ;;
+    mask_anchor) echo "mask 1" ;;
+    mask_anchor_constmag) echo "mask 1 --sign-blend-magnitude mean --sign-blend-alpha 0 --sign-blend-beta 1" ;;
+    *_anchor) echo "${1%_anchor} 1" ;;
+    *) echo "$1 0" ;;
+  esac
+}
+
+run_arm() {  # run_arm ARM SEED
+  local arm=$1 seed=$2 spec codec anchor dir
+  spec=$(arm_spec "$arm")
+  read -r codec anchor extra <<<"$spec" || true
+  dir="$STUDY_DIR/$arm-s$seed"
+  if [[ -f "$dir/DONE" ]]; then
+    echo "[study] $arm seed $seed: done, skipped ($dir)"
+    return 0
+  fi
+  local load=()
+  if [[ -f "$dir/ckpt/latest" ]]; then
+    load=(--load "$dir/ckpt")
+    echo "[study] $arm seed $seed: resuming from $dir/ckpt"
+  fi
+  local anchor_flags=(--anchor-ranks "$anchor")
+  if [[ "$anchor" == 1 ]]; then
+    anchor_flags+=(--anchor-interval "$ANCHOR_INTERVAL" --anchor-delay "$ANCHOR_DELAY")
+  fi
+  # shellcheck disable=SC2206
+  local extra_flags=(${extra:-})
+  local cmd=(flock "$STUDY_LOCK" deepspeed --num_gpus "$((2 + anchor))" --master_port "$MASTER_PORT"
+    megatron_cegrpo/train.py
+    --model smollm2-135m-instruct --train-data "$TRAIN_DATA" --prompt-template "$TEMPLATE"
+    --num-holdout "$NUM_HOLDOUT" --holdout-seed "$HOLDOUT_SEED"
+    --eval-datasets "$EVAL_DATA" --eval-limit "$EVAL_LIMIT" --eval-interval "$TRAIN_ITERS"
+    --eval-max-new-tokens "$EVAL_MAX_NEW_TOKENS" --eval-batch-size "$EVAL_BATCH"
+    --pipeline-model-parallel-size 2 --micro-batch-size 4
+    --rollout-batch-size "$ROLLOUT_BATCH" --num-generations "$GROUP" --max-new-tokens "$MAX_NEW_TOKENS"
+    --temperature "$TEMPERATURE" --train-iters "$TRAIN_ITERS" --lr "$LR" --kl-coef "$KL_COEF"
+    --boundary-codec "$codec" --boundary-keep-ratio "$KEEP_RATIO" "${anchor_flags[@]}" "${extra_flags[@]}"
+    --seed "$seed" --deepspeed_config ds_configs/cpu_adamw.json --no-tqdm
+    --log-dir "$dir" --save "$dir/ckpt" --save-interval "$SAVE_INTERVAL" --keep-last 1 "${load[@]}")
+  echo "[study] $arm seed $seed: ${cmd[*]}"
+  if [[ -n "${DRY_RUN:-}" ]]; then
+    return 0
+  fi
+  mkdir -p "$dir"
+  printf '{"arm": "%s", "seed": %s, "codec": "%s", "anchor": %s, "anchor_interval": %s, "anchor_delay": %s}\n' \
+    "$arm" "$seed" "$codec" "$([[ $anchor == 1 ]] && echo true || echo false)" \
+    "$([[ $anchor == 1 ]] && echo "$ANCHOR_INTERVAL" || echo null)" \
+    "$([[ $anchor == 1 ]] && echo "$ANCHOR_DELAY" || echo null)" >"$dir/study_arm.json"
+  local t0=$SECONDS
+  "${cmd[@]}" 2>&1 | tee -a "$dir/train.log"
+  echo "$((SECONDS - t0))" >>"$dir/wall_seconds"  # one line per (re)start, start-up included
+  touch "$dir/DONE"
+  if [[ "$KEEP_CKPT" != 1 ]]; then
+    rm -rf "$dir/ckpt"
+  fi
+}
+
+mkdir -p "$STUDY_DIR"
+echo "[study] $STUDY_DIR: arms $ARMS; seeds $SEEDS for $MULTI_SEED; $TRAIN_ITERS iterations," \
+     "c = K = $ANCHOR_INTERVAL"
+# every arm at the first seed, then the other seeds of the MULTI_SEED arms
+for arm in $ARMS; do
+  run_arm "$arm" "$FIRST_SEED"
+done
+for seed in ${SEEDS#"$FIRST_SEED"}; do
+  for arm in $ARMS; do
+    if [[ " $MULTI_SEED " == *" $arm "* ]]; then
+      run_arm "$arm" "$seed"
+    fi
+  done
+done
+echo "[study] all arms done; report: $PYTHON tools/study_report.py $STUDY_DIR"

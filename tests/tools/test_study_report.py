@@ -1,0 +1,106 @@
+"""tools/study_report.py: the study summary from synthetic metrics.jsonl files (exact values)."""
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+_TOOL = Path(__file__).resolve().parents[2] / "tools" / "study_report.py"
+
+
+def _tool():
+    spec = importlib.util.spec_from_file_location("study_report_tool", _TOOL)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _step(t, score, fwd, bwd, dense, seconds, **extra):
+    return {"step": t, "critic/score/mean": score, "actor/kl_loss": 0.0, "actor/entropy": 0.5 - 0.01 * t,
+            "mismatch/abs_logprob_diff_mean": 0.1 * t, "comm/fwd_bytes": fwd, "comm/bwd_bytes": bwd,
+            "comm/dense_equiv_bytes": dense, "timing_s/step": seconds, **extra}
+
+
+def _holdout(t, acc, se, seconds):
+    return {"step": t, "val/holdout/acc": acc, "val/holdout/acc_stderr": se, "val/holdout/num_rows": 300,
+            "timing_s/eval/holdout": seconds, "timing_s/eval": seconds}
+
+
+def _write_run(d: Path, records, arm=None, config=None, tail=""):
+    d.mkdir(parents=True)
+    with open(d / "metrics.jsonl", "w") as f:
+        for r in records:
+            f.write(json.dumps(r) + "\n")
+        f.write(tail)
+    if arm is not None:
+        (d / "study_arm.json").write_text(json.dumps(arm))
+    if config is not None:
+        (d / "config.json").write_text(json.dumps(config))
+
+
+@pytest.fixture()
+def study(tmp_path):
+    root = tmp_path / "runs"
+    other0 = {"step": 0, "val/mawps/singleop/acc": 0.25, "val/mawps/singleop/acc_stderr": 0.025,
+              "val/mawps/singleop/num_rows": 300, "timing_s/eval": 50.0}
+    # dense: finished, 2 iterations; the suite's final evaluation rides in the step-2 record
+    _write_run(root / "dense-s1", [
+        other0, _holdout(0, 0.30, 0.02, 40.0),
+        _step(1, 0.25, 1000, 1000, 2000, 60.0),
+        _step(2, 0.50, 1000, 1000, 2000, 62.5, **{"val/mawps/singleop/acc": 0.3,
+                                                  "val/mawps/singleop/acc_stderr": 0.026,
+                                                  "val/mawps/singleop/num_rows": 300, "timing_s/eval": 45.0}),
+        _holdout(2, 0.40, 0.03, 38.0),
+    ], arm={"arm": "dense", "seed": 1, "codec": "dense", "anchor": False},
+        tail='{"step": 3, "critic/sco')  # a line cut short by a kill
+    (root / "dense-s1" / "wall_seconds").write_text("100\n250\n")  # started twice
+    # mask + anchor: unfinished (no holdout record at its last step); identity from config.json
+    _write_run(root / "mask_anchor-s1", [
+        _holdout(0, 0.30, 0.02, 41.0),
+        _step(1, 0.125, 30, 70, 2000, 70.0, **{"fidelity/cos": 0.5}),
+    ], config={"optim": {"seed": 1}, "codec": {"boundary_codec": "mask"}, "anchor": {"anchor_ranks": 1}})
+    return root
+
+
+def test_summary_values(study, tmp_path):
+    mod = _tool()
+    docs = tmp_path / "docs"
+    (docs).mkdir()
+    (docs / "study.md").write_text(f"old\n{mod.NOTES_BEGIN}\nThe dense arm learns.\n{mod.NOTES_END}\nold\n")
+    summary = mod.write_report(str(study), str(docs))
+    on_disk = json.loads((docs / "study" / "summary.json").read_text())
+    assert on_disk == json.loads(json.dumps(summary))
+    assert on_disk["fields"] == list(mod.FIELDS)
+    dense, mask = on_disk["arms"]  # sorted by folder name
+    assert {k: dense[k] for k in mod.FIELDS} == {
+        "arm": "dense", "seed": 1, "codec": "dense", "anchor": False, "iterations": 2,
+        "wall_s": 60.0 + 62.5 + 50.0 + 40.0 + 45.0 + 38.0, "acc_before": 0.30, "acc_after": 0.40,
+        "acc_stderr": 0.03, "heldout_rows": 300, "boundary_bytes_ratio": 1.0}
+    assert dense["acc_before_stderr"] == 0.02 and dense["launch_wall_s"] == 350.0
+    assert dense["gain"] == pytest.approx(0.10, abs=1e-15)
+    assert dense["gain_z"] == pytest.approx(0.10 / math.sqrt(0.02 ** 2 + 0.03 ** 2), rel=1e-12)
+    assert dense["other"] == {"mawps/singleop": {"acc_before": 0.25, "acc_after": 0.3, "acc_before_stderr": 0.025,
+                                                 "acc_stderr": 0.026, "rows": 300}}
+    assert {k: mask[k] for k in mod.FIELDS} == {
+        "arm": "mask_anchor-s1", "seed": 1, "codec": "mask", "anchor": True, "iterations": 1,
+        "wall_s": 41.0 + 70.0, "acc_before": 0.30, "acc_after": None, "acc_stderr": None, "heldout_rows": 300,
+        "boundary_bytes_ratio": 100 / 2000}
+    assert mask["gain"] is None and mask["gain_z"] is None and mask["other"] == {} and mask["launch_wall_s"] is None
+
+    md = (docs / "study.md").read_text()
+    assert "| dense | 1 | dense | no | 2 | 4.9 | 0.300 ± 0.020 | 0.400 ± 0.030 | +0.100 (+2.8) | 300 | 1.0000 |" in md
+    assert f"{mod.NOTES_BEGIN}\nThe dense arm learns.\n{mod.NOTES_END}" in md and "old" not in md
+    pngs = {p.name for p in (docs / "study").glob("*.png")}
+    assert pngs == {"reward.png", "mismatch.png", "fidelity_cos.png", "kl.png", "entropy.png",
+                    "heldout_accuracy.png"}
+    assert all((docs / "study" / n).stat().st_size < 200_000 for n in pngs)
+
+
+def test_no_runs_is_an_error(tmp_path):
+    mod = _tool()
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="no arm folder"):
+        mod.write_report(str(tmp_path / "empty"), str(tmp_path / "docs"))
+    assert mod.main([str(tmp_path / "missing"), "--docs", str(tmp_path / "docs")]) == 2
