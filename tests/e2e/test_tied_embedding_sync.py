@@ -28,10 +28,11 @@ WORKER = os.path.join(REPO, "tests", "e2e", "tied_sync_worker.py")
 DS_WD = {"gradient_clipping": 1.0,
          "optimizer": {"type": "AdamW", "params": {"betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.1}}}
 W_BYTES = 49152 * 64 * 4  # tiny-llama's tied embedding, fp32
-#: the keys the sparse exchange changes on purpose: its own bytes, and the anchor's (the first
-#: stage no longer ships its stale copy of W, nor receives its signs)
+#: the keys the sparse exchange changes on purpose: its own bytes, the anchor's (the first stage
+#: no longer ships its stale copy of W, nor receives its signs) and the ledger's totals of them
 BYTE_KEYS = ("comm/embd_sync_bytes", "comm/embd_full_sync_bytes", "anchor/bytes_in", "anchor/bytes_out",
-             "anchor/received_bytes_total")
+             "anchor/received_bytes_total", "anchor/bytes_ship", "anchor/bytes_ship_fp32", "comm/total_bytes",
+             "comm/total_dense_bytes", "comm/total_ratio")
 
 
 def _launch(tmp_path, pp, anchors, resume, *extra):
