@@ -159,6 +159,9 @@ def _dest(f: dataclasses.Field) -> str:
     return f.metadata["option"].dest or f.name
 
 
+#: ``--tied-embedding-sync`` values (``pipeline/tied_embedding.py``); the first is the default.
+TIED_EMBEDDING_SYNC_MODES = ("sparse", "allreduce")
+
 # ----------------------------------------------------------------------------- configs
 # Each sub-config declares its fields (each with ``option()``: default, flag, help),
 # ``GROUP`` (its heading in ``--help``), ``RESUME`` (the fields that shape the training
@@ -208,8 +211,15 @@ class ParallelConfig:
     distributed_timeout_minutes: float = option(
         10.0, "timeout in minutes of the trainer's collectives and pipeline transfers (Megatron); the anchor's "
               "link and the stages' waits for the driver's rollouts are not bound by it")
+    tied_embedding_sync: str = option(
+        TIED_EMBEDDING_SYNC_MODES[0], "how the first and last stage keep a tied embedding one weight: sparse (the last stage owns it; "
+                  "the first fetches the rows of its batch's tokens and sends back their gradient rows: bit-identical "
+                  "to allreduce at a few percent of its bytes) or allreduce (both stages all-reduce the full "
+                  "gradient every step; kept for comparison)", choices=TIED_EMBEDDING_SYNC_MODES)
 
-    RESUME = ()  # the split is checked by checkpointing.check_compatible; the rest only rounds
+    # the split is checked by checkpointing.check_compatible; the rest only rounds, except the tied
+    # embedding's owner: a sparse checkpoint holds no optimizer state for the first stage's copy
+    RESUME = ("tied_embedding_sync",)
 
     def validate(self) -> None:
         """Sizes >= 1; the uneven split needs PP >= 2 (the split against the model's layer
@@ -226,6 +236,7 @@ class ParallelConfig:
         _check_float("--distributed-timeout-minutes", self.distributed_timeout_minutes,
                      "e.g. --distributed-timeout-minutes 10", low=0.0, low_open=True)
         _check_int("--micro-batch-size", self.micro_batch_size, 1, "e.g. --micro-batch-size 4")
+        _check_choice("--tied-embedding-sync", self.tied_embedding_sync, TIED_EMBEDDING_SYNC_MODES)
         if self.num_threads is not None:
             _check_int("--num-threads", self.num_threads, 1,
                        "pass a thread count >= 1, or drop --num-threads (default: cores / local ranks)")

@@ -100,3 +100,33 @@ def test_non_finite_gradient_skips_the_step(bad, optimizer):
     opt.step()
     assert hook.num_skipped == 1 and math.isfinite(hook.last_grad_norm)
     assert all(not torch.equal(p.detach(), w) for p, w in zip(ps, weights))
+
+
+def test_clip_hook_adds_an_external_term_at_its_parameter_place():
+    """--tied-embedding-sync sparse: the first stage's tied embedding has no gradient of its own;
+    its ||G||^2 (computed where the summed gradient lives) enters the sum at the same place, so
+    the norm equals the one computed from the gradient itself, to the bit."""
+    ps = _params()
+    local = GradClipHook(ps, ps, max_norm=0.0)
+    local(None, (), {})
+    term = ps[0].grad.detach().double().square().sum()
+    ps[0].grad = None
+    remote = GradClipHook(ps, ps, max_norm=0.0, external_terms=lambda: {id(ps[0]): term})
+    remote(None, (), {})
+    assert remote.last_grad_norm == local.last_grad_norm
+
+
+def test_sign_agreement_counts_only_the_counted_parameters():
+    ps = _params()
+    signs = [torch.where(p.grad >= 0, 1.0, -1.0) for p in ps]  # every coordinate agrees
+    signs[1] = -signs[1]  # ... but none of the second parameter's
+    hook = SignCorrectionHook(ps, counted=[ps[0]])
+    hook.set_signs(signs)
+    hook(None, (), {})
+    assert hook.last_agreement == (15, 15)
+    both = SignCorrectionHook(ps)
+    for p in ps:
+        p.grad = torch.randn_like(p)
+    both.set_signs([torch.where(p.grad >= 0, 1.0, -1.0) for p in ps])
+    both(None, (), {})
+    assert both.last_agreement == (22, 22)

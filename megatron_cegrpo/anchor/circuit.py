@@ -32,12 +32,14 @@ class AnchorCircuit:
 
     def __init__(self, cfg, ctx, stage):
         self.ctx = ctx
-        self.correction = SignCorrectionHook(stage.params, alpha=cfg.anchor.sign_blend_alpha,
+        owned = [p for _, p in stage.named_owned]
+        self.correction = SignCorrectionHook(owned, alpha=cfg.anchor.sign_blend_alpha,
                                              beta=cfg.anchor.sign_blend_beta,
-                                             magnitude=cfg.anchor.sign_blend_magnitude)
+                                             magnitude=cfg.anchor.sign_blend_magnitude,
+                                             counted=[p for p in owned if stage.counted_here(p)])
         stage.register_correction(self.correction)
-        tied_copy = any(stage.is_duplicate_tied_weight(p) for p in stage.params)
-        self.client = AnchorClient(stage.model, stage.layer_offset, tied_copy, ctx.anchor_rank, ctx.is_driver,
+        tied_copy = any(stage.is_duplicate_tied_weight(p) for p in owned)
+        self.client = AnchorClient(stage.named_owned, stage.layer_offset, tied_copy, ctx.anchor_rank, ctx.is_driver,
                                    cfg.anchor, self.correction, group=ctx.anchor_group, rank=ctx.rank,
                                    bases=_anchor_bases(cfg, ctx, stage))
         self._dump = cfg.anchor.anchor_debug_dir

@@ -36,7 +36,10 @@ class AnchorClient:
     """One per trainer rank.
 
     Args:
-        model: this rank's stage.
+        named_params: ``[(name, parameter)]`` of this rank's stage that the stage trains, in the
+            order of the signs (the stage's model order; without the first stage's tied
+            embedding under ``--tied-embedding-sync sparse``: the anchor takes W from the last
+            stage's copy).
         layer_offset: global index of the stage's first layer.
         tied_output: True on the last stage of a tied-embedding model with PP > 1.
         anchor_rank: global rank of the anchor.
@@ -51,10 +54,11 @@ class AnchorClient:
             received during iteration t serves from t + 1 at both ends. None: no bases.
     """
 
-    def __init__(self, model, layer_offset: int, tied_output: bool, anchor_rank: int, is_driver: bool,
+    def __init__(self, named_params, layer_offset: int, tied_output: bool, anchor_rank: int, is_driver: bool,
                  anchor, correction, group=None, rank: int = 0, bases=None):
         self.a = anchor
-        self.params = [p for p in model.parameters()]
+        named_params = list(named_params)
+        self.params = [p for _, p in named_params]
         self.shapes = [tuple(p.shape) for p in self.params]
         self.anchor = anchor_rank
         self.is_driver = is_driver
@@ -76,7 +80,7 @@ class AnchorClient:
         self.stats: Dict = {}
         self.bases = bases
         self._now = 0  # the iteration whose before_optimizer_step (or finish) receives signs
-        self._meta = {"params": [(n, tuple(p.shape)) for n, p in model.named_parameters()],
+        self._meta = {"params": [(n, tuple(p.shape)) for n, p in named_params],
                       "layer_offset": int(layer_offset), "tied_output": bool(tied_output)}
         dump = self.a.anchor_debug_dir
         if dump:

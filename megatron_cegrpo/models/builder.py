@@ -27,9 +27,11 @@ Tied embeddings under PP: with ``share_embeddings_and_output_weights`` and pp > 
 stage owns a separate ``output_layer.weight``.  Megatron zero-fills it and all-reduces it
 over the embedding group at construction; loading HF weights then sets the first stage's
 ``embedding.word_embeddings.weight`` and the last stage's ``output_layer.weight`` to the same
-tensor (``model.embed_tokens.weight``).  During training call
+tensor (``model.embed_tokens.weight``).  During training either call
 :func:`allreduce_tied_embedding_grads` (sum of both grads) before the optimizer step so both
-copies receive identical updates.
+copies receive identical updates (``--tied-embedding-sync allreduce``), or let the last stage
+own W and exchange only the rows of the batch's tokens
+(``megatron_cegrpo/pipeline/tied_embedding.py``, the default).
 
 Forward: ``stage(input_ids [b, s], position_ids [b, s], attention_mask) -> logits [b, s, V]``
 on the last stage (``labels=None``), hidden states ``[s, b, h]`` on the others (feed them to

@@ -10,7 +10,7 @@ every pipeline stage). Hooks run in registration order.
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -36,6 +36,9 @@ class SignCorrectionHook:
         params: the stage's parameters, in the order the signs are given.
         alpha, beta: blend weights.
         magnitude: ``"grad"`` (``|G|``, the seeds' blend) or ``"mean"`` (the ablation).
+        counted: the parameters counted in ``last_agreement`` (default: all); a tied weight
+            held by two stages is counted on one of them, so the pooled agreement counts
+            each model parameter once.
     Raises:
         ValueError: an unknown ``magnitude``.
     """
@@ -43,10 +46,11 @@ class SignCorrectionHook:
     MAGNITUDES = ("grad", "mean")
 
     def __init__(self, params: List[torch.nn.Parameter], alpha: float = 0.25, beta: float = 0.75,
-                 magnitude: str = "grad"):
+                 magnitude: str = "grad", counted: Optional[List[torch.nn.Parameter]] = None):
         if magnitude not in self.MAGNITUDES:
             raise ValueError(f"magnitude must be one of {self.MAGNITUDES}, got {magnitude!r}")
         self.params = list(params)
+        self._counted = {id(p) for p in (self.params if counted is None else counted)}
         self.alpha, self.beta = float(alpha), float(beta)
         self.magnitude = magnitude
         self.signs: Optional[List[torch.Tensor]] = None
@@ -75,8 +79,9 @@ class SignCorrectionHook:
             if p.grad is None:
                 continue
             g = p.grad
-            agree += int(((g >= 0) == (s > 0)).sum())  # sign(0) = +1, as for M
-            total += g.numel()
+            if id(p) in self._counted:
+                agree += int(((g >= 0) == (s > 0)).sum())  # sign(0) = +1, as for M
+                total += g.numel()
             mag = g.abs() if self.magnitude == "grad" else g.abs().mean()
             g.copy_(self.alpha * g + self.beta * mag * s.to(g.dtype))
         self.last_agreement = (agree, total)
@@ -97,6 +102,10 @@ class GradClipHook:
             duplicates the first stage's embedding is excluded so it counts once).
         max_norm: --clip-grad; 0 disables clipping (the norm is still measured).
         group: the process group spanning the pipeline stages (None: local only).
+        external_terms: ``fn() -> {id(p): ||g_p||^2}`` (fp64 0-dim tensors), called first in
+            every step: terms of ``norm_params`` whose gradient another rank holds (the first
+            stage's tied embedding under ``--tied-embedding-sync sparse``,
+            ``pipeline/tied_embedding.py``), added at that parameter's place in the sum.
     Attributes:
         last_grad_norm: the pre-clip global norm of the last step (``actor/grad_norm``).
         num_skipped: steps skipped because the global norm was NaN or inf (``actor/skipped_steps``).
@@ -108,8 +117,10 @@ class GradClipHook:
     overflowed. ``max_norm > norm`` is False for NaN, so without this a NaN would reach the weights.
     """
 
-    def __init__(self, params, norm_params, max_norm: float, group=None):
+    def __init__(self, params, norm_params, max_norm: float, group=None,
+                 external_terms: Optional[Callable[[], Dict[int, torch.Tensor]]] = None):
         self.params = list(params)
+        self.external_terms = external_terms
         self.norm_params = list(norm_params)
         self.max_norm = float(max_norm)
         self.group = group
@@ -119,8 +130,11 @@ class GradClipHook:
     @torch.no_grad()
     def __call__(self, optimizer, args, kwargs) -> None:
         sq = torch.zeros((), dtype=torch.float64)
+        external = self.external_terms() if self.external_terms is not None else {}
         for p in self.norm_params:
-            if p.grad is not None:
+            if id(p) in external:
+                sq += external[id(p)]
+            elif p.grad is not None:
                 sq += p.grad.detach().double().square().sum()
         if self.group is not None and dist.is_initialized():
             dist.all_reduce(sq, group=self.group)

@@ -185,7 +185,7 @@ class GradFidelityProbe:
         """After the codec pass of the same step (gradients complete, before the optimizer's
         pre-step hooks): add this stage's :func:`gradient_sums` to the iteration's steps."""
         st = self.stage
-        pairs = [(p.grad, gd) for p, gd in zip(st.params, self._dense) if not st.is_duplicate_tied_weight(p)]
+        pairs = [(p.grad, gd) for p, gd in zip(st.params, self._dense) if st.counted_here(p)]
         self._steps.append(gradient_sums(pairs))
         self._dense = None
 

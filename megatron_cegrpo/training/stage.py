@@ -17,13 +17,14 @@ from megatron_cegrpo.compression import ByteMeter, build_codec, get_codec
 from megatron_cegrpo.grpo import core_algos as ca
 from megatron_cegrpo.grpo.batch import slice_batch
 from megatron_cegrpo.grpo.loss import grpo_token_loss
-from megatron_cegrpo.models import allreduce_tied_embedding_grads, hf_to_megatron, stage_layer_range
+from megatron_cegrpo.models import hf_to_megatron, stage_layer_range
 from megatron_cegrpo.models.stage import PolicyStage
 from megatron_cegrpo.optim.factory import build_lr_scheduler, build_optimizer
 from megatron_cegrpo.optim.hooks import GradClipHook
 from megatron_cegrpo.pipeline.boundary_error import BoundaryErrorTracker, declare_error_persistence
 from megatron_cegrpo.pipeline.communicator import CompressedP2PCommunicator
 from megatron_cegrpo.pipeline.schedule import PipelineRunner
+from megatron_cegrpo.pipeline.tied_embedding import TiedEmbeddingSync
 from megatron_cegrpo.pipeline.weight_sync import build_weight_sync
 
 __all__ = ["StageWorker"]
@@ -60,32 +61,36 @@ class StageWorker:
         self.comm = (CompressedP2PCommunicator(ctx.pp_group, self.tf_config, self.codec, self.meter,
                                                seed=cfg.optim.seed) if ctx.pp_size > 1 else None)
         self.runner = PipelineRunner(self.comm, ctx.pg_collection, cfg.parallel.micro_batch_size, ctx.pp_size)
+        # the tied embedding between the first and last stage (pipeline/tied_embedding.py): under
+        # --tied-embedding-sync sparse the first stage's copy is a row cache the optimizer never steps
+        self.tied = TiedEmbeddingSync(self.model, ctx, cfg.parallel.tied_embedding_sync)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = build_optimizer(self.params, cfg.optim)
+        self.named_owned = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad and self.tied.owns(p)]
+        self.optimizer = build_optimizer(self.params, cfg.optim)  # a cache without grad is never stepped
         self.scheduler = build_lr_scheduler(self.optimizer, cfg.optim)
         self.corrections: List[_PreStep] = []
         self.clip = GradClipHook(self.params, [p for p in self.params if not self.is_duplicate_tied_weight(p)],
-                                 cfg.optim.clip_grad, group=ctx.pp_group if ctx.pp_size > 1 else None)
+                                 cfg.optim.clip_grad, group=ctx.pp_group if ctx.pp_size > 1 else None,
+                                 external_terms=self.tied.norm_terms)
         self.optimizer.register_step_pre_hook(self._pre_step)
         # the sampler starts from the driver's HF state dict: the bf16 sync's baseline per stage
         baseline = (partial(_stage_baseline, policy, ctx.pp_size) if policy.hf_state_dict is not None else None)
         self.gatherer = build_weight_sync(self.model, ctx.pp_group, cfg.rollout.dtype, baseline=baseline)
-        # a tied embedding's gradient is summed across the first and last stage every step: dense
-        # traffic between stages outside the boundary codec, metered as comm/embd_sync_bytes
-        tied = (ctx.pp_size > 1 and getattr(self.model, "share_embeddings_and_output_weights", False)
-                and (ctx.is_first_stage or ctx.is_last_stage))
-        w = self.model.shared_embedding_or_output_weight() if tied else None
-        self._tied_grad_bytes = w.numel() * w.element_size() if w is not None else 0
-        self._embd_sync_bytes = 0
-        self._embd_sync_dense_bytes = 0  # the dense fp32 all-reduce's bytes (the ledger's reference)
 
     # ------------------------------------------------------------------ structure
     def is_duplicate_tied_weight(self, p: torch.nn.Parameter) -> bool:
-        """The last stage's copy of a tied embedding (counted once, on the first stage)."""
+        """The last stage's copy of a tied embedding (counted once in the grad norm, at the
+        first stage's place; under ``--tied-embedding-sync sparse`` its term comes from here)."""
         return (self.ctx.pp_size > 1 and not self.ctx.is_first_stage
                 and getattr(self.model, "share_embeddings_and_output_weights", False)
                 and getattr(self.model, "post_process", False)
                 and p is self.model.shared_embedding_or_output_weight())
+
+    def counted_here(self, p: torch.nn.Parameter) -> bool:
+        """Whether per-parameter statistics pooled over the stages (the anchor's sign agreement)
+        count ``p`` on this stage: every owned parameter once, a tied embedding on the stage
+        that steps its gradient (the first under ``allreduce``, the last under ``sparse``)."""
+        return self.tied.owns(p) and (self.tied.sparse or not self.is_duplicate_tied_weight(p))
 
     @property
     def layer_offset(self) -> int:
@@ -125,6 +130,7 @@ class StageWorker:
         """Step 5: forward-only compressed pass; the last stage sets ``batch["old_logprobs"]``
         and returns the entropy and the sampler/trainer mismatch (nats/token)."""
         self.model.eval()  # dropout is 0 anyway; eval keeps the passes identical
+        self.tied.refresh_rows(batch["tokens"])
         outs = self.runner.run(self.model, batch, step=t, forward_only=True,
                                loss_fn=partial(self._logprob_loss_fn, True))
         if not self.ctx.is_last_stage:
@@ -157,6 +163,7 @@ class StageWorker:
         ``probe/kl_to_ref_compressed`` (the same in the compression view).
         """
         lp_fn = partial(self._logprob_loss_fn, False)
+        self.tied.refresh_rows(batch["tokens"])
         with self.comm.using(get_codec("dense"), ByteMeter()):
             dense = self.runner.run(self.model, batch, step=t, forward_only=True, loss_fn=lp_fn)
             dense_ref = (self.runner.run(self.ref_model, batch, step=t, forward_only=True, loss_fn=lp_fn)
@@ -178,7 +185,7 @@ class StageWorker:
         return out
 
     def update(self, batch: Dict[str, torch.Tensor], t: int, probe=None) -> Dict[str, float]:
-        """Step 7: 1F1B forward+backward per mini-batch, tied-embedding sum, optimizer step
+        """Step 7: 1F1B forward+backward per mini-batch, tied-embedding sum (``self.tied``), optimizer step
         (corrections, then clipping); the LR schedule advances once per iteration.
         ``probe``: a prepared ``GradFidelityProbe`` (``training/fidelity.py``) that computes the
         dense gradient before, and compares after, each codec backward; None: no probe."""
@@ -194,6 +201,7 @@ class StageWorker:
                         if k in o:
                             sums[k] += float(o[k])
                 norms.append(self._step(t))
+                self.tied.after_step()
         self.scheduler.step()
         out = {"actor/grad_norm": float(sum(norms) / len(norms)), "actor/lr": self.optimizer.param_groups[0]["lr"],
                "actor/num_optimizer_steps": len(norms), "actor/skipped_steps": self.clip.num_skipped}
@@ -214,15 +222,13 @@ class StageWorker:
             the loss function's per-micro-batch dicts on the last stage (empty elsewhere).
         """
         loss_fn = partial(self._update_loss_fn, float(mini["loss_mask"].sum()), float(self.cfg.global_batch_size))
+        self.tied.refresh_rows(mini["tokens"])
         if probe is not None:
             probe.dense_gradient(mini, start, t, loss_fn)
         self.optimizer.zero_grad(set_to_none=True)
         with self._tracking_error():
             outs = self.runner.run(self.model, mini, step=t, forward_only=False, loss_fn=loss_fn)
-        if self.ctx.pp_size > 1:
-            allreduce_tied_embedding_grads(self.model, self.ctx.embd_group)
-            self._embd_sync_bytes += self._tied_grad_bytes
-            self._embd_sync_dense_bytes += self._tied_grad_bytes
+        self.tied.reduce_grads(mini["tokens"])
         if probe is not None:
             probe.compare()
         return outs
@@ -240,8 +246,11 @@ class StageWorker:
         return self.clip.last_grad_norm
 
     def gather_weights(self):
-        """Step 8 (collective over the pipeline): every stage's weights, on the driver."""
-        return self.gatherer.gather()
+        """Step 8 (collective over the pipeline): every stage's weights, on the driver (a tied
+        embedding from the stage that owns it, ``TiedEmbeddingSync.patch_gathered``)."""
+        sds = self.gatherer.gather()
+        self.tied.patch_gathered(sds)
+        return sds
 
     # ------------------------------------------------------------------ metrics
     @staticmethod
@@ -254,26 +263,33 @@ class StageWorker:
         """This stage's bytes since the last call, its weight change and its boundary error
         sums (reset on read)."""
         out = {k: v for k, v in self.meter.snapshot_and_reset().items() if k != "comm/bytes_ratio"}
-        out["comm/embd_sync_bytes"] = self._embd_sync_bytes
-        out["comm/embd_sync_dense_bytes"] = self._embd_sync_dense_bytes
-        self._embd_sync_bytes = self._embd_sync_dense_bytes = 0
         out["_weight/diff_sq"], out["_weight/base_sq"] = self._weight_change_sums()
         out.update(self.error_tracker.end_iteration())
+        out.update(self.tied.metrics())
         return out
 
     @torch.no_grad()
     def _weight_change_sums(self) -> Tuple[float, float]:
-        """(||theta - theta_0||^2, ||theta_0||^2) over this stage's parameters (fp64)."""
+        """(||theta - theta_0||^2, ||theta_0||^2) over this stage's parameters (fp64); a tied
+        embedding's terms from the stage that owns it (``TiedEmbeddingSync.weight_terms``)."""
+        params = list(self.model.parameters())
+        remote = self.tied.weight_terms(params, self.theta0, _weight_terms)
         diff = base = 0.0
-        for p, p0 in zip(self.model.parameters(), self.theta0):
-            diff += float((p.detach().double() - p0.double()).square().sum())
-            base += float(p0.double().square().sum())
+        for p, p0 in zip(params, self.theta0):
+            d, b = remote[id(p)] if id(p) in remote else _weight_terms(p, p0)
+            diff += d
+            base += b
         return diff, base
 
 
 def _stage_baseline(policy: PolicyStage, pp_size: int, pp_rank: int) -> Dict[str, torch.Tensor]:
     """Stage ``pp_rank``'s megatron tensors from the driver's HF state dict (the sampler's start)."""
     return hf_to_megatron(policy.hf_state_dict, policy.hf_config, policy.tf_config, pp_rank, pp_size)
+
+
+def _weight_terms(p: torch.Tensor, p0: torch.Tensor) -> Tuple[float, float]:
+    """(||p - p0||^2, ||p0||^2) in fp64."""
+    return float((p.detach().double() - p0.double()).square().sum()), float(p0.double().square().sum())
 
 
 def _weight_change(m: Dict) -> Dict[str, float]:

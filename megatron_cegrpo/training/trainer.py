@@ -78,6 +78,7 @@ class GRPOTrainer:
         self.checkpointer = Checkpointer(cfg, ctx, policy.hf_config, self._log)
         self.iteration = 0
         self._batch_bytes = 0  # comm/batch_bytes of the last broadcast
+        self._synced_at: Optional[int] = None  # iteration of the last whole-embedding sync (saves)
         self.driver: Optional[Driver] = None  # rank 0's, built once the checkpoint is loaded
         if cfg.checkpoint.load:
             self.iteration, theta0 = self.checkpointer.load(cfg.checkpoint.load, self.stage.model,
@@ -155,6 +156,9 @@ class GRPOTrainer:
             stage_sds = stage.gather_weights()
             if self.driver is not None:
                 self.driver.update_sampler(stage_sds)
+            c = self.cfg.checkpoint
+            if is_save_iteration(t, c.save, c.save_interval, self.cfg.optim.train_iters):
+                self._full_sync(t)  # before the metrics: its bytes are this iteration's
         self.iteration = t
         return self._metrics(batch, stats, t, time.perf_counter() - t_start)
 
@@ -263,9 +267,17 @@ class GRPOTrainer:
         return res
 
     # ------------------------------------------------------------------ checkpoints
+    def _full_sync(self, t: int) -> None:
+        """The whole tied embedding to the first stage (``TiedEmbeddingSync.full_sync``), once per
+        iteration t, so that a checkpoint's first-stage file holds the true W."""
+        if self._synced_at != t:
+            self.stage.tied.full_sync()
+            self._synced_at = t
+
     def save_checkpoint(self) -> str:
         """Write everything the run needs to continue bit for bit (README "Checkpoints";
         ``checkpointer.py``); the driver lets each circuit add its own state."""
+        self._full_sync(self.iteration)
         names = [n for n, _ in self.stage.model.named_parameters()]
         before_commit = None
         if self.driver is not None and self.circuits:
