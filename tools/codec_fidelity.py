@@ -153,9 +153,9 @@ def _reducer():
     from megatron_cegrpo.pipeline.boundary_error import declare_error_persistence
     from megatron_cegrpo.training.fidelity import GradFidelityProbe
     from megatron_cegrpo.training.reduce import StageMetricsReducer
-    from megatron_cegrpo.training.stage import _bytes_ratio
+    from megatron_cegrpo.training.stage import boundary_bytes_ratio
 
-    r = StageMetricsReducer().declare("comm/", "sum").declare("mismatch/", "sum").derive(_bytes_ratio)
+    r = StageMetricsReducer().declare("comm/", "sum").declare("mismatch/", "sum").derive(boundary_bytes_ratio)
     GradFidelityProbe.declare_metrics(r)
     declare_error_persistence(r)
     return r

@@ -27,7 +27,7 @@ from megatron_cegrpo.pipeline.schedule import PipelineRunner
 from megatron_cegrpo.pipeline.tied_embedding import TiedEmbeddingSync
 from megatron_cegrpo.pipeline.weight_sync import build_weight_sync
 
-__all__ = ["StageWorker"]
+__all__ = ["StageWorker", "boundary_bytes_ratio"]
 
 _PreStep = Callable[[torch.optim.Optimizer, tuple, dict], None]
 
@@ -256,7 +256,8 @@ class StageWorker:
     @staticmethod
     def declare_metrics(reducer) -> None:
         """How the driver reduces :meth:`stage_metrics` over the stages."""
-        reducer.declare("comm/", "sum").declare("_weight/", "stages").derive(_weight_change).derive(_bytes_ratio)
+        reducer.declare("comm/", "sum").declare("_weight/", "stages").derive(_weight_change)
+        reducer.derive(boundary_bytes_ratio)
         declare_error_persistence(reducer)
 
     def stage_metrics(self) -> Dict[str, float]:
@@ -301,7 +302,7 @@ def _weight_change(m: Dict) -> Dict[str, float]:
     return out
 
 
-def _bytes_ratio(m: Dict) -> Dict[str, float]:
+def boundary_bytes_ratio(m: Dict) -> Dict[str, float]:
     """``comm/bytes_ratio`` = boundary wire bytes (both directions) / their dense size."""
     dense = m.get("comm/dense_equiv_bytes", 0)
     return {"comm/bytes_ratio": (m.get("comm/fwd_bytes", 0) + m.get("comm/bwd_bytes", 0)) / dense if dense else 0.0}
