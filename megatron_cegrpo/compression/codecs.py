@@ -130,6 +130,11 @@ class BoundaryCodec(abc.ABC):
     def decode_forward(self, payload: torch.Tensor, ctx: BoundaryContext, shape) -> torch.Tensor:
         """Receiving stage, forward: payload -> dense [s, b, d] input of the next stage."""
 
+    def decode_sent_forward(self, payload: torch.Tensor, ctx: BoundaryContext, shape) -> torch.Tensor:
+        """Sending stage, forward: what the receiver decodes from ``payload`` (just encoded
+        here), computed without touching receive-side state (``codec/error_persistence``)."""
+        return self.decode_forward(payload, ctx, shape)
+
     @abc.abstractmethod
     def encode_backward(self, grad: torch.Tensor, ctx: BoundaryContext) -> torch.Tensor:
         """Receiving stage, backward: dL/d(decoded input) [s, b, d] -> payload."""

@@ -107,6 +107,12 @@ class DirectionCodec(abc.ABC):
         ``first_of_step``: the first message of its (boundary, step), which carries any
         per-step basis."""
 
+    def decode_sent(self, payload: torch.Tensor, ctx: BoundaryContext, shape) -> torch.Tensor:
+        """Sender: what the receiver will decode from the payload it has just encoded
+        (``codec/error_persistence``), from the sender's own state and without changing the
+        receiver-side state (a stage can be sender and receiver of different boundaries)."""
+        return self.decode(payload, ctx, shape)
+
     def roundtrip(self, t: torch.Tensor, ctx: BoundaryContext) -> torch.Tensor:
         """Single-process reference of decode(encode(t)), with the same state updates as
         the two ends of a pipeline (no grad)."""

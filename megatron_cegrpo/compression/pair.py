@@ -87,6 +87,9 @@ class PairCodec(BoundaryCodec):
     def decode_forward(self, payload, ctx, shape):
         return self.fwd.decode(payload, ctx, shape)
 
+    def decode_sent_forward(self, payload, ctx, shape):
+        return self.fwd.decode_sent(payload, ctx, shape)
+
     def encode_backward(self, grad, ctx):
         return self.bwd.encode(grad, ctx)
 

@@ -181,20 +181,33 @@ class SubspaceQuantHalf(DirectionCodec):
         return bytes_to_wire(parts + [payload], t.dtype)
 
     def decode(self, payload, ctx, shape):
+        return self._decode(payload, ctx, shape, "recv")
+
+    def decode_sent(self, payload, ctx, shape):
+        """At the sender, after :meth:`encode`: the payload carries a basis iff its length is
+        that of a first message (the two lengths differ by the basis' r(2d + 4) bytes); the
+        basis otherwise comes from the send-side state; nothing is remembered."""
+        return self._decode(payload, ctx, shape, "send")
+
+    def _decode(self, payload, ctx, shape, role: str):
         s, b, d = _check_shape(shape)
         elem = payload.element_size()
         r = self.basis_rows(shape, elem)
-        reader = ByteReader(wire_to_bytes(payload))
         key, k = (ctx.boundary, ctx.step), self.outlier_count(shape)
+        if role == "send":
+            carries = payload.numel() * elem == self.nbytes(shape, elem, True)
+        else:
+            carries = self._carries_basis(key, "recv")
+        reader = ByteReader(wire_to_bytes(payload))
         idx = reader.take_as((k,), torch.int32).to(payload.device).long()
         rows = reader.take_as((k, d), torch.float16).to(payload.device).float()
-        if self._carries_basis(key, "recv"):
+        if carries:
             v = reader.take_as((r, d), torch.float16).to(payload.device).float()
             lam_list = reader.take_as((r,), torch.float32).tolist()
-            if self.refresh == "step":
+            if self.refresh == "step" and role == "recv":
                 self._remember("recv", key, (v, lam_list))
         else:
-            v, lam_list = self._state["recv"][key]
+            v, lam_list = self._state[role][key]
         bits = allocate_bits(lam_list, self.coef_bits(shape, elem), self.max_bits)
         c_hat = dequantize_columns(reader, s * b, bits, device=payload.device)
         out = (c_hat @ v).index_copy(0, idx, rows)

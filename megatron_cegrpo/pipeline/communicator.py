@@ -216,7 +216,8 @@ class CompressedP2PCommunicator(P2PCommunicator):
                 shape = shape or tuple(tensor_send_next.shape)
                 basis_reqs += self._send_basis(ctx_next_send)
                 if self.error_tracker is not None:
-                    x_hat = self.codec.decode_forward(payload_next, ctx_next_send, tuple(tensor_send_next.shape))
+                    x_hat = self.codec.decode_sent_forward(payload_next, ctx_next_send,
+                                                          tuple(tensor_send_next.shape))
                     self.error_tracker.add(self.pp_rank, tensor_send_next, x_hat)
             if tensor_send_prev is not None:
                 ctx_prev_send = self._context(self.pp_rank - 1, "send_prev")

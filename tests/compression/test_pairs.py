@@ -209,3 +209,19 @@ def test_outlier_tokens_travel_whole_and_stop_setting_the_scales():
     assert torch.equal(y[0], x[0].half().float())
     _, e0 = err("pcaq/rank=24/outliers=0:dense")
     assert e1 < 0.1 * e0
+
+
+def test_sender_decode_of_its_own_payloads_equals_the_receivers_across_passes():
+    """codec/error_persistence decodes at the sender: for the first message of a step (basis
+    on board) and later ones (basis from the send-side state, e.g. an update pass whose
+    old-logprob pass was not tracked) it must equal what the receiver decodes, and leave the
+    receive-side state alone."""
+    sender, receiver = build_codec("pcaq/rank=8:lrq/rank=4", 0.25), build_codec("pcaq/rank=8:lrq/rank=4", 0.25)
+    shape = (12, 2, 32)
+    payloads = [sender.encode_forward(_lowrank_data(shape, seed=i), _ctx()) for i in range(3)]
+    assert payloads[0].numel() > payloads[1].numel() == payloads[2].numel()  # the basis rides on the first
+    at_sender = [sender.decode_sent_forward(p, _ctx(), shape) for p in payloads[::-1]][::-1]  # later ones first
+    at_receiver = [receiver.decode_forward(p, _ctx(), shape) for p in payloads]
+    for a, b in zip(at_sender, at_receiver):
+        assert torch.equal(a, b)
+    assert not sender.fwd._state["recv"]  # the sender's receive-side state stays empty
