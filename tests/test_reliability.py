@@ -334,8 +334,8 @@ CASES = [
          setup=_checkpoint([]), doc_input="resume (--load = --save) with --lr 2e-6, trained with 1e-6"),
     Case("resume-changed-anchor", "checkpoint", [],
          "{tmp}/ckpt/iter_0000003/meta.json: this run changes options the checkpoint was trained with "
-         "(checkpoint -> this run): --anchor-ranks 0 -> 1, --seed 1234 -> 7; fix: resume with the checkpoint's "
-         "settings (--anchor-ranks 0; --seed 1234), or start a new run from its weights with another --save "
+         "(checkpoint -> this run): --anchor-ranks 0 -> 1, --holdout-seed 1234 -> 7, --seed 1234 -> 7; fix: resume "
+         "with the checkpoint's settings (--anchor-ranks 0; --holdout-seed 1234; --seed 1234), or start a new run from its weights with another --save "
          "(a weights-only copy: tools/checkpoint/convert.py --loader megatron --saver megatron)",
          setup=_checkpoint([], run_argv=["--anchor-ranks", "1", "--seed", "7"]), env={"WORLD_SIZE": "2"},
          doc_input="resume with --anchor-ranks 1 --seed 7, trained with 0 and 1234"),

@@ -181,7 +181,7 @@ def _measure_codec(trainer, probe, codec, tracker, batch, t: int, save: Optional
     if save:
         names = [nm for nm, p in stage.model.named_parameters() if p.requires_grad]
         grads = {nm: p.grad.detach().float().clone() for nm, p in zip(names, stage.params)
-                 if p.grad is not None and not stage.is_duplicate_tied_weight(p)}
+                 if p.grad is not None and stage.counted_here(p)}
         torch.save(grads, os.path.join(save, f"grad_{name.replace('/', '_')}_b{t}_rank{trainer.ctx.rank}.pt"))
     stage.optimizer.zero_grad(set_to_none=True)
     local = {k: v for k, v in meter.snapshot_and_reset().items() if k != "comm/bytes_ratio"}

@@ -58,6 +58,8 @@ import os
 import sys
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from megatron_cegrpo.bootstrap import bootstrap
+
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
 #: Fields of each arm in summary.json, in this order (issue 11, "What to build" 3).
@@ -314,8 +316,6 @@ def write_report(study_dir: str, docs_dir: str) -> Dict:
 
 
 def main(argv=None) -> int:
-    from megatron_cegrpo.bootstrap import bootstrap
-
     bootstrap()
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("study_dir", nargs="?", default=os.environ.get("STUDY_DIR", "/work/study-runs/study"))

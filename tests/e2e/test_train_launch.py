@@ -79,7 +79,8 @@ def test_torchrun_dense_codec_has_no_mismatch(tmp_path):
     (tmp_path / "reward.py").write_text(REWARD)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
            "--master-port", str(free_port()), "megatron_cegrpo/train.py", *COMMON,
-           "--boundary-codec", "dense", "--custom-reward-function", f"{tmp_path / 'reward.py'}:parity_reward",
+           "--boundary-codec", "dense", "--tied-embedding-sync", "allreduce",
+           "--custom-reward-function", f"{tmp_path / 'reward.py'}:parity_reward",
            "--log-dir", str(tmp_path / "run")]
     cmd += ["--eval-interval", "3", "--eval-datasets", "mawps,gsm8k/test", "--eval-limit", "2",
             "--eval-max-new-tokens", "4"]
@@ -91,7 +92,8 @@ def test_torchrun_dense_codec_has_no_mismatch(tmp_path):
     _common_checks(metrics)
     for m in metrics:
         assert m["comm/bytes_ratio"] == 1.0
-        # dense everywhere and no anchor: the whole step is its own dense-everything reference
+        # dense everywhere (the tied embedding all-reduced) and no anchor: the whole step is its own
+        # dense-everything reference
         assert m["comm/total_bytes"] == m["comm/total_dense_bytes"] > m["comm/dense_equiv_bytes"] > 0
         assert m["comm/total_ratio"] == 1.0
         # the dense pipeline and the sampler hold the same weights: log-probs agree
