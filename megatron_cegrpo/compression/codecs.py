@@ -71,14 +71,24 @@ def register_codec(name: str) -> Callable[[Type["BoundaryCodec"]], Type["Boundar
     def deco(cls: Type["BoundaryCodec"]) -> Type["BoundaryCodec"]:
         if not (isinstance(cls, type) and issubclass(cls, BoundaryCodec)):
             raise ValueError(f"register_codec({name!r}) expects a BoundaryCodec subclass, got {cls!r}")
-        existing = _REGISTRY.get(name)
-        if existing is not None and existing is not cls:
-            raise ValueError(f"codec name {name!r} already registered to {existing.__name__}")
-        _REGISTRY[name] = cls
-        cls.name = name
-        return cls
+        return register_into(_REGISTRY, "codec name", name, cls)
 
     return deco
+
+
+def register_into(registry: Dict[str, type], what: str, name: str, cls: type) -> type:
+    """Put ``cls`` into ``registry`` under ``name`` and set ``cls.name`` (the codec and
+    half-codec registries share this).
+
+    Raises:
+        ValueError: ``name`` already registered to another class (message starts with ``what``).
+    """
+    existing = registry.get(name)
+    if existing is not None and existing is not cls:
+        raise ValueError(f"{what} {name!r} already registered to {existing.__name__}")
+    registry[name] = cls
+    cls.name = name
+    return cls
 
 
 def available_codecs() -> List[str]:

@@ -25,7 +25,7 @@ from typing import Callable, Dict, List, Tuple, Type
 
 import torch
 
-from .codecs import BoundaryContext, MaskCodec, _check_shape
+from .codecs import BoundaryContext, MaskCodec, _check_shape, register_into
 
 __all__ = ["DirectionCodec", "DenseHalf", "MaskHalf", "register_half", "get_half", "available_halves"]
 
@@ -40,11 +40,7 @@ def register_half(name: str) -> Callable[[Type["DirectionCodec"]], Type["Directi
     """
 
     def deco(cls):
-        if _HALVES.get(name, cls) is not cls:
-            raise ValueError(f"half codec {name!r} already registered to {_HALVES[name].__name__}")
-        _HALVES[name] = cls
-        cls.name = name
-        return cls
+        return register_into(_HALVES, "half codec", name, cls)
 
     return deco
 
