@@ -214,20 +214,21 @@ class LowRankCodec(BoundaryCodec):
         q = self._refresh_if_new_step(x, ctx)
         return (x.detach() @ q).contiguous()
 
-    def decode_forward(self, payload, ctx, shape):
+    def _expand(self, payload, ctx, shape):
+        """P Q^T for a payload [s, b, r] (both directions). Raises ValueError on a wrong shape."""
         s, b, d = _check_shape(shape)
         if tuple(payload.shape) != self.payload_shape(shape):
             raise ValueError(f"payload shape {tuple(payload.shape)} != {self.payload_shape(shape)}")
         return payload @ self._installed(ctx, d, payload.dtype).t()
+
+    def decode_forward(self, payload, ctx, shape):
+        return self._expand(payload, ctx, shape)
 
     def encode_backward(self, grad, ctx):
         return (grad.detach() @ self._installed(ctx, grad.shape[-1], grad.dtype)).contiguous()
 
     def decode_backward(self, payload, ctx, shape):
-        s, b, d = _check_shape(shape)
-        if tuple(payload.shape) != self.payload_shape(shape):
-            raise ValueError(f"payload shape {tuple(payload.shape)} != {self.payload_shape(shape)}")
-        return payload @ self._installed(ctx, d, payload.dtype).t()
+        return self._expand(payload, ctx, shape)
 
     def forward_map(self, x, ctx):
         """Single-process reference ``(x Q) Q^T`` (refreshing Q as the sender would)."""
