@@ -44,3 +44,6 @@ deepspeed --num_gpus "$((PP + ANCHOR_RANKS))" --master_port "$MASTER_PORT" megat
   --deepspeed_config ds_configs/cpu_adamw.json \
   --log-dir "$LOG_DIR" \
   "$@"
+echo "[demo] done; metrics in $LOG_DIR/metrics.jsonl. $TRAIN_ITERS iterations on ${NUM_HOLDOUT:-48} held-out rows"
+echo "[demo] cannot show learning; the side-by-side learning study (dense vs mask vs mask + anchor, 300 held-out rows) is"
+echo "[demo] docs/study.md, run by examples/study_cpu.sh."

@@ -4,7 +4,7 @@
 #
 #   dense                  the byte-matched control (no compression, no anchor)     SEEDS
 #   mask                   exact-k PRF mask at 5 %, no anchor                        first seed
-#   mask_anchor            mask + dense anchor, c = K = TRAIN_ITERS / 5               SEEDS
+#   mask_anchor            mask + dense anchor, c = K = TRAIN_ITERS / 6               SEEDS
 #                          (the seeds: c = K = 20 over 100 steps)
 #   mask_anchor_constmag   mask + anchor, sign blend with |G_comp| replaced by
 #                          mean |G_comp| per tensor, alpha 0 beta 1 (every corrected
@@ -34,26 +34,29 @@ STUDY_LOCK=${STUDY_LOCK:-/tmp/smollm2.lock}
 PYTHON=${PYTHON:-python}
 SEEDS=${SEEDS:-"1234 4321"}
 FIRST_SEED=${SEEDS%% *}
-TRAIN_ITERS=${TRAIN_ITERS:-40}
-ANCHOR_INTERVAL=${ANCHOR_INTERVAL:-$(( TRAIN_ITERS / 5 > 0 ? TRAIN_ITERS / 5 : 1 ))}
+TRAIN_ITERS=${TRAIN_ITERS:-48}
+ANCHOR_INTERVAL=${ANCHOR_INTERVAL:-$(( TRAIN_ITERS / 6 > 0 ? TRAIN_ITERS / 6 : 1 ))}
 ANCHOR_DELAY=${ANCHOR_DELAY:-$ANCHOR_INTERVAL}
-SAVE_INTERVAL=${SAVE_INTERVAL:-$ANCHOR_INTERVAL}
+SAVE_INTERVAL=${SAVE_INTERVAL:-8}
+# compressed arms: the codec's gradient against the dense-boundary gradient every N iterations
+# (fidelity/cos; one more dense forward+backward on those iterations, docs/fidelity.md); 0: off
+FIDELITY_INTERVAL=${FIDELITY_INTERVAL:-$(( TRAIN_ITERS / 4 > 0 ? TRAIN_ITERS / 4 : 1 ))}
 MASTER_PORT=${MASTER_PORT:-29571}
 KEEP_CKPT=${KEEP_CKPT:-0}
 
 # The learnable configuration (issue 11, "What to build" 1; see docs/study.md for how it was chosen).
 TRAIN_DATA=${TRAIN_DATA:-mawps/singleop}
-TEMPLATE=${TEMPLATE:-plain}
+TEMPLATE=${TEMPLATE:-answer_is}
 NUM_HOLDOUT=${NUM_HOLDOUT:-300}
 HOLDOUT_SEED=${HOLDOUT_SEED:-1234}
 EVAL_DATA=${EVAL_DATA:-mawps/multiarith}
 EVAL_LIMIT=${EVAL_LIMIT:-300}
-MAX_NEW_TOKENS=${MAX_NEW_TOKENS:-128}
+MAX_NEW_TOKENS=${MAX_NEW_TOKENS:-64}
 EVAL_MAX_NEW_TOKENS=${EVAL_MAX_NEW_TOKENS:-$MAX_NEW_TOKENS}
 ROLLOUT_BATCH=${ROLLOUT_BATCH:-4}
 GROUP=${GROUP:-8}
-LR=${LR:-2e-6}
-TEMPERATURE=${TEMPERATURE:-1.0}
+LR=${LR:-1e-5}
+TEMPERATURE=${TEMPERATURE:-0.7}
 KEEP_RATIO=${KEEP_RATIO:-0.05}
 # no KL term (the seeds): no reference model, so no actor/kl_loss and no KL figure; KL_COEF=0.001
 # draws the KL curve at the cost of one reference forward pass a step (about 15 % of a step)
@@ -103,6 +106,9 @@ run_arm() {  # run_arm ARM SEED
   fi
   # shellcheck disable=SC2206
   local extra_flags=(${extra:-})
+  if [[ "$codec" != dense && "$FIDELITY_INTERVAL" != 0 ]]; then
+    extra_flags+=(--grad-fidelity-interval "$FIDELITY_INTERVAL")
+  fi
   local cmd=(flock "$STUDY_LOCK" deepspeed --num_gpus "$((2 + anchor))" --master_port "$MASTER_PORT"
     megatron_cegrpo/train.py
     --model smollm2-135m-instruct --train-data "$TRAIN_DATA" --prompt-template "$TEMPLATE"

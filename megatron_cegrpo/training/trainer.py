@@ -231,7 +231,8 @@ class GRPOTrainer:
                 summary["final"] = after
                 self.driver.write({"step": self.iteration, **after})
                 self._log(f"held-out greedy accuracy after {self.iteration} iterations: "
-                          f"{after['val/holdout/acc']:.3f} ({after['val/holdout/num_rows']} rows)")
+                          f"{after['val/holdout/acc']:.3f} ± {after['val/holdout/acc_stderr']:.3f} "
+                          f"({after['val/holdout/num_rows']} rows, ± one standard error)")
         if self.driver is None:
             return None
         summary["last_metrics"] = last
@@ -249,8 +250,9 @@ class GRPOTrainer:
             if before:
                 out["initial"] = before
                 self.driver.write({"step": 0, **before})
-                self._log(f"held-out greedy accuracy before training: {before['val/holdout/acc']:.3f} "
-                          f"({before['val/holdout/num_rows']} rows, {before['timing_s/eval']:.0f} s)")
+                self._log(f"held-out greedy accuracy before training: {before['val/holdout/acc']:.3f} ± "
+                          f"{before['val/holdout/acc_stderr']:.3f} ({before['val/holdout/num_rows']} rows, "
+                          f"{before['timing_s/eval']:.0f} s)")
         return out
 
     def _progress(self, m: Dict, bar) -> None:
