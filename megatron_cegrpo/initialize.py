@@ -121,24 +121,8 @@ def initialize_distributed(pipeline_model_parallel_size: int, seed: int,
         if cpu:
             _unlink_deepspeed_shm_buffer()
     world = dist.get_world_size()
-    if anchor_ranks not in (0, 1):
-        raise ConfigError(f"--anchor-ranks must be 0 or 1 in this version, got {anchor_ranks}; fix: pass 0 or 1")
     tp = int(tensor_model_parallel_size)
-    if tp > 1 and anchor_ranks:
-        raise ConfigError(f"--tensor-model-parallel-size {tp} with --anchor-ranks {anchor_ranks}: the anchor's "
-                          "dense replica takes unsharded shipments (not in this version); fix: pass --anchor-ranks 0")
-    if anchor_ranks and world != pipeline_model_parallel_size + anchor_ranks:
-        raise ConfigError(
-            f"world size {world} != --pipeline-model-parallel-size ({pipeline_model_parallel_size}) + "
-            f"--anchor-ranks ({anchor_ranks}); fix: launch with --num_gpus "
-            f"{pipeline_model_parallel_size + anchor_ranks}"
-        )
-    if not anchor_ranks and world % (tp * pipeline_model_parallel_size):
-        raise ConfigError(
-            f"world size {world} is not a multiple of --tensor-model-parallel-size ({tp}) x "
-            f"--pipeline-model-parallel-size ({pipeline_model_parallel_size}); fix: launch with --num_gpus "
-            f"{tp * pipeline_model_parallel_size}"
-        )
+    _check_layout(world, pipeline_model_parallel_size, tp, anchor_ranks)
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     if not cpu:
@@ -175,6 +159,27 @@ def initialize_distributed(pipeline_model_parallel_size: int, seed: int,
         tp_rank=parallel_state.get_tensor_model_parallel_rank(), tp_size=tp,
         tp_group=parallel_state.get_tensor_model_parallel_group(),
     )
+
+
+def _check_layout(world: int, pp: int, tp: int, anchor_ranks: int) -> None:
+    """The launch fits TP x PP (x DP) + anchor ranks. Raises ConfigError naming the flags."""
+    if anchor_ranks not in (0, 1):
+        raise ConfigError(f"--anchor-ranks must be 0 or 1 in this version, got {anchor_ranks}; fix: pass 0 or 1")
+    if tp > 1 and anchor_ranks:
+        raise ConfigError(f"--tensor-model-parallel-size {tp} with --anchor-ranks {anchor_ranks}: the anchor's "
+                          "dense replica takes unsharded shipments (not in this version); fix: pass --anchor-ranks 0")
+    if anchor_ranks and world != pp + anchor_ranks:
+        raise ConfigError(
+            f"world size {world} != --pipeline-model-parallel-size ({pp}) + "
+            f"--anchor-ranks ({anchor_ranks}); fix: launch with --num_gpus "
+            f"{pp + anchor_ranks}"
+        )
+    if not anchor_ranks and world % (tp * pp):
+        raise ConfigError(
+            f"world size {world} is not a multiple of --tensor-model-parallel-size ({tp}) x "
+            f"--pipeline-model-parallel-size ({pp}); fix: launch with --num_gpus "
+            f"{tp * pp}"
+        )
 
 
 def _pipeline_groups_with_peer_lifetime_timeout(world: int, pp: int) -> Any:

@@ -86,18 +86,19 @@ def test_tp2_pp2_equals_tp1_pp2(runs, codec):
 
 
 @pytest.mark.parametrize("codec", CODECS)
-def test_each_tp_rank_sends_the_tp1_payload(runs, codec):
-    """Every TP rank sends its own copy of the stage's boundary payload to the same TP rank of
-    the neighbouring stage: per rank exactly the TP = 1 bytes (k/d of dense for the mask)."""
+def test_tp_ranks_split_the_tp1_payload(runs, codec):
+    """Each TP rank sends 1/T of the stage's boundary payload (the receivers all-gather it): per
+    rank exactly half the TP = 1 bytes, so the boundary carries the TP = 1 bytes (k/d of dense
+    for the mask; the pieces need no padding here)."""
     ratio = {"dense": 1.0, "mask": 16 / 64}[codec]  # k = ceil(0.25 * 64)
     fwd = 2 * 4 * 16 * 2 * 64 * 4 * ratio  # 2 passes x 4 micro-batches x [S=16, mbs=2, d=64] fp32
     for tp in (1, 2):
         for r in runs[tp]:
             m = r[codec]["meter"]
             if r["pp_rank"] == 0:
-                assert (m["comm/fwd_bytes"], m["comm/bwd_bytes"]) == (fwd, 0)
+                assert (m["comm/fwd_bytes"], m["comm/bwd_bytes"]) == (fwd / tp, 0)
             else:
-                assert (m["comm/fwd_bytes"], m["comm/bwd_bytes"]) == (0, fwd / 2)  # one backward pass
+                assert (m["comm/fwd_bytes"], m["comm/bwd_bytes"]) == (0, fwd / 2 / tp)  # one backward pass
             assert m["comm/bytes_ratio"] == ratio
 
 

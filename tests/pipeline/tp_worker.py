@@ -42,7 +42,8 @@ def main(args):
                                 pp_size=ctx.pp_size, pg_collection=ctx.pg_collection, tp_rank=ctx.tp_rank,
                                 tp_size=ctx.tp_size)
     tf, model = policy.tf_config, policy.model
-    comm = CompressedP2PCommunicator(ctx.pp_group, tf, codec_for("dense"), ByteMeter(), seed=SEED)
+    comm = CompressedP2PCommunicator(ctx.pp_group, tf, codec_for("dense"), ByteMeter(), seed=SEED,
+                                     tp_group=ctx.tp_group)
     runner = PipelineRunner(comm, ctx.pg_collection, MBS, ctx.pp_size)
     batch = make_batch(policy.hf_config.vocab_size)
     total = batch["loss_mask"].sum()
