@@ -37,7 +37,7 @@ import torch
 
 from megatron_cegrpo.models.name_map import is_ignored_key
 
-__all__ = ["partition_dim", "shard_stage_state_dict", "merge_tp_shards"]
+__all__ = ["partition_dim", "shard_stage_state_dict", "merge_tp_shards", "gather_tp_stage_state_dict"]
 
 #: stage-local parameter name suffix -> the dimension megatron splits over the TP ranks
 _SPLIT = {
@@ -138,3 +138,38 @@ def merge_tp_shards(shards: List[Dict[str, torch.Tensor]]) -> Dict[str, torch.Te
         else:
             out[name] = torch.cat(parts, dim=dim)
     return out
+
+
+def gather_tp_stage_state_dict(stage_sd: Dict[str, torch.Tensor], tp_group) -> Dict[str, torch.Tensor]:
+    """The whole stage from this rank's TP shard: a collective over ``tp_group`` (every TP rank
+    of the stage calls it with its own shard, same names in the same order). Each TP-split
+    tensor is all-gathered (``torch.distributed.all_gather``, gloo or NCCL) and the pieces merged
+    as :func:`merge_tp_shards` does; replicated tensors are returned as held (TP rank 0's copy is
+    equal). For the driver's sampler / evaluation / weight sync and the anchor's shipments, which
+    take whole weights.
+
+    Args:
+        stage_sd: this TP rank's stage parameters (megatron names, e.g. ``model.state_dict()``
+            without ``*._extra_state``).
+        tp_group: the stage's tensor-parallel group; None or size 1 returns ``stage_sd`` as is.
+    Returns:
+        names -> whole tensors (new tensors for the split ones), on every TP rank.
+    """
+    import torch.distributed as dist
+
+    if tp_group is None or tp_group.size() == 1:
+        return dict(stage_sd)
+    tp = tp_group.size()
+    shards: List[Dict[str, torch.Tensor]] = [{} for _ in range(tp)]
+    for name, t in stage_sd.items():
+        if is_ignored_key(name):
+            continue
+        if partition_dim(name) is None:
+            for sd in shards:
+                sd[name] = t
+            continue
+        parts = [torch.empty_like(t) for _ in range(tp)]
+        dist.all_gather(parts, t.detach().contiguous(), group=tp_group)
+        for sd, part in zip(shards, parts):
+            sd[name] = part
+    return merge_tp_shards(shards)

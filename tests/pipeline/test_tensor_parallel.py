@@ -62,6 +62,15 @@ def test_shard_table_matches_megatron_partition_dims(runs):
             assert partition_dim(name) == split.get(name), name
 
 
+def test_gathered_stage_equals_the_tp1_stage(runs):
+    """What the driver's sampler and evaluation would take: every TP rank's all-gathered stage
+    is bit-identical to the TP = 1 stage."""
+    for r in runs[2]:
+        ref = runs[1][r["pp_rank"]]["params"]
+        got = r["gathered"]
+        assert got.keys() == ref.keys() and all(torch.equal(got[k], ref[k]) for k in ref)
+
+
 @pytest.mark.parametrize("codec", CODECS)
 def test_tp2_pp2_equals_tp1_pp2(runs, codec):
     from megatron_cegrpo.models.tp_shard import merge_tp_shards
@@ -83,6 +92,10 @@ def test_tp2_pp2_equals_tp1_pp2(runs, codec):
         assert merged.keys() == ref.keys()
         for name in ref:
             torch.testing.assert_close(merged[name], ref[name], rtol=0, atol=GRAD_ATOL, msg=lambda m: f"{name}: {m}")
+    # the clipping norm over megatron's model-parallel group (TP x PP), the same on every rank
+    norms = {r[codec + "_grad_norm"] for r in runs[2]}
+    assert len(norms) == 1 and len({r[codec + "_grad_norm"] for r in runs[1]}) == 1
+    assert abs(norms.pop() - runs[1][0][codec + "_grad_norm"]) < 1e-6 * runs[1][0][codec + "_grad_norm"]
 
 
 @pytest.mark.parametrize("codec", CODECS)
@@ -116,7 +129,7 @@ def _write_checkpoint(save_dir, ranks, tp, hf_config):
     tmp = ck.begin_save(str(save_dir), 0)
     for r in ranks:
         ck.write_stage_file(tmp, r["pp_rank"], ck.model_file_name(r["tp_rank"], tp), r["params"])
-    meta = ck.make_meta(hf_config=hf_config, pp_size=2, model_name="tiny-llama", params_dtype="float32", tp_size=tp)
+    meta = ck.make_meta(hf_config=hf_config, pp_size=2, model_name=None, params_dtype="float32", tp_size=tp)
     return ck.commit_save(str(save_dir), tmp, 0, meta)
 
 

@@ -8,9 +8,11 @@ the tiny model), megatron-core's 1F1B schedule through CompressedP2PCommunicator
 codec (dense, then mask at keep ratio 0.25) it runs the forward-only log-prob pass and the
 forward+backward pass of ``pipeline_worker``'s batch, sums the tied-embedding gradients
 over megatron's embedding group, and saves per codec: the last stage's losses and log-probs,
-every gradient (this rank's TP shard, global layer names), the meter; plus the stage's
+every gradient (this rank's TP shard, global layer names), the meter, the global gradient norm
+(``optim.hooks.GradClipHook`` over megatron's model-parallel group); plus the stage's
 parameters (its TP shard, stage-local names as in a checkpoint) and megatron's own
-``partition_dim`` of each TP-split parameter.
+``partition_dim`` of each TP-split parameter, and the whole stage all-gathered from the TP
+ranks (``tp_shard.gather_tp_stage_state_dict``).
 """
 
 import argparse
@@ -23,6 +25,22 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from pipeline_worker import MBS, SEED, STEP, codec_for, global_name, loss_fn, make_batch  # noqa: E402
+
+
+def _global_grad_norm(model, ctx) -> float:
+    """GradClipHook's norm over the model-parallel group (TP x PP): TP-split gradients from every
+    TP rank, replicated ones from TP rank 0 only (megatron's param_is_not_tensor_parallel_duplicate),
+    the last stage's tied output copy left out (it duplicates the first stage's embedding)."""
+    from megatron.core.tensor_parallel.layers import param_is_not_tensor_parallel_duplicate
+
+    from megatron_cegrpo.optim.hooks import GradClipHook
+
+    params = list(model.parameters())
+    dup = model.shared_embedding_or_output_weight() if ctx.pp_rank > 0 else None
+    counted = [p for p in params if param_is_not_tensor_parallel_duplicate(p, ctx.tp_group) and p is not dup]
+    hook = GradClipHook(params, counted, 0.0, group=ctx.pg_collection.mp)
+    hook(None, (), {})
+    return hook.last_grad_norm
 
 
 def main(args):
@@ -60,11 +78,17 @@ def main(args):
             model.zero_grad(set_to_none=True)
             upd = runner.run(model, batch, step=STEP, forward_only=False, loss_fn=partial(loss_fn, total))
         allreduce_tied_embedding_grads(model, ctx.embd_group)
+        out[name + "_grad_norm"] = _global_grad_norm(model, ctx)
         out[name] = {"losses": [o["loss"] for o in upd], "logprobs": [o["logprobs"] for o in upd],
                      "fwd_logprobs": [o["logprobs"] for o in fwd], "meter": meter.snapshot_and_reset(),
                      "grads": {global_name(n, offset): p.grad.clone() for n, p in model.named_parameters()
                                if p.grad is not None}}
     comm.close()
+    # the whole stage on every TP rank, for the driver's sampler / evaluation (after the updates' grads:
+    # parameters are unchanged, so it must equal the TP = 1 stage)
+    from megatron_cegrpo.models.tp_shard import gather_tp_stage_state_dict
+
+    out["gathered"] = gather_tp_stage_state_dict({n: p.detach() for n, p in model.named_parameters()}, ctx.tp_group)
     torch.save(out, os.path.join(args.out, f"tp{args.tp}_rank{ctx.rank}.pt"))
 
 
