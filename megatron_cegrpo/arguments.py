@@ -202,6 +202,9 @@ class ParallelConfig:
 
     pipeline_model_parallel_size: int = option(
         2, "pipeline stages P (Megatron); the launch has P + --anchor-ranks ranks")
+    tensor_model_parallel_size: int = option(
+        1, "tensor-parallel ranks T inside each stage (Megatron; megatron-core's tensor-parallel layers, TP "
+           "fastest in the rank order); the launch has T x P ranks (docs/parallelism.md)")
     decoder_first_pipeline_num_layers: Optional[int] = option(
         None, "transformer layers of the first stage for an uneven split (Megatron; default: an even split)")
     decoder_last_pipeline_num_layers: Optional[int] = option(
@@ -226,6 +229,8 @@ class ParallelConfig:
         count is checked once the model config is known). Raises ConfigError."""
         pp = "--pipeline-model-parallel-size"
         _check_int(pp, self.pipeline_model_parallel_size, 1, f"e.g. {pp} 2 (stages; ranks = stages + --anchor-ranks)")
+        _check_int("--tensor-model-parallel-size", self.tensor_model_parallel_size, 1,
+                   "e.g. --tensor-model-parallel-size 2 (a divisor of the model's attention and KV heads)")
         for flag, n in (("--decoder-first-pipeline-num-layers", self.decoder_first_pipeline_num_layers),
                         ("--decoder-last-pipeline-num-layers", self.decoder_last_pipeline_num_layers)):
             if n is not None:
@@ -788,7 +793,13 @@ class TrainConfig:
                 "--grad-fidelity-interval or run with --pipeline-model-parallel-size >= 2"
             )
         self._validate_codec()
-        expected = p.pipeline_model_parallel_size + self.anchor.anchor_ranks
+        tp = p.tensor_model_parallel_size
+        expected = tp * p.pipeline_model_parallel_size + self.anchor.anchor_ranks
+        if world_size is not None and world_size != expected and tp > 1:
+            raise ConfigError(
+                f"world size {world_size} != --tensor-model-parallel-size ({tp}) x --pipeline-model-parallel-size "
+                f"({p.pipeline_model_parallel_size}) + --anchor-ranks ({self.anchor.anchor_ranks}); fix: launch with "
+                f"`deepspeed --num_gpus {expected}` (or `torchrun --nproc-per-node {expected}`)")
         if world_size is not None and world_size != expected:
             alt = ""
             if self.anchor.anchor_ranks and world_size == p.pipeline_model_parallel_size:

@@ -42,6 +42,15 @@ KNOWN_WARNINGS: Tuple[Tuple[str, type, str], ...] = (
     (r"Apex is not installed", UserWarning,
      "megatron-core falls back to torch's LayerNorm / RMSNorm; the local layer spec this "
      "project builds uses those on every machine"),
+    (r"When using async grad allreduce it is recommended to set the environment variable "
+     r"CUDA_DEVICE_MAX_CONNECTIONS", UserWarning,
+     "megatron-core's tensor-parallel linear layers at --tensor-model-parallel-size > 1: the variable "
+     "orders CUDA streams so that the backward all-reduce overlaps the weight-gradient GEMM; on CPU "
+     "(gloo) there are no streams, and on GPU it only affects overlap, not results"),
+    (r"`torch.distributed.all_gather_into_tensor` is deprecated", FutureWarning,
+     "torch 2.13 on megatron-core 0.16.1's tensor-parallel all-gather (the last stage's logits at "
+     "--tensor-model-parallel-size > 1): the call works (gloo and NCCL); megatron-core has not moved "
+     "to all_gather_single yet"),
     (r"full scope is deprecated", UserWarning,
      "TransformerConfig.__post_init__ with its default cuda_graph_scope='full': CUDA graphs "
      "are never enabled here (no cuda_graph_impl), so the scope is never used"),

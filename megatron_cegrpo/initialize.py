@@ -35,6 +35,10 @@ PEER_LIFETIME_TIMEOUT = timedelta(days=30)
 
 @dataclass
 class DistContext:
+    """This rank's place and groups. ``tp_rank``/``tp_size``/``tp_group``: its tensor-parallel
+    group inside a stage (``--tensor-model-parallel-size``; Megatron's rank order, TP fastest:
+    global rank = pp_rank * tp_size + tp_rank when DP = 1)."""
+
     rank: int
     world_size: int
     local_rank: int
@@ -52,6 +56,9 @@ class DistContext:
     rollout_group: Any = None
     # every rank (stages + anchor), with PEER_LIFETIME_TIMEOUT: all anchor traffic (anchor/transport.py)
     anchor_group: Any = None
+    tp_rank: int = 0
+    tp_size: int = 1
+    tp_group: Any = None
 
     @property
     def is_driver(self) -> bool:
@@ -80,7 +87,7 @@ def set_seed(seed: int) -> None:
 
 def initialize_distributed(pipeline_model_parallel_size: int, seed: int,
                            num_threads: Optional[int] = None, anchor_ranks: int = 0,
-                           timeout_minutes: float = 10.0) -> DistContext:
+                           timeout_minutes: float = 10.0, tensor_model_parallel_size: int = 1) -> DistContext:
     """Init torch.distributed through DeepSpeed, then megatron-core's model-parallel groups.
 
     Backend: gloo without CUDA (the compat layer is applied first), nccl with it.
@@ -90,6 +97,9 @@ def initialize_distributed(pipeline_model_parallel_size: int, seed: int,
     ``0 .. P-1`` and the anchor gets a grid of its own (P stages + 1 anchor is not a
     shape ``parallel_state`` can express); the groups travel in the DistContext's
     ``pg_collection`` like in the plain case.
+
+    ``tensor_model_parallel_size`` (``--tensor-model-parallel-size``, TP): megatron's TP groups
+    (TP fastest), PP = world / TP without anchor ranks; TP > 1 with an anchor rank is refused.
 
     ``timeout_minutes`` (``--distributed-timeout-minutes``) bounds the trainer's collectives
     and pipeline transfers; the waits the schedule sizes (driver-only phases, the anchor
@@ -111,19 +121,8 @@ def initialize_distributed(pipeline_model_parallel_size: int, seed: int,
         if cpu:
             _unlink_deepspeed_shm_buffer()
     world = dist.get_world_size()
-    if anchor_ranks not in (0, 1):
-        raise ConfigError(f"--anchor-ranks must be 0 or 1 in this version, got {anchor_ranks}; fix: pass 0 or 1")
-    if anchor_ranks and world != pipeline_model_parallel_size + anchor_ranks:
-        raise ConfigError(
-            f"world size {world} != --pipeline-model-parallel-size ({pipeline_model_parallel_size}) + "
-            f"--anchor-ranks ({anchor_ranks}); fix: launch with --num_gpus "
-            f"{pipeline_model_parallel_size + anchor_ranks}"
-        )
-    if not anchor_ranks and world % pipeline_model_parallel_size:
-        raise ConfigError(
-            f"world size {world} is not a multiple of --pipeline-model-parallel-size="
-            f"{pipeline_model_parallel_size}; fix: launch with --num_gpus {pipeline_model_parallel_size}"
-        )
+    tp = int(tensor_model_parallel_size)
+    _check_layout(world, pipeline_model_parallel_size, tp, anchor_ranks)
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     if not cpu:
@@ -140,7 +139,7 @@ def initialize_distributed(pipeline_model_parallel_size: int, seed: int,
         return _initialize_with_anchor(pipeline_model_parallel_size, seed, world, local_rank, local_world, device)
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=1, pipeline_model_parallel_size=pipeline_model_parallel_size
+            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pipeline_model_parallel_size
         )
     rollout_group = _pipeline_groups_with_peer_lifetime_timeout(world, pipeline_model_parallel_size)
     set_seed(seed)
@@ -157,13 +156,36 @@ def initialize_distributed(pipeline_model_parallel_size: int, seed: int,
         pg_collection=pg,
         device=device,
         rollout_group=rollout_group,
+        tp_rank=parallel_state.get_tensor_model_parallel_rank(), tp_size=tp,
+        tp_group=parallel_state.get_tensor_model_parallel_group(),
     )
+
+
+def _check_layout(world: int, pp: int, tp: int, anchor_ranks: int) -> None:
+    """The launch fits TP x PP (x DP) + anchor ranks. Raises ConfigError naming the flags."""
+    if anchor_ranks not in (0, 1):
+        raise ConfigError(f"--anchor-ranks must be 0 or 1 in this version, got {anchor_ranks}; fix: pass 0 or 1")
+    if tp > 1 and anchor_ranks:
+        raise ConfigError(f"--tensor-model-parallel-size {tp} with --anchor-ranks {anchor_ranks}: the anchor's "
+                          "dense replica takes unsharded shipments (not in this version); fix: pass --anchor-ranks 0")
+    if anchor_ranks and world != pp + anchor_ranks:
+        raise ConfigError(
+            f"world size {world} != --pipeline-model-parallel-size ({pp}) + "
+            f"--anchor-ranks ({anchor_ranks}); fix: launch with --num_gpus "
+            f"{pp + anchor_ranks}"
+        )
+    if not anchor_ranks and world % (tp * pp):
+        raise ConfigError(
+            f"world size {world} is not a multiple of --tensor-model-parallel-size ({tp}) x "
+            f"--pipeline-model-parallel-size ({pp}); fix: launch with --num_gpus "
+            f"{tp * pp}"
+        )
 
 
 def _pipeline_groups_with_peer_lifetime_timeout(world: int, pp: int) -> Any:
     """A copy of this rank's pipeline group with :data:`PEER_LIFETIME_TIMEOUT` (every rank creates
-    every copy, in the same order, as ``new_group`` requires; TP = 1, so megatron's pipeline groups
-    are ``range(i, world, world // pp)``)."""
+    every copy, in the same order, as ``new_group`` requires; PP is megatron's slowest dimension, so
+    its pipeline groups are ``range(i, world, world // pp)`` for any TP x DP)."""
     from megatron.core import parallel_state
 
     mine = None

@@ -52,7 +52,8 @@ def preflight(cfg) -> None:
     process group exists (each rank finds the same result, so no rank waits on another).
 
     * ``--model`` resolves; its config fits ``--pipeline-model-parallel-size`` and the uneven
-      split, and ``--max-prompt-length + --max-new-tokens`` fits its positions;
+      split, ``--tensor-model-parallel-size`` divides its heads, KV heads, FFN and vocabulary
+      (and the trainer refuses TP > 1, ``_check_trainer_tensor_parallel``), and ``--max-prompt-length + --max-new-tokens`` fits its positions;
     * ``--boundary-codec``'s bytes fit the ``--boundary-keep-ratio`` it claims (PP >= 2);
     * ``--custom-reward-function`` loads and takes ``(response, ground_truth)``;
     * ``--train-data`` resolves and loads, ``--num-holdout`` leaves a training prompt, and
@@ -82,7 +83,8 @@ def preflight(cfg) -> None:
                           "or a .gguf file") from None
     p = cfg.parallel
     check_model_config(hf_config, p.pipeline_model_parallel_size, p.decoder_first_pipeline_num_layers,
-                       p.decoder_last_pipeline_num_layers)
+                       p.decoder_last_pipeline_num_layers, tensor_model_parallel_size=p.tensor_model_parallel_size)
+    _check_trainer_tensor_parallel(cfg)
     positions = int(getattr(hf_config, "max_position_embeddings", 0) or 0)
     r = cfg.rollout
     if positions and r.max_prompt_length + r.max_new_tokens > positions:
@@ -123,6 +125,21 @@ def preflight(cfg) -> None:
                                 num_layers_in_last=p.decoder_last_pipeline_num_layers, codec=cfg.codec)
             if "trainer_state.pt" in ck.stage_file_names(meta, 0):  # continues a run (not weights only)
                 ck.check_resume(meta, cfg.resume_options(), train_iters=cfg.optim.train_iters)
+
+
+def _check_trainer_tensor_parallel(cfg) -> None:
+    """The GRPO trainer runs at ``--tensor-model-parallel-size 1`` only in this version: the
+    stage passes, weight loading, checkpoints and conversion work at TP > 1 (docs/parallelism.md),
+    but the trainer's collectives around them (the rollout broadcast, gradient clipping, the
+    sampler's weight gather, the tied-embedding exchange, its checkpoint blobs and byte ledger)
+    span one TP rank per stage. Raises ConfigError naming the flag."""
+    tp = cfg.parallel.tensor_model_parallel_size
+    if tp > 1:
+        raise ConfigError(
+            f"--tensor-model-parallel-size {tp}: the GRPO trainer does not run tensor parallelism yet (its "
+            "rollout broadcast, clipping, sampler weight gather and tied-embedding exchange span one TP rank per "
+            "stage; the stage passes, loading, checkpoints and conversion do support it, docs/parallelism.md); "
+            "fix: pass --tensor-model-parallel-size 1")
 
 
 def _check_codec_budget(cfg, hf_config) -> None:
@@ -203,7 +220,8 @@ def main(argv=None) -> int:
     try:
         ctx = initialize_distributed(cfg.parallel.pipeline_model_parallel_size, cfg.optim.seed,
                                      cfg.parallel.num_threads, anchor_ranks=cfg.anchor.anchor_ranks,
-                                     timeout_minutes=cfg.parallel.distributed_timeout_minutes)
+                                     timeout_minutes=cfg.parallel.distributed_timeout_minutes,
+                                     tensor_model_parallel_size=cfg.parallel.tensor_model_parallel_size)
     except ConfigError as e:
         shutdown_distributed()
         return _report(e, rank, every_rank_knows=True, wait=_linger)

@@ -254,6 +254,19 @@ CASES = [
          "stage(s) (they must divide evenly, and first + last must equal the layer count when there are no "
          "middle stages); fix: choose first/last layer counts that leave each of the 1 other stage(s) the same "
          "number of the model's 4 layers (at least one)", env={"WORLD_SIZE": "2"}),
+    Case("tp-heads", "flag", ["--tensor-model-parallel-size", "3"],
+         "--tensor-model-parallel-size=3 does not divide the model's 4 attention heads and 2 KV heads "
+         "(num_attention_heads, num_key_value_heads: each TP rank holds whole heads); fix: choose one of 1, 2",
+         env={"WORLD_SIZE": "3"}),
+    Case("tp-trainer", "flag", ["--tensor-model-parallel-size", "2"],
+         "--tensor-model-parallel-size 2: the GRPO trainer does not run tensor parallelism yet (its rollout "
+         "broadcast, clipping, sampler weight gather and tied-embedding exchange span one TP rank per stage; the "
+         "stage passes, loading, checkpoints and conversion do support it, docs/parallelism.md); fix: pass "
+         "--tensor-model-parallel-size 1", env={"WORLD_SIZE": "2"}),
+    Case("tp-world-size", "launch", ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"],
+         "world size 2 != --tensor-model-parallel-size (2) x --pipeline-model-parallel-size (2) + --anchor-ranks "
+         "(0); fix: launch with `deepspeed --num_gpus 4` (or `torchrun --nproc-per-node 4`)", env={"WORLD_SIZE": "2"},
+         doc_input="2 processes (WORLD_SIZE=2) for --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2"),
     Case("codec-over-budget", "flag", ["--pipeline-model-parallel-size", "2", "--boundary-codec", "dense:lrq"],
          "--boundary-codec dense:lrq exceeds --boundary-keep-ratio 0.05: forward sends 2359296 B per step "
          "(100.00% of dense) > the budget 147456 B (6.25%) of keep ratio 0.05 at micro-batch shape (384, 4, 64) "

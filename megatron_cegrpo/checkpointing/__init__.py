@@ -63,6 +63,7 @@ from megatron_cegrpo.checkpointing.format import (
     iter_dir_name,
     list_checkpoints,
     make_meta,
+    model_file_name,
     normalize_codec,
     read_meta,
     resolve_load_dir,
@@ -73,6 +74,7 @@ from megatron_cegrpo.checkpointing.format import (
 from megatron_cegrpo.checkpointing.stage_files import (
     load_stage_model,
     read_stage_blob,
+    read_stage_model,
     read_stage_file,
     stage_model_state_dict,
     write_stage_blob,
@@ -84,7 +86,7 @@ __all__ = [
     "MODEL_SHAPE_FIELDS", "TOKENIZER_DIR", "CheckpointError",
     "agree_on_errors", "begin_save", "check_compatible", "check_resume", "check_save_dir", "commit_save",
     "find_resume_checkpoint", "has_checkpoint", "hf_config_from_meta", "is_save_iteration", "iter_dir_name",
-    "list_checkpoints", "load_stage_model", "make_meta", "normalize_codec", "read_meta", "read_stage_blob",
-    "read_stage_file", "resolve_load_dir", "sha256_file", "stage_dir_name", "stage_file_names",
+    "list_checkpoints", "load_stage_model", "make_meta", "model_file_name", "normalize_codec", "read_meta", "read_stage_blob",
+    "read_stage_file", "read_stage_model", "resolve_load_dir", "sha256_file", "stage_dir_name", "stage_file_names",
     "stage_model_state_dict", "verify_checkpoint", "write_stage_blob", "write_stage_file",
 ]

@@ -20,7 +20,6 @@ from megatron_cegrpo.checkpointing.format import (
     FORMAT_VERSION,
     LATEST_FILE,
     META_FILE,
-    MODEL_FILE,
     _REQUIRED_META,
     _TMP_RE,
     CheckpointError,
@@ -28,13 +27,14 @@ from megatron_cegrpo.checkpointing.format import (
     _stage_path,
     iter_dir_name,
     list_checkpoints,
+    model_file_name,
     stage_dir_name,
 )
 
 
 def _check_stages(tmp_dir: str, iteration: int, meta: dict) -> str:
     """Check ``meta`` and that ``tmp_dir`` (begun for ``iteration``) holds every stage's
-    ``model.safetensors``; return the final directory name ``iter_XXXXXXX``."""
+    model file(s) (``model.safetensors``, or one ``model_tpRR`` per TP rank); return the final directory name ``iter_XXXXXXX``."""
     missing_keys = [k for k in _REQUIRED_META if k not in meta]
     if missing_keys:
         raise ValueError(f"commit_save: meta lacks {missing_keys}; build it with make_meta()")
@@ -50,11 +50,13 @@ def _check_stages(tmp_dir: str, iteration: int, meta: dict) -> str:
             f"{tmp_dir}: has stage directories {stage_dirs}, expected {expected} for pp_size={pp_size}; "
             "every pipeline stage must write its files before commit_save (nothing was committed)"
         )
+    tp_size = int(meta.get("tp_size", 1))
     for r in range(pp_size):
-        p = _stage_path(tmp_dir, r, MODEL_FILE, ".safetensors")
-        if not os.path.isfile(p):
-            raise CheckpointError(f"{p} is missing: stage {r} did not write its parameters "
-                                  f"(write_stage_file(tmp_dir, {r}, {MODEL_FILE!r}, ...)); nothing was committed")
+        for model_file in (model_file_name(t, tp_size) for t in range(tp_size)):
+            p = _stage_path(tmp_dir, r, model_file, ".safetensors")
+            if not os.path.isfile(p):
+                raise CheckpointError(f"{p} is missing: stage {r} did not write its parameters "
+                                      f"(write_stage_file(tmp_dir, {r}, {model_file!r}, ...)); nothing was committed")
     return name
 
 

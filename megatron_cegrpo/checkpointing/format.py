@@ -26,6 +26,12 @@ Layout (one checkpoint = one directory)
                                                dtype as held by the model (fp32 or bf16);
                                                the last stage of a tied model with pp > 1
                                                holds its own ``output_layer.weight`` copy
+    <save_dir>/iter_0000012/stage_00/model_tp01.safetensors
+                                               with tensor parallelism (meta ``tp_size`` > 1)
+                                               each TP rank's shard of the stage instead of
+                                               model.safetensors: ``model_tpRR`` for RR = 00 ..
+                                               tp_size - 1 (:func:`model_file_name`; layout
+                                               ``models/tp_shard.py``)
     <save_dir>/iter_0000012/stage_00/<name>.safetensors   extra tensor dicts (reference
                                                weights, ...) written by the trainer
     <save_dir>/iter_0000012/stage_00/<name>.pt plain-object blobs (optimizer state, RNG
@@ -45,6 +51,7 @@ meta.json
 source; may be null), ``codec`` (``{"name": str, "keep_ratio": float|null}`` or null for a
 codec-independent checkpoint such as a converted one), ``params_dtype`` (str or null),
 ``extra`` (any JSON the caller passed, e.g. the trainer's consumed-sample counter),
+``tp_size`` (int, only when > 1: the model files are TP shards; absent means 1),
 ``options`` (``{flag: value}`` of the run options that shape the training trajectory, see
 ``TrainConfig.resume_options``; absent in converted checkpoints and in those written
 before it was recorded), ``created`` (UTC ISO time) and ``files``: ``{relative path: {"sha256": hex, "bytes": int}}``
@@ -102,6 +109,14 @@ def iter_dir_name(iteration: int) -> str:
 def stage_dir_name(pp_rank: int) -> str:
     """``stage_00`` for pipeline rank 0."""
     return f"stage_{int(pp_rank):02d}"
+
+
+def model_file_name(tp_rank: int = 0, tp_size: int = 1) -> str:
+    """The stage file holding TP rank ``tp_rank``'s parameters: :data:`MODEL_FILE` without tensor
+    parallelism, ``model_tpRR`` (RR = ``tp_rank``, two digits) with ``tp_size`` > 1."""
+    if not 0 <= int(tp_rank) < int(tp_size):
+        raise ValueError(f"tp_rank {tp_rank} out of range for tp_size {tp_size}")
+    return MODEL_FILE if int(tp_size) == 1 else f"{MODEL_FILE}_tp{int(tp_rank):02d}"
 
 
 def _file_name(name: str, ext: str) -> str:
@@ -185,6 +200,7 @@ def make_meta(
     params_dtype=None,
     extra: Optional[dict] = None,
     options: Optional[Dict[str, Any]] = None,
+    tp_size: int = 1,
 ) -> Dict[str, Any]:
     """The caller's part of meta.json, to pass to :func:`commit_save`.
 
@@ -194,11 +210,13 @@ def make_meta(
     ``options``: ``{flag: value}`` of the run options that shape the training trajectory
     (``TrainConfig.resume_options()``), stored as ``meta["options"]`` and compared on
     resume by :func:`check_resume` (omitted when None: e.g. converted, weights-only
-    checkpoints). ``format_version``, ``iteration``, ``files`` and ``created`` are added
+    checkpoints); ``tp_size``: the model files are that many TP shards (stored only when > 1). ``format_version``, ``iteration``, ``files`` and ``created`` are added
     by the commit. Raises TypeError/ValueError for values JSON cannot hold.
     """
     if int(pp_size) < 1:
         raise ValueError(f"pp_size must be >= 1, got {pp_size}")
+    if int(tp_size) < 1:
+        raise ValueError(f"tp_size must be >= 1, got {tp_size}")
     if extra is not None:
         json.dumps(extra)  # fail early, before any file is written
     if options is not None:
@@ -217,6 +235,8 @@ def make_meta(
     }
     if options is not None:
         meta["options"] = dict(options)
+    if int(tp_size) > 1:
+        meta["tp_size"] = int(tp_size)
     return meta
 
 

@@ -28,6 +28,7 @@ from megatron_cegrpo.checkpointing.format import (
     _check_tmp_dir,
     _stage_path,
     _verify_file,
+    model_file_name,
     read_meta,
     stage_dir_name,
 )
@@ -182,13 +183,29 @@ def stage_model_state_dict(model) -> Dict[str, torch.Tensor]:
             if not is_ignored_key(k) and isinstance(v, torch.Tensor)}
 
 
-def load_stage_model(ckpt_dir: str, pp_rank: int, model, *, verify: bool = True,
-                     meta: Optional[dict] = None) -> None:
-    """Copy ``stage_XX/model.safetensors`` into a built stage (strict keys and shapes, via
-    :func:`megatron_cegrpo.models.load_stage_weights`; cast to the model's dtype)."""
-    from megatron_cegrpo.models.loader import load_stage_weights
+def read_stage_model(ckpt_dir: str, pp_rank: int, *, verify: bool = True,
+                     meta: Optional[dict] = None) -> Dict[str, torch.Tensor]:
+    """Stage ``pp_rank``'s whole parameters, whatever the checkpoint's tensor-parallel size: its
+    ``model.safetensors``, or its ``model_tpRR`` shards merged (``models.tp_shard.merge_tp_shards``).
+    Raises CheckpointError as :func:`read_stage_file` does."""
+    from megatron_cegrpo.models.tp_shard import merge_tp_shards
 
-    sd = read_stage_file(ckpt_dir, pp_rank, MODEL_FILE, verify=verify, meta=meta)
+    meta = meta if meta is not None else read_meta(ckpt_dir)
+    tp = int(meta.get("tp_size", 1))
+    shards = [read_stage_file(ckpt_dir, pp_rank, model_file_name(r, tp), verify=verify, meta=meta) for r in range(tp)]
+    return merge_tp_shards(shards) if tp > 1 else shards[0]
+
+
+def load_stage_model(ckpt_dir: str, pp_rank: int, model, *, verify: bool = True,
+                     meta: Optional[dict] = None, tp_rank: int = 0, tp_size: int = 1) -> None:
+    """Copy stage ``pp_rank``'s parameters into a built stage (strict keys and shapes, via
+    :func:`megatron_cegrpo.models.load_stage_weights`; cast to the model's dtype). The
+    checkpoint's TP shards are merged and re-split for this rank's ``tp_rank`` of ``tp_size``
+    (``--tensor-model-parallel-size``), so any TP size loads any other."""
+    from megatron_cegrpo.models.loader import load_stage_weights
+    from megatron_cegrpo.models.tp_shard import shard_stage_state_dict
+
+    sd = shard_stage_state_dict(read_stage_model(ckpt_dir, pp_rank, verify=verify, meta=meta), tp_rank, tp_size)
     try:
         load_stage_weights(model, sd)
     except (KeyError, ValueError) as e:

@@ -1,8 +1,9 @@
-"""Loader: a megatron_cegrpo checkpoint of any pipeline size.
+"""Loader: a megatron_cegrpo checkpoint of any pipeline and tensor-parallel size.
 
 ``--load-dir`` is a save directory (``latest`` is followed) or an ``iter_XXXXXXX``
 directory.  Every file is checked against the sha256 in meta.json first (``--no-verify``
-skips that).  Stage files are merged back to one HF-named fp32 state dict with
+skips that).  A stage's TP shards (meta ``tp_size`` > 1) are merged first
+(:func:`~megatron_cegrpo.checkpointing.read_stage_model`).  Stage files are merged back to one HF-named fp32 state dict with
 :func:`megatron_cegrpo.models.megatron_to_hf`.  The checkpoint's ``tokenizer/`` directory,
 if any, is carried along; otherwise the tokenizer of ``model_name`` when that is a
 resolvable model.
@@ -27,7 +28,7 @@ def load_checkpoint(args) -> ModelPayload:
     hf_config = ckpt.hf_config_from_meta(meta)
     pp = int(meta["pp_size"])
     tf = tf_config_for(hf_config, pp, meta["num_layers_in_first"], meta["num_layers_in_last"])
-    stages = [ckpt.read_stage_file(ckpt_dir, r, ckpt.MODEL_FILE, verify=False, meta=meta) for r in range(pp)]
+    stages = [ckpt.read_stage_model(ckpt_dir, r, verify=False, meta=meta) for r in range(pp)]
     if getattr(hf_config, "tie_word_embeddings", False) and pp > 1:
         emb = stages[0]["embedding.word_embeddings.weight"]
         out = stages[-1]["output_layer.weight"]

@@ -54,6 +54,7 @@ import torch.nn.functional as F
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 
 PP_FLAG = "--pipeline-model-parallel-size"
+TP_FLAG = "--tensor-model-parallel-size"
 UNEVEN_FLAGS = "--decoder-first-pipeline-num-layers/--decoder-last-pipeline-num-layers"
 
 
@@ -97,10 +98,11 @@ def _check_supported(hf_config) -> None:
 
 
 def check_model_config(hf_config, pipeline_model_parallel_size: int, num_layers_in_first: Optional[int] = None,
-                       num_layers_in_last: Optional[int] = None) -> None:
-    """The start-up check of a model against the pipeline flags, before anything is built:
-    a supported architecture, and a layer split ``--pipeline-model-parallel-size`` (with
-    ``--decoder-first/last-pipeline-num-layers``) can place.
+                       num_layers_in_last: Optional[int] = None, tensor_model_parallel_size: int = 1) -> None:
+    """The start-up check of a model against the parallel flags, before anything is built:
+    a supported architecture, a layer split ``--pipeline-model-parallel-size`` (with
+    ``--decoder-first/last-pipeline-num-layers``) can place, and head / KV-head / FFN / vocab
+    counts ``--tensor-model-parallel-size`` divides (:func:`check_tensor_parallel`).
 
     Raises:
         ConfigError: naming the flag (or the model's config field) and the fix.
@@ -115,8 +117,37 @@ def check_model_config(hf_config, pipeline_model_parallel_size: int, num_layers_
     try:
         _validate_split(int(hf_config.num_hidden_layers), pipeline_model_parallel_size, num_layers_in_first,
                         num_layers_in_last)
+        check_tensor_parallel(hf_config, tensor_model_parallel_size)
     except ValueError as e:
         raise ConfigError(one_line(e)) from None
+
+
+def check_tensor_parallel(hf_config, tp_size: int) -> None:
+    """Whether megatron-core's tensor-parallel layers can split this model ``tp_size`` ways.
+
+    Each TP rank holds ``heads / tp`` query heads and ``kv_heads / tp`` KV heads (megatron's
+    ``SelfAttention`` divides ``num_attention_heads`` and ``num_query_groups`` by the TP size),
+    ``ffn / tp`` rows of the MLP and ``vocab / tp`` rows of the embedding and output layer
+    (``VocabParallelEmbedding`` / ``ColumnParallelLinear`` do not pad). Issue 14.
+
+    Raises:
+        ValueError: one line naming ``--tensor-model-parallel-size``, the model's counts and the fix.
+    """
+    if tp_size < 1:
+        raise ValueError(f"{TP_FLAG} must be >= 1, got {tp_size}")
+    heads = int(hf_config.num_attention_heads)
+    kv = int(getattr(hf_config, "num_key_value_heads", None) or heads)
+    ffn, vocab = int(hf_config.intermediate_size), int(hf_config.vocab_size)
+    if heads % tp_size or kv % tp_size:
+        divisors = [d for d in range(1, kv + 1) if heads % d == 0 and kv % d == 0]
+        raise ValueError(
+            f"{TP_FLAG}={tp_size} does not divide the model's {heads} attention heads and {kv} KV heads "
+            f"(num_attention_heads, num_key_value_heads: each TP rank holds whole heads); fix: choose one of "
+            f"{', '.join(map(str, divisors))}")
+    for what, n in (("intermediate_size", ffn), ("vocab_size", vocab)):
+        if n % tp_size:
+            raise ValueError(f"{TP_FLAG}={tp_size} does not divide the model's {what} {n}; fix: choose a "
+                             f"TP size that divides {n}")
 
 
 def head_dim(hf_config) -> int:
@@ -157,6 +188,7 @@ def transformer_config_from_hf(
     hf_config,
     *,
     pipeline_model_parallel_size: int = 1,
+    tensor_model_parallel_size: int = 1,
     params_dtype: torch.dtype = torch.float32,
     num_layers_in_first_pipeline_stage: Optional[int] = None,
     num_layers_in_last_pipeline_stage: Optional[int] = None,
@@ -165,7 +197,9 @@ def transformer_config_from_hf(
     """megatron ``TransformerConfig`` equivalent to a llama / qwen2 HF config.
 
     ``overrides`` are applied last (any TransformerConfig field).  Raises ValueError for
-    unsupported architectures or an impossible layer split.
+    unsupported architectures, an impossible layer split or a TP size that does not divide the
+    heads (:func:`check_tensor_parallel`). Sequence parallelism stays off: every TP rank holds
+    the full hidden state ``[s, b, h]`` between layers (what crosses a stage boundary).
     """
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -177,6 +211,7 @@ def transformer_config_from_hf(
         num_layers_in_first_pipeline_stage,
         num_layers_in_last_pipeline_stage,
     )
+    check_tensor_parallel(hf_config, tensor_model_parallel_size)
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
     kwargs = dict(
         num_layers=n_layers,
@@ -205,7 +240,8 @@ def transformer_config_from_hf(
         bf16=params_dtype == torch.bfloat16,
         fp16=params_dtype == torch.float16,
         variable_seq_lengths=False,
-        tensor_model_parallel_size=1,
+        tensor_model_parallel_size=tensor_model_parallel_size,
+        sequence_parallel=False,
         pipeline_model_parallel_size=pipeline_model_parallel_size,
         num_layers_in_first_pipeline_stage=num_layers_in_first_pipeline_stage,
         num_layers_in_last_pipeline_stage=num_layers_in_last_pipeline_stage,
@@ -310,7 +346,10 @@ def build_stage(hf_config, tf_config, *, pp_rank: int, pp_size: int, pg_collecti
         max_sequence_length=int(hf_config.max_position_embeddings),
         pre_process=pp_rank == 0,
         post_process=pp_rank == pp_size - 1,
-        parallel_output=True,
+        # TP > 1: the last stage all-gathers the vocab-parallel logits (megatron's
+        # gather_from_tensor_model_parallel_region; backward: each rank keeps its vocab slice), so
+        # every loss function sees full-vocabulary logits [b, s, V] on every TP rank
+        parallel_output=tf_config.tensor_model_parallel_size == 1,
         share_embeddings_and_output_weights=bool(getattr(hf_config, "tie_word_embeddings", False)),
         position_embedding_type="rope",
         rotary_base=_rope_theta(hf_config),

@@ -16,6 +16,7 @@ from megatron_cegrpo.models.builder import build_stage, transformer_config_from_
 from megatron_cegrpo.models.hf_config import ModelSource, resolve_model
 from megatron_cegrpo.models.loader import load_hf_state_dict, load_stage_weights
 from megatron_cegrpo.models.name_map import hf_to_megatron
+from megatron_cegrpo.models.tp_shard import shard_stage_state_dict
 
 __all__ = ["PARAMS_DTYPES", "PolicyStage", "build_policy_stage"]
 
@@ -48,7 +49,7 @@ class PolicyStage:
 def build_policy_stage(model: str, *, pp_rank: int = 0, pp_size: int = 1, params_dtype: str = "fp32",
                        num_layers_in_first: Optional[int] = None, num_layers_in_last: Optional[int] = None,
                        pg_collection=None, with_reference: bool = False, per_token_loss: bool = True,
-                       keep_hf_state_dict: bool = False) -> PolicyStage:
+                       keep_hf_state_dict: bool = False, tp_rank: int = 0, tp_size: int = 1) -> PolicyStage:
     """Build pipeline stage ``pp_rank`` of ``pp_size`` of ``model`` with its weights loaded.
 
     Args:
@@ -61,6 +62,8 @@ def build_policy_stage(model: str, *, pp_rank: int = 0, pp_size: int = 1, params
         per_token_loss: the pipeline schedule divides by the token count the loss function
             returns (megatron-core's ``calculate_per_token_loss``).
         keep_hf_state_dict: return the HF state dict as well (else it is freed).
+        tp_rank, tp_size: this rank's place in its tensor-parallel group (``--tensor-model-parallel-size``;
+            ``pg_collection.tp`` must be that group): the stage loads its TP shard (``tp_shard.py``).
 
     Raises:
         ConfigError (ValueError): an unknown model or an impossible split.
@@ -68,10 +71,10 @@ def build_policy_stage(model: str, *, pp_rank: int = 0, pp_size: int = 1, params
     source = resolve_model(model)
     hf_config, hf_sd = load_hf_state_dict(source)
     tf_config = transformer_config_from_hf(
-        hf_config, pipeline_model_parallel_size=pp_size, params_dtype=PARAMS_DTYPES[params_dtype],
+        hf_config, pipeline_model_parallel_size=pp_size, tensor_model_parallel_size=tp_size, params_dtype=PARAMS_DTYPES[params_dtype],
         num_layers_in_first_pipeline_stage=num_layers_in_first, num_layers_in_last_pipeline_stage=num_layers_in_last,
         calculate_per_token_loss=per_token_loss)
-    stage_sd = hf_to_megatron(hf_sd, hf_config, tf_config, pp_rank, pp_size)
+    stage_sd = shard_stage_state_dict(hf_to_megatron(hf_sd, hf_config, tf_config, pp_rank, pp_size), tp_rank, tp_size)
     policy = build_stage(hf_config, tf_config, pp_rank=pp_rank, pp_size=pp_size, pg_collection=pg_collection)
     load_stage_weights(policy, stage_sd)
     ref = None

@@ -30,16 +30,29 @@ installs it before decoding (``basis_to_receive`` / ``accept_basis``).
 Boundary ``i`` is the link between pipeline rank ``i`` and ``i + 1``; forward
 payloads are metered on the sender (rank i), backward payloads on the sender
 of the gradient (rank i + 1).
+
+Tensor parallelism (``tp_group`` of size T > 1, docs/parallelism.md): with sequence parallelism
+off every TP rank of a stage holds the same full boundary tensor and encodes the same payload
+(the masks are keyed by boundary, step and sample ids, never by the TP rank). Each TP rank puts
+only its 1/T of the flattened payload on the wire, to the same TP rank of the next (previous)
+stage (megatron's pipeline group joins equal TP ranks), zero-padded to a multiple of T; the
+receiving TP ranks all-gather the pieces inside their stage (megatron-core's
+``split_tensor_into_1d_equal_chunks`` / ``gather_split_1d_tensor``, the scatter-gather of
+Megatron-LM's pipeline) and decode the whole payload. A boundary thus carries the TP = 1 bytes
+(plus at most T - 1 padding elements per message), and each TP rank's meter counts its piece
+against ``ceil(numel / T)`` dense elements.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+from megatron.core.tensor_parallel.utils import gather_split_1d_tensor, split_tensor_into_1d_equal_chunks
 
 from megatron_cegrpo.compression import BoundaryCodec, BoundaryContext, ByteMeter
 from megatron_cegrpo.pipeline.prefetch import CodecPrefetcher
@@ -59,14 +72,18 @@ class CompressedP2PCommunicator(P2PCommunicator):
         codec: a :class:`BoundaryCodec` (``dense``, ``mask``, ...).
         meter: a :class:`ByteMeter` that records every payload this rank sends.
         seed: the run seed keying the PRF masks.
+        tp_group: this stage's tensor-parallel group (None or size 1: no TP); each TP rank
+            sends 1/T of every payload (module docstring).
 
     Raises:
         ValueError: if the config asks for variable sequence lengths or ring exchange
             (their shape handshakes would bypass the codec).
     """
 
-    def __init__(self, pp_group: dist.ProcessGroup, config, codec: BoundaryCodec, meter: ByteMeter, seed: int):
+    def __init__(self, pp_group: dist.ProcessGroup, config, codec: BoundaryCodec, meter: ByteMeter, seed: int,
+                 tp_group: Optional[dist.ProcessGroup] = None):
         super().__init__(pp_group, config)
+        self.tp_group = tp_group if tp_group is not None and tp_group.size() > 1 else None
         if getattr(config, "variable_seq_lengths", False):
             raise ValueError("CompressedP2PCommunicator needs variable_seq_lengths=False (fixed shapes per pass)")
         if getattr(config, "use_ring_exchange_p2p", False):
@@ -192,6 +209,40 @@ class CompressedP2PCommunicator(P2PCommunicator):
         self._basis_keep = basis
         return [dist.isend(basis, dst=self.next_rank, group=self.pp_group, tag=BASIS_TAG)]
 
+    # ---- tensor parallelism: 1/T of each payload per TP rank ---------------
+    def _tp(self) -> int:
+        return self.tp_group.size() if self.tp_group is not None else 1
+
+    def _piece(self, payload: torch.Tensor) -> torch.Tensor:
+        """This TP rank's share of ``payload`` on the wire: the whole payload without TP, else
+        its chunk of the flattened payload zero-padded to a multiple of T."""
+        if self.tp_group is None:
+            return payload
+        flat = payload.reshape(-1)
+        pad = -flat.numel() % self._tp()
+        if pad:
+            flat = torch.cat([flat, flat.new_zeros(pad)])
+        return split_tensor_into_1d_equal_chunks(flat, tp_group=self.tp_group, new_buffer=True)
+
+    def _piece_shape(self, shape):
+        """The receive buffer of one TP rank's piece of a payload of ``shape``."""
+        if self.tp_group is None or shape is None:
+            return shape
+        n = math.prod(shape)
+        return (-(-n // self._tp()),)
+
+    def _whole(self, piece: torch.Tensor, shape) -> torch.Tensor:
+        """The payload of ``shape`` from the TP ranks' pieces (an all-gather inside the stage)."""
+        if self.tp_group is None:
+            return piece
+        return gather_split_1d_tensor(piece, tp_group=self.tp_group)[: math.prod(shape)].reshape(shape)
+
+    def _send_piece(self, direction: str, boundary: int, payload: torch.Tensor, dense_numel: int) -> torch.Tensor:
+        """Record what this rank sends (its piece, against its share of the dense tensor); return the piece."""
+        piece = self._piece(payload)
+        self.meter.add(direction, boundary, piece, -(-dense_numel // self._tp()))
+        return piece
+
     # ---- the one override ---------------------------------------------------
     def _communicate(
         self,
@@ -205,14 +256,14 @@ class CompressedP2PCommunicator(P2PCommunicator):
     ):
         shape = tuple(int(x) for x in tensor_shape) if tensor_shape is not None else None
         dtype = self.config.pipeline_dtype
-        payload_next = payload_prev = None
+        payload_next = payload_prev = piece_next = piece_prev = None
         basis_reqs = []
         with torch.no_grad():
             if tensor_send_next is not None:
                 ctx_next_send = self._context(self.pp_rank, "send_next")
                 self.prefetcher.wait(self.codec, ctx_next_send, tuple(tensor_send_next.shape))
                 payload_next = self.codec.encode_forward(tensor_send_next.detach(), ctx_next_send).contiguous()
-                self.meter.add("fwd", self.pp_rank, payload_next, tensor_send_next.numel())
+                piece_next = self._send_piece("fwd", self.pp_rank, payload_next, tensor_send_next.numel())
                 shape = shape or tuple(tensor_send_next.shape)
                 basis_reqs += self._send_basis(ctx_next_send)
                 if self.error_tracker is not None:
@@ -223,7 +274,7 @@ class CompressedP2PCommunicator(P2PCommunicator):
                 ctx_prev_send = self._context(self.pp_rank - 1, "send_prev")
                 self.prefetcher.wait(self.codec, ctx_prev_send, tuple(tensor_send_prev.shape))
                 payload_prev = self.codec.encode_backward(tensor_send_prev.detach(), ctx_prev_send).contiguous()
-                self.meter.add("bwd", self.pp_rank - 1, payload_prev, tensor_send_prev.numel())
+                piece_prev = self._send_piece("bwd", self.pp_rank - 1, payload_prev, tensor_send_prev.numel())
         # the receive contexts are taken before the bytes arrive: a codec's payload shape may
         # depend on the direction and the message (a per-step basis rides on the first one)
         ctx_prev = self._context(self.pp_rank - 1, "recv_prev") if recv_prev else None
@@ -235,11 +286,11 @@ class CompressedP2PCommunicator(P2PCommunicator):
                              "schedules are not supported with direction-dependent codecs)")
         payload_shape = recv_shapes[0] if recv_shapes else None
         recv_prev_t, recv_next_t, _ = super()._communicate(
-            tensor_send_next=payload_next,
-            tensor_send_prev=payload_prev,
+            tensor_send_next=piece_next,
+            tensor_send_prev=piece_prev,
             recv_prev=recv_prev,
             recv_next=recv_next,
-            tensor_shape=payload_shape,
+            tensor_shape=self._piece_shape(payload_shape),
             wait_on_reqs=True,  # decoding needs the bytes
         )
         for req in basis_reqs:
@@ -252,10 +303,10 @@ class CompressedP2PCommunicator(P2PCommunicator):
                 if basis is not None:
                     dist.irecv(basis, src=self.prev_rank, group=self.pp_group, tag=BASIS_TAG).wait()
                     self.codec.accept_basis(ctx_prev, basis)
-                x = self.codec.decode_forward(recv_prev_t.detach(), ctx_prev, shape)
+                x = self.codec.decode_forward(self._whole(recv_prev_t.detach(), payload_shape), ctx_prev, shape)
             if recv_next:
                 self.prefetcher.wait(self.codec, ctx_next, shape)
-                g = self.codec.decode_backward(recv_next_t.detach(), ctx_next, shape)
+                g = self.codec.decode_backward(self._whole(recv_next_t.detach(), payload_shape), ctx_next, shape)
         if x is not None:
             x = x.to(self.config.pipeline_dtype).requires_grad_(True)
         if g is not None:

@@ -59,7 +59,8 @@ class StageWorker:
         self.meter = ByteMeter()
         self.error_tracker = BoundaryErrorTracker()  # codec/error_persistence (pipeline/boundary_error.py)
         self.comm = (CompressedP2PCommunicator(ctx.pp_group, self.tf_config, self.codec, self.meter,
-                                               seed=cfg.optim.seed) if ctx.pp_size > 1 else None)
+                                               seed=cfg.optim.seed, tp_group=ctx.tp_group)
+                     if ctx.pp_size > 1 else None)
         self.runner = PipelineRunner(self.comm, ctx.pg_collection, cfg.parallel.micro_batch_size, ctx.pp_size)
         # the tied embedding between the first and last stage (pipeline/tied_embedding.py): under
         # --tied-embedding-sync sparse the first stage's copy is a row cache the optimizer never steps
