@@ -126,10 +126,12 @@ run_arm() {  # run_arm ARM SEED
     return 0
   fi
   mkdir -p "$dir"
-  printf '{"arm": "%s", "seed": %s, "codec": "%s", "anchor": %s, "anchor_interval": %s, "anchor_delay": %s}\n' \
+  printf '{"arm": "%s", "seed": %s, "codec": "%s", "anchor": %s, "anchor_interval": %s, "anchor_delay": %s, "commit": "%s"}\n' \
     "$arm" "$seed" "$codec" "$([[ $anchor == 1 ]] && echo true || echo false)" \
     "$([[ $anchor == 1 ]] && echo "$ANCHOR_INTERVAL" || echo null)" \
-    "$([[ $anchor == 1 ]] && echo "$ANCHOR_DELAY" || echo null)" >"$dir/study_arm.json"
+    "$([[ $anchor == 1 ]] && echo "$ANCHOR_DELAY" || echo null)" \
+    "$(git rev-parse --short HEAD 2>/dev/null || echo unknown)$(git diff --quiet HEAD 2>/dev/null || echo +dirty)" \
+    >"$dir/study_arm.json"
   local t0=$SECONDS
   "${cmd[@]}" 2>&1 | tee -a "$dir/train.log"
   echo "$((SECONDS - t0))" >>"$dir/wall_seconds"  # one line per (re)start, start-up included

@@ -104,7 +104,7 @@ def _num(v) -> Optional[float]:
 
 
 def _identity(run_dir: str) -> Dict:
-    """arm, seed, codec, anchor of a run folder (study_arm.json, else config.json + folder name)."""
+    """arm, seed, codec, anchor, commit of a run folder (study_arm.json, else config.json + folder name)."""
     info = {}
     p = os.path.join(run_dir, "study_arm.json")
     if os.path.isfile(p):
@@ -120,6 +120,7 @@ def _identity(run_dir: str) -> Dict:
         "seed": info.get("seed", cfg.get("optim", {}).get("seed")),
         "codec": info.get("codec", cfg.get("codec", {}).get("boundary_codec")),
         "anchor": bool(info.get("anchor", cfg.get("anchor", {}).get("anchor_ranks", 0))),
+        "commit": info.get("commit"),  # the checkout study_cpu.sh ran (None for older folders)
     }
 
 
