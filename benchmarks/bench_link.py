@@ -47,7 +47,7 @@ import threading
 import time
 from typing import Dict, List, Optional
 
-from benchmarks.netns import Topology, cleanup_stale, netns_available
+from benchmarks.netns import Topology, cleanup_stale, kill_process_groups, netns_available
 from benchmarks.shared_clock import create_timestamp_file
 from megatron_cegrpo.bootstrap import bootstrap
 
@@ -98,26 +98,6 @@ class _Terminated(BaseException):
 
 def _on_signal(signum, frame):
     raise _Terminated(signum)
-
-
-def _kill(procs: List[subprocess.Popen]) -> None:
-    """Stop the rank process groups this run started (each rank got its own session)."""
-    for p in procs:
-        if p.poll() is None:
-            try:
-                os.killpg(p.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-    deadline = time.monotonic() + 5
-    for p in procs:
-        try:
-            p.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            p.wait()
 
 
 def run_ranks(args, settings: List[str], topo: Optional[Topology], ts_file: str, result_file: str,
@@ -184,7 +164,7 @@ def run_ranks(args, settings: List[str], topo: Optional[Topology], ts_file: str,
                     msg.append(f"--- rank {r} exited {rc}:\n" + f.read()[-4000:])
             raise RuntimeError("bench_link worker failed\n" + "\n".join(msg))
     finally:
-        _kill(procs)
+        kill_process_groups(procs)
         for log in logs:
             log.close()
 

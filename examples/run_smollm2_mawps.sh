@@ -5,7 +5,9 @@
 # anchor rank that fires every ANCHOR_INTERVAL iterations from checkpoints ANCHOR_DELAY
 # iterations old and returns sign(M), 1 bit per parameter. The seeds use c = K = 20; this
 # short CPU example uses c = K = 4 so that the anchor fires within the run (at 4 and 8).
-# Launched by DeepSpeed's launcher on CPU (`--num_gpus 3` = three local ranks, gloo).
+# Launched by DeepSpeed's launcher on CPU (`--num_gpus 3` = three local ranks, gloo);
+# examples/launch_multihost.sh runs the same job across hosts (DS_LAUNCH_ARGS = the
+# launcher's arguments, DEEPSPEED = the launcher).
 #
 # Override any setting through the environment, e.g.
 #   TRAIN_ITERS=20 CODEC=dense LOG_DIR=runs/dense bash examples/run_smollm2_mawps.sh
@@ -19,7 +21,10 @@ CODEC=${CODEC:-mask}
 LOG_DIR=${LOG_DIR:-runs/smollm2_mawps_${CODEC}}
 MASTER_PORT=${MASTER_PORT:-29561}
 
-deepspeed --num_gpus "$((PP + ANCHOR_RANKS))" --master_port "$MASTER_PORT" megatron_cegrpo/train.py \
+# shellcheck disable=SC2206  # DS_LAUNCH_ARGS is a word list (no spaces inside one argument)
+LAUNCH=(${DS_LAUNCH_ARGS:---num_gpus $((PP + ANCHOR_RANKS)) --master_port $MASTER_PORT})
+
+"${DEEPSPEED:-deepspeed}" "${LAUNCH[@]}" megatron_cegrpo/train.py \
   --model smollm2-135m-instruct \
   --train-data mawps/singleop \
   --prompt-template "${TEMPLATE:-plain}" \

@@ -1,0 +1,114 @@
+"""Two "hosts" on one machine: a 2-node DeepSpeed launch through two network namespaces.
+
+Namespaces ``r0`` and ``r1`` (benchmarks/netns.py), joined by a veth pair, are the two
+hosts; each runs ``examples/launch_multihost.sh`` in no-ssh mode with its NODE_RANK, the
+hostfile below, MASTER_ADDR = r0's veth address and IFNAME = the veth, so every byte between
+the hosts crosses the veth and nothing else joins them. The job is the tiny equivalence
+run's (tests/equivalence/equivalence_runs.py: tiny-llama, PP=2, mask codec, anchor
+c = K = 2), placed as docs/multihost.md describes: host 0 holds stage 0 (rank 0, the
+driver), host 1 stage 1 (rank 1) and the anchor (rank 2, the last rank of the world).
+
+Its metrics must equal, key for key and bit for bit (timings aside), the first two records
+of the recorded single-host launch of the same job (tests/equivalence/reference/tiny.jsonl,
+``deepspeed --num_gpus 3`` on loopback; tests/equivalence/test_equivalence.py checks that
+today's code still reproduces that recording). Needs root and ``ip`` (skipped otherwise).
+"""
+
+import json
+import os
+import subprocess
+import time
+
+import pytest
+
+from benchmarks.netns import Topology, kill_process_groups, netns_available
+from distributed_util import PARITY_REWARD, REPO, launcher
+from equivalence.equivalence_runs import COMMON, RUNS, VOLATILE_PREFIXES, differences, reference_path
+
+ITERS = 2
+#: the tiny equivalence run's flags without its checkpoint interval (this run saves nothing)
+_SI = RUNS["tiny"]["args"].index("--save-interval")
+TINY = RUNS["tiny"]["args"][:_SI] + RUNS["tiny"]["args"][_SI + 2:]
+SUBNET = "10.214.0"  # only inside the test's namespaces
+TIMEOUT_S = 600
+
+
+def _veth_bytes(topo: Topology, node: int) -> dict:
+    """rx/tx byte counters of ``node``'s veth, read inside its namespace (kernel counters)."""
+    out = {}
+    for d in ("rx", "tx"):
+        p = subprocess.run(topo.exec_prefix(node) + ["cat", f"/sys/class/net/{topo.ifname}/statistics/{d}_bytes"],
+                           capture_output=True, text=True, check=True)
+        out[d] = int(p.stdout)
+    return out
+
+
+def _launch_two_hosts(topo: Topology, tmp_path) -> list:
+    """Start ``launch_multihost.sh`` in both namespaces; wait; return each node's log text."""
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text(f"{topo.addrs[0]} slots=1\n{topo.addrs[1]} slots=2\n")  # stage 0 | stage 1 + anchor
+    (tmp_path / "reward.py").write_text(PARITY_REWARD)
+    flags = [*COMMON, *TINY, "--custom-reward-function", f"{tmp_path}/reward.py:parity_reward",
+             "--train-iters", str(ITERS), "--log-dir", str(tmp_path / "run")]
+    procs, logs = [], []
+    try:
+        for node in range(2):
+            env = dict(os.environ, NODE_RANK=str(node), HOSTFILE=str(hostfile), MASTER_ADDR=topo.addrs[0],
+                       MASTER_PORT="29500", IFNAME=topo.ifname, DEEPSPEED=launcher("deepspeed"),
+                       OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+                       PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+            logs.append(open(tmp_path / f"node{node}.log", "w"))
+            procs.append(subprocess.Popen(topo.exec_prefix(node) + ["bash", "examples/launch_multihost.sh", *flags],
+                                          cwd=REPO, env=env, stdout=logs[-1], stderr=subprocess.STDOUT,
+                                          start_new_session=True))
+        deadline = time.monotonic() + TIMEOUT_S
+        while any(p.poll() is None for p in procs) and not any(p.poll() for p in procs):
+            assert time.monotonic() < deadline, f"the two-host launch still runs after {TIMEOUT_S} s"
+            time.sleep(0.2)
+        if any(p.poll() for p in procs):  # one node failed: give the other a moment to report, then stop it
+            time.sleep(2)
+    finally:
+        kill_process_groups(procs)
+        for f in logs:
+            f.close()
+    texts = [(tmp_path / f"node{node}.log").read_text() for node in range(2)]
+    for node, p in enumerate(procs):
+        assert p.returncode == 0, f"node {node} exited {p.returncode}:\n" + "\n".join(
+            f"--- node {n} log:\n{t[-5000:]}" for n, t in enumerate(texts))
+    return texts
+
+
+def test_two_namespace_launch_equals_the_single_host_run(tmp_path):
+    why = netns_available(tools=("ip",))
+    if why:
+        pytest.skip(f"two-host launch needs network namespaces: {why}")
+    topo = Topology(2, subnet=SUBNET, tag=f"cegrpo-bench-{os.getpid()}-hosts")
+    try:
+        topo.create()
+    except RuntimeError as e:  # e.g. a container without CAP_SYS_ADMIN
+        topo.destroy()
+        pytest.skip(f"cannot create network namespaces here: {e}")
+    try:
+        texts = _launch_two_hosts(topo, tmp_path)
+        veth = [_veth_bytes(topo, node) for node in range(2)]
+    finally:
+        topo.destroy()
+    assert not set(topo.node_ns) & set(subprocess.run(["ip", "netns", "list"], capture_output=True,
+                                                      text=True).stdout.split())
+    # each node's launcher started its own ranks: 0 on host 0, 1 and 2 on host 1
+    assert "global_rank_mapping" in texts[0] and f"'{topo.addrs[1]}': [1, 2]" in texts[0]
+    assert "nnodes=2, num_local_procs=1, node_rank=0" in texts[0]
+    assert "nnodes=2, num_local_procs=2, node_rank=1" in texts[1]
+
+    with open(tmp_path / "run" / "metrics.jsonl") as f:
+        got = [{k: v for k, v in json.loads(x).items() if not k.startswith(VOLATILE_PREFIXES)} for x in f if x.strip()]
+    with open(reference_path("tiny")) as f:
+        expected = [json.loads(x) for x in f if x.strip()][:ITERS]
+    assert [r["step"] for r in got] == list(range(1, ITERS + 1))
+    assert differences(expected, got) == []
+
+    # the veth carried the traffic between the hosts: at least the metered payloads that must cross
+    # (forward boundary and the rollout batch host 0 -> 1, backward boundary 1 -> 0), plus TCP/IP headers
+    assert veth[0]["tx"] == veth[1]["rx"] and veth[1]["tx"] == veth[0]["rx"]
+    assert veth[0]["tx"] > sum(r["comm/fwd_bytes"] + r["comm/batch_bytes"] for r in got)
+    assert veth[1]["tx"] > sum(r["comm/bwd_bytes"] for r in got)
