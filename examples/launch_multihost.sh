@@ -24,6 +24,8 @@
 #   NODE_RANK    this host's line in the hostfile (0-based); set = no-ssh mode
 #   DEEPSPEED    the launcher (default: .venv/bin/deepspeed if present, else `deepspeed`)
 #   SSH_PORT     ssh mode: the ssh port, if not 22
+#   DS_ENV_FILE  ssh mode: where the environment file for pdsh is written (absolute path;
+#                default runs/multihost.deepspeed_env)
 #
 # Flags after the script are train.py's flags (the whole command line of the job). Without
 # any, the demo's job runs (examples/run_smollm2_mawps.sh: SmolLM2-135M, PP=2, one anchor).
@@ -62,12 +64,14 @@ if [ -n "${NODE_RANK:-}" ]; then
 else
   # pdsh forwards only variables named NCCL*/PYTHON*/...: the socket interface (and the thread
   # count) travel in a DeepSpeed environment file, read by the launcher on the first host.
-  mkdir -p runs
-  : > runs/multihost.deepspeed_env
+  # DS_ENV_FILE (DeepSpeed's name for that file) may be set to an absolute path; default
+  # runs/multihost.deepspeed_env in this checkout.
+  export DS_ENV_FILE=${DS_ENV_FILE:-$PWD/runs/multihost.deepspeed_env}
+  mkdir -p "$(dirname "$DS_ENV_FILE")"
+  : > "$DS_ENV_FILE"
   for v in GLOO_SOCKET_IFNAME NCCL_SOCKET_IFNAME OMP_NUM_THREADS; do
-    if [ -n "${!v:-}" ]; then echo "$v=${!v}" >> runs/multihost.deepspeed_env; fi
+    if [ -n "${!v:-}" ]; then echo "$v=${!v}" >> "$DS_ENV_FILE"; fi
   done
-  export DS_ENV_FILE=runs/multihost.deepspeed_env
   [ -z "${SSH_PORT:-}" ] || LAUNCH+=(--ssh_port "$SSH_PORT")
   WHERE="all $HOSTS hosts through pdsh/ssh"
 fi

@@ -112,3 +112,69 @@ def test_two_namespace_launch_equals_the_single_host_run(tmp_path):
     assert veth[0]["tx"] == veth[1]["rx"] and veth[1]["tx"] == veth[0]["rx"]
     assert veth[0]["tx"] > sum(r["comm/fwd_bytes"] + r["comm/batch_bytes"] for r in got)
     assert veth[1]["tx"] > sum(r["comm/bwd_bytes"] for r in got)
+
+
+# --------------------------------------------------------------------------- the script's own checks
+
+FAKE_DEEPSPEED = """#!/usr/bin/env bash
+echo "ARGV $*"
+echo "GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-} NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-}"
+if [ -n "${DS_ENV_FILE:-}" ]; then echo "DS_ENV_FILE $DS_ENV_FILE"; cat "$DS_ENV_FILE"; fi
+"""
+
+
+def _script(tmp_path, env_extra: dict, *flags) -> subprocess.CompletedProcess:
+    """Run examples/launch_multihost.sh with a stand-in launcher that prints what it was given."""
+    fake = tmp_path / "fake_deepspeed"
+    fake.write_text(FAKE_DEEPSPEED)
+    fake.chmod(0o755)
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("# two stage hosts and the anchor's\nh0 slots=1\nh1 slots=1\nh2 slots=1\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME",
+                                                            "NODE_RANK", "MASTER_ADDR", "DS_ENV_FILE")}
+    env.update(HOSTFILE=str(hostfile), MASTER_ADDR="10.0.0.1", DEEPSPEED=str(fake), OMP_NUM_THREADS="1")
+    env.update(env_extra)
+    env = {k: v for k, v in env.items() if v is not None}
+    return subprocess.run(["bash", "examples/launch_multihost.sh", *flags], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_launch_script_builds_the_no_ssh_and_ssh_commands(tmp_path):
+    p = _script(tmp_path, {"NODE_RANK": "2", "IFNAME": "lo", "MASTER_PORT": "29611"}, "--model", "tiny-llama")
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.splitlines()[0] == (f"ARGV --hostfile {tmp_path}/hosts --master_addr 10.0.0.1 --master_port 29611 "
+                                        "--no_ssh --node_rank 2 megatron_cegrpo/train.py --model tiny-llama")
+    assert "GLOO_SOCKET_IFNAME=lo NCCL_SOCKET_IFNAME=lo" in p.stdout
+    assert "launching node 2 of 3 (no ssh): 3 rank(s)" in p.stderr
+
+    env_file = tmp_path / "ds_env"
+    p = _script(tmp_path, {"IFNAME": "lo", "DS_ENV_FILE": str(env_file), "SSH_PORT": "2222"}, "--model", "tiny-llama")
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.splitlines()[0] == (f"ARGV --hostfile {tmp_path}/hosts --master_addr 10.0.0.1 --master_port 29500 "
+                                        "--ssh_port 2222 megatron_cegrpo/train.py --model tiny-llama")
+    # pdsh forwards only NCCL*/PYTHON*/... variables: the interface travels in DeepSpeed's env file
+    assert env_file.read_text() == "GLOO_SOCKET_IFNAME=lo\nNCCL_SOCKET_IFNAME=lo\nOMP_NUM_THREADS=1\n"
+
+    # no train.py flags: the demo's job (examples/run_smollm2_mawps.sh) under the multi-host launcher
+    p = _script(tmp_path, {"NODE_RANK": "0"})
+    assert p.returncode == 0, p.stderr
+    argv = p.stdout.splitlines()[0]
+    assert argv.startswith(f"ARGV --hostfile {tmp_path}/hosts --master_addr 10.0.0.1 --master_port 29500 "
+                           "--no_ssh --node_rank 0 megatron_cegrpo/train.py --model smollm2-135m-instruct ")
+    assert "--anchor-ranks 1 " in argv and "--num_gpus" not in argv
+
+
+@pytest.mark.parametrize("env_extra, message", [
+    ({"MASTER_ADDR": None}, "MASTER_ADDR is not set; fix: MASTER_ADDR=<address of the hostfile's first host"),
+    ({"NODE_RANK": "3"}, "NODE_RANK=3 but {hosts} lists 3 host(s); fix: NODE_RANK in 0..2"),
+    ({"NODE_RANK": "one"}, "NODE_RANK=one is not a number; fix: this host's 0-based line in {hosts}"),
+    ({"IFNAME": "nosuch0"}, "IFNAME=nosuch0 is not an interface of this host; fix: one of "),
+    ({"MASTER_PORT": "29x"}, "MASTER_PORT=29x is not a port number; fix: MASTER_PORT=29500"),
+    ({"HOSTFILE": "/nonexistent/hosts"}, "HOSTFILE=/nonexistent/hosts does not exist; fix: point HOSTFILE at"),
+], ids=["no-master-addr", "node-rank-too-big", "node-rank-not-a-number", "no-such-interface", "bad-port",
+        "no-hostfile"])
+def test_launch_script_rejects_a_bad_environment_in_one_line(tmp_path, env_extra, message):
+    p = _script(tmp_path, env_extra, "--model", "tiny-llama")
+    assert p.returncode == 2 and p.stdout == ""  # the launcher never started
+    lines = p.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("[cegrpo] error: " + message.format(hosts=tmp_path / "hosts"))
