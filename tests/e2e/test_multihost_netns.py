@@ -23,6 +23,7 @@ import pytest
 
 from benchmarks.netns import Topology, kill_process_groups, netns_available
 from distributed_util import PARITY_REWARD, REPO, launcher
+from megatron_cegrpo.bootstrap import quiet_known_warnings
 from equivalence.equivalence_runs import COMMON, RUNS, VOLATILE_PREFIXES, differences, reference_path
 
 ITERS = 2
@@ -114,7 +115,44 @@ def test_two_namespace_launch_equals_the_single_host_run(tmp_path):
     assert veth[1]["tx"] > sum(r["comm/bwd_bytes"] for r in got)
 
 
-# --------------------------------------------------------------------------- the script's own checks
+# --------------------------------------------------------------------------- placement and the script's checks
+
+
+def _ranks_by_host(hostfile: str) -> dict:
+    """host -> its global ranks, as DeepSpeed's launcher numbers them: hosts in the file's order,
+    each taking the next ``slots`` ranks (deepspeed/launcher/launch.py, global_rank_mapping)."""
+    from deepspeed.launcher.runner import fetch_hostfile
+
+    out, nxt = {}, 0
+    for host, slots in fetch_hostfile(hostfile).items():
+        out[host], nxt = list(range(nxt, nxt + slots)), nxt + slots
+    return out
+
+
+@pytest.mark.parametrize("tp, dp, pp", [(1, 1, 2), (2, 2, 2), (2, 1, 3), (1, 4, 2)])
+def test_slots_tp_times_dp_put_one_stage_per_host(tmp_path, tp, dp, pp):
+    """docs/multihost.md's placement: with ``slots = TP x DP`` per stage host and the anchor's
+    line last, megatron-core's groups (order tp-cp-ep-dp-pp) keep TP and DP inside a host, every
+    pipeline group crosses all stage hosts once, and the anchor (rank TP*PP*DP) is alone."""
+    quiet_known_warnings()  # megatron-core's "Transformer Engine and Apex are not installed" at import
+    from megatron.core.parallel_state import RankGenerator
+
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("".join(f"stage{s}-host slots={tp * dp}\n" for s in range(pp)) + "anchor-host slots=1\n")
+    placed = _ranks_by_host(str(hostfile))
+    host_of = {r: h for h, ranks in placed.items() for r in ranks}
+    gen = RankGenerator(tp=tp, ep=1, dp=dp, pp=pp, cp=1, order="tp-cp-ep-dp-pp")
+    for kind in ("tp", "dp"):
+        for group in gen.get_ranks(kind):
+            assert len({host_of[r] for r in group}) == 1, (kind, group)
+    for group in gen.get_ranks("pp"):
+        assert [host_of[r] for r in group] == [f"stage{s}-host" for s in range(pp)]
+    assert placed["anchor-host"] == [tp * pp * dp]
+
+
+def test_hostfile_example_is_pp2_plus_the_anchor():
+    placed = _ranks_by_host(os.path.join(REPO, "examples", "hostfile.example"))
+    assert placed == {"stage0-host": [0], "stage1-host": [1], "anchor-host": [2]}
 
 FAKE_DEEPSPEED = """#!/usr/bin/env bash
 echo "ARGV $*"
