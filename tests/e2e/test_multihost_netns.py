@@ -51,7 +51,7 @@ def _launch_two_hosts(topo: Topology, tmp_path) -> list:
     (tmp_path / "reward.py").write_text(PARITY_REWARD)
     flags = [*COMMON, *TINY, "--custom-reward-function", f"{tmp_path}/reward.py:parity_reward",
              "--train-iters", str(ITERS), "--log-dir", str(tmp_path / "run")]
-    procs, logs = [], []
+    procs, logs, timed_out = [], [], False
     try:
         for node in range(2):
             env = dict(os.environ, NODE_RANK=str(node), HOSTFILE=str(hostfile), MASTER_ADDR=topo.addrs[0],
@@ -64,7 +64,9 @@ def _launch_two_hosts(topo: Topology, tmp_path) -> list:
                                           start_new_session=True))
         deadline = time.monotonic() + TIMEOUT_S
         while any(p.poll() is None for p in procs) and not any(p.poll() for p in procs):
-            assert time.monotonic() < deadline, f"the two-host launch still runs after {TIMEOUT_S} s"
+            if time.monotonic() > deadline:
+                timed_out = True
+                break
             time.sleep(0.2)
         if any(p.poll() for p in procs):  # one node failed: give the other a moment to report, then stop it
             time.sleep(2)
@@ -73,9 +75,10 @@ def _launch_two_hosts(topo: Topology, tmp_path) -> list:
         for f in logs:
             f.close()
     texts = [(tmp_path / f"node{node}.log").read_text() for node in range(2)]
+    tails = "\n".join(f"--- node {n} log:\n{t[-5000:]}" for n, t in enumerate(texts))
+    assert not timed_out, f"the two-host launch still ran after {TIMEOUT_S} s (stopped):\n{tails}"
     for node, p in enumerate(procs):
-        assert p.returncode == 0, f"node {node} exited {p.returncode}:\n" + "\n".join(
-            f"--- node {n} log:\n{t[-5000:]}" for n, t in enumerate(texts))
+        assert p.returncode == 0, f"node {node} exited {p.returncode}:\n{tails}"
     return texts
 
 
