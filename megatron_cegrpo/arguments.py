@@ -201,7 +201,8 @@ class ParallelConfig:
     GROUP = "parallelism"
 
     pipeline_model_parallel_size: int = option(
-        2, "pipeline stages P (Megatron); the launch has P + --anchor-ranks ranks")
+        2, "pipeline stages P (Megatron); the launch has T x P x DP + --anchor-ranks ranks, the data-parallel "
+           "size DP inferred (Megatron's convention)")
     tensor_model_parallel_size: int = option(
         1, "tensor-parallel ranks T inside each stage (Megatron; megatron-core's tensor-parallel layers, TP "
            "fastest in the rank order); the launch has T x P ranks (docs/parallelism.md)")
@@ -671,6 +672,10 @@ class CheckpointConfig:
             raise ConfigError(f"--save {self.save} is a file, not a directory; fix: pass a directory path")
 
 
+#: codecs (or halves) that hold no state across micro-batches: the ones data parallelism supports
+DP_CODECS = ("dense", "mask")
+
+
 @dataclass
 class TrainConfig:
     """Every option of a run, one sub-config per concern (``cfg.optim.lr``,
@@ -758,7 +763,7 @@ class TrainConfig:
 
     def validate(self, world_size: Optional[int] = None) -> "TrainConfig":
         """Check every flag (each sub-config's ``validate``) and every combination; with
-        ``world_size`` also the launch (ranks = stages + anchor ranks). Returns self.
+        ``world_size`` also the launch (ranks = stages x DP + anchor ranks, DP inferred). Returns self.
 
         Raises:
             ConfigError: one line naming the flag, the value and the fix.
@@ -800,20 +805,56 @@ class TrainConfig:
                 f"world size {world_size} != --tensor-model-parallel-size ({tp}) x --pipeline-model-parallel-size "
                 f"({p.pipeline_model_parallel_size}) + --anchor-ranks ({self.anchor.anchor_ranks}); fix: launch with "
                 f"`deepspeed --num_gpus {expected}` (or `torchrun --nproc-per-node {expected}`)")
-        if world_size is not None and world_size != expected:
+        if world_size is not None:
+            self._validate_data_parallel(world_size)
+        return self
+
+
+    # --- data parallel (issue 14) ---
+    def data_parallel_size(self, world_size: int) -> int:
+        """DP = (world - --anchor-ranks) / (TP x PP), Megatron's convention; 0 when the launch does
+        not divide (``validate`` names the fix). At TP > 1 the launch must be TP x PP + anchors (DP 1)."""
+        p = self.parallel
+        trainers = world_size - self.anchor.anchor_ranks
+        mp = p.tensor_model_parallel_size * p.pipeline_model_parallel_size
+        return trainers // mp if trainers >= mp and trainers % mp == 0 else 0
+
+    def _validate_data_parallel(self, world_size: int) -> None:
+        """The launch: world = PP x DP + anchor ranks with DP >= 1; at DP > 1 each replica's share
+        of a mini-batch is whole micro-batches, and only the stateless codecs and no gradient
+        probe (their state and dense pass are one replica's). Raises ConfigError."""
+        p, anchors = self.parallel, self.anchor.anchor_ranks
+        pp, dp = p.pipeline_model_parallel_size, self.data_parallel_size(world_size)
+        if not dp:
+            fit = pp * max(1, (world_size - anchors) // pp) + anchors
             alt = ""
-            if self.anchor.anchor_ranks and world_size == p.pipeline_model_parallel_size:
+            if anchors and world_size == pp:
                 alt = ", or pass --anchor-ranks 0 for the fast circuit alone"
             elif world_size == 1:
                 alt = ", or pass --pipeline-model-parallel-size 1 --anchor-ranks 0 for one plain process"
+            trainers = world_size - anchors
             raise ConfigError(
-                f"world size {world_size} != --pipeline-model-parallel-size ({p.pipeline_model_parallel_size})"
-                f" + --anchor-ranks ({self.anchor.anchor_ranks}): this version runs one pipeline (data-parallel "
-                f"size 1); fix: launch with `deepspeed --num_gpus {expected}` (or `torchrun --nproc-per-node "
-                f"{expected}`){alt}"
-            )
-        return self
-
+                f"world size {world_size} minus --anchor-ranks ({anchors}) leaves {trainers} trainer rank"
+                f"{'' if trainers == 1 else 's'}, not a multiple of --pipeline-model-parallel-size ({pp}) (world = "
+                f"stages x data-parallel replicas + anchor ranks); fix: launch with `deepspeed --num_gpus {fit}` "
+                f"(or `torchrun --nproc-per-node {fit}`){alt}")
+        if dp == 1:
+            return
+        gbs = self.global_batch_size
+        if gbs % (dp * p.micro_batch_size):
+            raise ConfigError(
+                f"--global-batch-size={gbs} is not a multiple of data-parallel size ({dp}, from the world size) x "
+                f"--micro-batch-size ({p.micro_batch_size}): each replica runs whole micro-batches of every "
+                f"mini-batch; fix: pass --micro-batch-size {max(1, gbs // dp)} or a divisor of it")
+        halves = self.codec.boundary_codec.split(":")
+        if any(h.split("/")[0] not in DP_CODECS for h in halves):
+            raise ConfigError(
+                f"--boundary-codec {self.codec.boundary_codec} keeps state per replica, which data parallelism "
+                f"(size {dp}) does not share yet; fix: pass --boundary-codec mask or dense, or launch one replica")
+        if self.logging.grad_fidelity_interval:
+            raise ConfigError(
+                f"--grad-fidelity-interval compares one replica's dense gradient, not supported at data-parallel "
+                f"size {dp}; fix: drop --grad-fidelity-interval, or launch one replica")
 
     def _validate_codec(self) -> None:
         """An anchor-owned lowrank basis needs an anchor. Raises ConfigError."""

@@ -22,7 +22,8 @@ import torch.distributed as dist
 from megatron_cegrpo.compat import apply_cpu_compat
 from megatron_cegrpo.errors import ConfigError
 
-__all__ = ["DistContext", "initialize_distributed", "shutdown_distributed", "set_seed", "PEER_LIFETIME_TIMEOUT"]
+__all__ = ["DistContext", "initialize_distributed", "shutdown_distributed", "set_seed", "PEER_LIFETIME_TIMEOUT",
+           "data_parallel_size"]
 
 #: Timeout of the groups whose waits last as long as the schedule makes them (DESIGN.md section 4):
 #: the stages waiting while the driver generates or evaluates, the anchor waiting c iterations for
@@ -59,6 +60,13 @@ class DistContext:
     tp_rank: int = 0
     tp_size: int = 1
     tp_group: Any = None
+    # --- data parallel (issue 14): this stage's replicas, megatron-core's dp group (None at DP = 1)
+    dp_rank: int = 0
+    dp_size: int = 1
+    dp_group: Any = None
+    # global ranks of data-parallel replica 0's stages, stage order (the pipeline the driver, the
+    # sampler sync, checkpoints and the anchor talk to)
+    stage_ranks: Optional[list] = None
 
     @property
     def is_driver(self) -> bool:
@@ -72,6 +80,16 @@ class DistContext:
     @property
     def is_last_stage(self) -> bool:
         return self.pp_rank == self.pp_size - 1
+
+    def replica_of(self, rank: int) -> int:
+        """The data-parallel replica of trainer rank ``rank`` (:func:`data_parallel_size`'s layout)."""
+        return (rank // self.tp_size) % self.dp_size
+
+    @property
+    def is_replica_leader(self) -> bool:
+        """Data-parallel rank 0 of its stage: the replica that syncs the sampler, writes
+        checkpoints and talks to the anchor (the others receive what it receives)."""
+        return self.dp_rank == 0
 
     @property
     def last_stage_rank(self) -> int:
@@ -105,9 +123,15 @@ def initialize_distributed(pipeline_model_parallel_size: int, seed: int,
     and pipeline transfers; the waits the schedule sizes (driver-only phases, the anchor
     link) use ``rollout_group`` / ``anchor_group`` with :data:`PEER_LIFETIME_TIMEOUT`.
 
+    Data parallel (issue 14): DP = (world - anchor ranks) / PP (:func:`data_parallel_size`); the
+    ``dp`` groups are megatron-core's (``parallel_state`` or the trainer ``HyperCommGrid``), one
+    per stage, passed down as ``DistContext.dp_group``; the rollout group then spans every
+    trainer rank.
+
     Raises:
-        ConfigError: world size != pipeline size + anchor ranks, or more than one anchor rank
-            (``TrainConfig.validate(world_size)`` catches both earlier, with the launch fix).
+        ConfigError: world size - anchor ranks not a multiple of the pipeline size, or more than
+            one anchor rank (``TrainConfig.validate(world_size)`` catches both earlier, with the
+            launch fix).
     """
     cpu = apply_cpu_compat()
     for k, v in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"),
@@ -121,8 +145,8 @@ def initialize_distributed(pipeline_model_parallel_size: int, seed: int,
         if cpu:
             _unlink_deepspeed_shm_buffer()
     world = dist.get_world_size()
-    tp = int(tensor_model_parallel_size)
-    _check_layout(world, pipeline_model_parallel_size, tp, anchor_ranks)
+    tp, pp = int(tensor_model_parallel_size), pipeline_model_parallel_size
+    dp = _check_layout(world, pp, tp, anchor_ranks)
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     if not cpu:
@@ -136,12 +160,14 @@ def initialize_distributed(pipeline_model_parallel_size: int, seed: int,
 
     device = torch.device("cpu") if cpu else torch.device("cuda", local_rank)
     if anchor_ranks:
-        return _initialize_with_anchor(pipeline_model_parallel_size, seed, world, local_rank, local_world, device)
+        return _initialize_with_anchor(pipeline_model_parallel_size, dp, seed, world, local_rank, local_world, device)
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=tp, pipeline_model_parallel_size=pipeline_model_parallel_size
         )
     rollout_group = _pipeline_groups_with_peer_lifetime_timeout(world, pipeline_model_parallel_size)
+    if dp > 1:  # every trainer rank (DP = 1: the one pipeline group above, unchanged)
+        rollout_group = dist.new_group(list(range(world)), timeout=PEER_LIFETIME_TIMEOUT)
     set_seed(seed)
     model_parallel_cuda_manual_seed(seed)
     pg = ProcessGroupCollection.use_mpu_process_groups(
@@ -158,34 +184,48 @@ def initialize_distributed(pipeline_model_parallel_size: int, seed: int,
         rollout_group=rollout_group,
         tp_rank=parallel_state.get_tensor_model_parallel_rank(), tp_size=tp,
         tp_group=parallel_state.get_tensor_model_parallel_group(),
+        dp_rank=parallel_state.get_data_parallel_rank(), dp_size=dp,
+        dp_group=parallel_state.get_data_parallel_group() if dp > 1 else None,
+        stage_ranks=[i * dp * tp for i in range(pipeline_model_parallel_size)],
     )
 
 
-def _check_layout(world: int, pp: int, tp: int, anchor_ranks: int) -> None:
-    """The launch fits TP x PP (x DP) + anchor ranks. Raises ConfigError naming the flags."""
+def _check_layout(world: int, pp: int, tp: int, anchor_ranks: int) -> int:
+    """The launch fits TP x PP x DP + anchor ranks; returns DP. Raises ConfigError naming the flags."""
     if anchor_ranks not in (0, 1):
         raise ConfigError(f"--anchor-ranks must be 0 or 1 in this version, got {anchor_ranks}; fix: pass 0 or 1")
     if tp > 1 and anchor_ranks:
         raise ConfigError(f"--tensor-model-parallel-size {tp} with --anchor-ranks {anchor_ranks}: the anchor's "
                           "dense replica takes unsharded shipments (not in this version); fix: pass --anchor-ranks 0")
-    if anchor_ranks and world != pp + anchor_ranks:
+    return data_parallel_size(world, pp, anchor_ranks, tp)
+
+
+def data_parallel_size(world: int, pp: int, anchor_ranks: int = 0, tp: int = 1) -> int:
+    """DP = (world - anchor ranks) / (TP x PP), Megatron's convention.
+
+    Rank layout (megatron-core's default order tp-cp-ep-dp-pp, ``parallel_state`` and
+    ``HyperCommGrid`` alike): trainer rank ``r`` is TP rank ``r % TP``, replica ``(r // TP) % DP``,
+    stage ``r // (TP x DP)`` (``DistContext.replica_of``); the anchor ranks follow the trainer ranks.
+
+    Raises:
+        ConfigError: ``world - anchor_ranks`` is not a positive multiple of TP x PP
+            (``TrainConfig.validate(world_size)`` catches it earlier, naming the launch fix).
+    """
+    trainers, mp = world - anchor_ranks, tp * pp
+    if trainers < mp or trainers % mp:
         raise ConfigError(
-            f"world size {world} != --pipeline-model-parallel-size ({pp}) + "
-            f"--anchor-ranks ({anchor_ranks}); fix: launch with --num_gpus "
-            f"{pp + anchor_ranks}"
-        )
-    if not anchor_ranks and world % (tp * pp):
-        raise ConfigError(
-            f"world size {world} is not a multiple of --tensor-model-parallel-size ({tp}) x "
-            f"--pipeline-model-parallel-size ({pp}); fix: launch with --num_gpus "
-            f"{tp * pp}"
-        )
+            f"world size {world} minus --anchor-ranks ({anchor_ranks}) leaves {trainers} trainer ranks, not a multiple "
+            f"of --tensor-model-parallel-size ({tp}) x --pipeline-model-parallel-size ({pp}); fix: launch with "
+            f"`--num_gpus {mp * max(1, trainers // mp) + anchor_ranks}`")
+    return trainers // mp
 
 
 def _pipeline_groups_with_peer_lifetime_timeout(world: int, pp: int) -> Any:
     """A copy of this rank's pipeline group with :data:`PEER_LIFETIME_TIMEOUT` (every rank creates
     every copy, in the same order, as ``new_group`` requires; PP is megatron's slowest dimension, so
-    its pipeline groups are ``range(i, world, world // pp)`` for any TP x DP)."""
+    its pipeline groups are ``range(i, world, world // pp)`` for any TP x DP). At DP > 1 the rollout
+    group is every trainer rank instead (``initialize_distributed``); these copies are still created,
+    so that every launch creates the same groups in the same order."""
     from megatron.core import parallel_state
 
     mine = None
@@ -230,21 +270,27 @@ def _grid_collection(grid) -> Any:
     return pgc
 
 
-def _initialize_with_anchor(pp: int, seed: int, world: int, local_rank: int, local_world: int,
+def _initialize_with_anchor(pp: int, dp: int, seed: int, world: int, local_rank: int, local_world: int,
                             device: torch.device) -> DistContext:
-    """Trainer grid on ranks 0..pp-1, anchor grid on rank pp (every rank joins every new_group)."""
+    """Trainer grid on ranks 0..pp*dp-1 (stage-major: rank = stage x DP + replica), anchor grid on
+    the last rank (every rank joins every new_group, in the same order)."""
     from megatron.core import parallel_state
     from megatron.core.hyper_comm_grid import HyperCommGrid
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     dims = ["tp", "cp", "dp", "pp"]
-    trainer = _grid_collection(HyperCommGrid([1, 1, 1, pp], dims, rank_offset=0))
-    anchor = _grid_collection(HyperCommGrid([1, 1, 1, 1], dims, rank_offset=pp))
-    embd = dist.new_group(list(range(pp))[:: max(1, pp - 1)]) if pp > 1 else None
-    rollout_group = dist.new_group(list(range(pp)), timeout=PEER_LIFETIME_TIMEOUT)
-    anchor_group = dist.new_group(list(range(world)), timeout=PEER_LIFETIME_TIMEOUT)
+    trainers = pp * dp
+    trainer = _grid_collection(HyperCommGrid([1, 1, dp, pp], dims, rank_offset=0))
+    anchor = _grid_collection(HyperCommGrid([1, 1, 1, 1], dims, rank_offset=trainers))
     rank = dist.get_rank()
-    is_anchor = rank >= pp
+    embd = None
+    for replica in range(dp):  # one {first, last} embedding group per pipeline
+        g = dist.new_group([replica, (pp - 1) * dp + replica]) if pp > 1 else None
+        if rank < trainers and rank % dp == replica:
+            embd = g
+    rollout_group = dist.new_group(list(range(trainers)), timeout=PEER_LIFETIME_TIMEOUT)
+    anchor_group = dist.new_group(list(range(world)), timeout=PEER_LIFETIME_TIMEOUT)
+    is_anchor = rank >= trainers
     pgc = anchor if is_anchor else trainer
     pgc.embd = None if is_anchor else embd
     # what megatron otherwise gets from parallel_state.initialize_model_parallel
@@ -253,9 +299,11 @@ def _initialize_with_anchor(pp: int, seed: int, world: int, local_rank: int, loc
     model_parallel_cuda_manual_seed(seed, tp_rank=0, ep_rank=0, etp_rank=0)
     return DistContext(
         rank=rank, world_size=world, local_rank=local_rank, local_world_size=local_world,
-        pp_rank=0 if is_anchor else rank, pp_size=1 if is_anchor else pp, pp_group=pgc.pp,
-        embd_group=pgc.embd, pg_collection=pgc, device=device, anchor_rank=pp, is_anchor=is_anchor,
+        pp_rank=0 if is_anchor else rank // dp, pp_size=1 if is_anchor else pp, pp_group=pgc.pp,
+        embd_group=pgc.embd, pg_collection=pgc, device=device, anchor_rank=trainers, is_anchor=is_anchor,
         rollout_group=None if is_anchor else rollout_group, anchor_group=anchor_group,
+        dp_rank=0 if is_anchor else rank % dp, dp_size=1 if is_anchor else dp,
+        dp_group=pgc.dp if dp > 1 and not is_anchor else None, stage_ranks=[i * dp for i in range(pp)],
     )
 
 

@@ -378,10 +378,22 @@ CASES = [
          doc_input="resume a mask-codec checkpoint with --boundary-codec dense"),
     # --- launch mistakes ---
     Case("world-size-in-process", "launch", ["--pipeline-model-parallel-size", "2", "--anchor-ranks", "1"],
-         "world size 2 != --pipeline-model-parallel-size (2) + --anchor-ranks (1): this version runs one "
-         "pipeline (data-parallel size 1); fix: launch with `deepspeed --num_gpus 3` (or `torchrun "
-         "--nproc-per-node 3`), or pass --anchor-ranks 0 for the fast circuit alone", env={"WORLD_SIZE": "2"},
+         "world size 2 minus --anchor-ranks (1) leaves 1 trainer rank, not a multiple of "
+         "--pipeline-model-parallel-size (2) (world = stages x data-parallel replicas + anchor ranks); fix: launch "
+         "with `deepspeed --num_gpus 3` (or `torchrun --nproc-per-node 3`), or pass --anchor-ranks 0 for the fast "
+         "circuit alone", env={"WORLD_SIZE": "2"},
          doc_input="2 processes (WORLD_SIZE=2) for --pipeline-model-parallel-size 2 --anchor-ranks 1"),
+    Case("dp-micro-batches", "launch", ["--pipeline-model-parallel-size", "2", "--anchor-ranks", "1",
+                                        "--global-batch-size", "4"],
+         "--global-batch-size=4 is not a multiple of data-parallel size (2, from the world size) x "
+         "--micro-batch-size (4): each replica runs whole micro-batches of every mini-batch; fix: pass "
+         "--micro-batch-size 2 or a divisor of it", env={"WORLD_SIZE": "5"},
+         doc_input="5 processes (WORLD_SIZE=5: PP 2 x DP 2 + 1 anchor), --global-batch-size 4 --micro-batch-size 4"),
+    Case("dp-stateful-codec", "launch", ["--pipeline-model-parallel-size", "2", "--anchor-ranks", "0",
+                                         "--micro-batch-size", "2", "--boundary-codec", "lowrank"],
+         "--boundary-codec lowrank keeps state per replica, which data parallelism (size 2) does not share yet; "
+         "fix: pass --boundary-codec mask or dense, or launch one replica", env={"WORLD_SIZE": "4"},
+         doc_input="4 processes (WORLD_SIZE=4: PP 2 x DP 2) with --boundary-codec lowrank"),
     Case("anchor-delay-multiple", "flag", ["--anchor-ranks", "1", "--anchor-interval", "2", "--anchor-delay", "3"],
          "--anchor-delay (K=3) must be a positive multiple of --anchor-interval (c=2): the anchor reads the "
          "checkpoint theta(t - K), and checkpoints are shipped every c iterations; fix: e.g. --anchor-delay 2"),
@@ -415,9 +427,10 @@ CASES = [
          "response, e.g. 0.0 for one it cannot score)", setup=_reward("r.py:raising_reward"), launch=1,
          doc_input="a reward raising KeyError, found while scoring iteration 1 (deepspeed --num_gpus 1)"),
     Case("num-gpus", "launch", ["--pipeline-model-parallel-size", "2", "--anchor-ranks", "1"],
-         "world size 2 != --pipeline-model-parallel-size (2) + --anchor-ranks (1): this version runs one "
-         "pipeline (data-parallel size 1); fix: launch with `deepspeed --num_gpus 3` (or `torchrun "
-         "--nproc-per-node 3`), or pass --anchor-ranks 0 for the fast circuit alone", launch=2,
+         "world size 2 minus --anchor-ranks (1) leaves 1 trainer rank, not a multiple of "
+         "--pipeline-model-parallel-size (2) (world = stages x data-parallel replicas + anchor ranks); fix: launch "
+         "with `deepspeed --num_gpus 3` (or `torchrun --nproc-per-node 3`), or pass --anchor-ranks 0 for the fast "
+         "circuit alone", launch=2,
          doc_input="deepspeed --num_gpus 2 megatron_cegrpo/train.py --pipeline-model-parallel-size 2 "
                    "(anchor on by default: needs 3)"),
 ]

@@ -10,8 +10,12 @@ from __future__ import annotations
 import os
 from typing import Dict
 
+import torch
+import torch.distributed as dist
+
 from megatron_cegrpo.anchor.basis import stage_boundaries
 from megatron_cegrpo.anchor.client import AnchorClient
+from megatron_cegrpo.anchor.dp_fanout import FollowerClient, SignFanout, sign_deviation
 from megatron_cegrpo.checkpointing import ANCHOR_DIR
 from megatron_cegrpo.optim.hooks import SignCorrectionHook
 
@@ -39,9 +43,14 @@ class AnchorCircuit:
                                              counted=[p for p in owned if stage.counted_here(p)])
         stage.register_correction(self.correction)
         tied_copy = any(stage.is_duplicate_tied_weight(p) for p in owned)
-        self.client = AnchorClient(stage.named_owned, stage.layer_offset, tied_copy, ctx.anchor_rank, ctx.is_driver,
-                                   cfg.anchor, self.correction, group=ctx.anchor_group, rank=ctx.rank,
-                                   bases=_anchor_bases(cfg, ctx, stage))
+        # data parallel (anchor/dp_fanout.py): replica 0 talks to the anchor, the others take its signs
+        self.fanout = SignFanout(ctx.dp_group, [tuple(p.shape) for p in owned]) if ctx.dp_group is not None else None
+        if ctx.is_replica_leader:
+            self.client = AnchorClient(stage.named_owned, stage.layer_offset, tied_copy, ctx.anchor_rank,
+                                       ctx.is_driver, cfg.anchor, self.correction, group=ctx.anchor_group,
+                                       rank=ctx.rank, bases=_anchor_bases(cfg, ctx, stage), fanout=self.fanout)
+        else:
+            self.client = FollowerClient(cfg.anchor, self.correction, self.fanout, rank=ctx.rank)
         self._dump = cfg.anchor.anchor_debug_dir
         self._applied_before = 0
 
@@ -60,8 +69,10 @@ class AnchorCircuit:
     @staticmethod
     def declare_metrics(reducer) -> None:
         """Bytes add up over the stages; the fire is the schedule's; the anchor is alive and
-        the correction applied only if on every stage; the sign agreement pools all stages."""
+        the correction applied only if on every stage; the sign agreement pools all stages;
+        the replicas' sign deviation is the largest anywhere (data parallel)."""
         (reducer.declare("anchor/bytes_", "sum").declare("anchor/fire", "first").declare("anchor/alive", "min")
+         .declare("anchor/sign_dev_across_dp", "max")
          .declare("_anchor/applied", "min").declare("_anchor/agree", "sum")
          .declare("_anchor/total", "sum").derive(_correction))
 
@@ -70,6 +81,20 @@ class AnchorCircuit:
         agree, total = self.correction.last_agreement if applied else (0, 0)
         out = self.client.metrics(t)
         out.update({"_anchor/applied": applied, "_anchor/agree": agree, "_anchor/total": total})
+        if self.fanout is not None:
+            out.update(self._replica_metrics(applied))
+        return out
+
+    def _replica_metrics(self, applied: int) -> Dict[str, float]:
+        """Data parallel: the fan-out's bytes (replica 0's) and, when any replica applied a
+        correction this iteration, ``anchor/sign_dev_across_dp`` from the signs each holds
+        (collectives over the DP group, every replica in the same order)."""
+        out = {"anchor/bytes_dp_fanout": self.fanout.take_bytes()}
+        flag = torch.tensor([int(applied > 0)], dtype=torch.int64)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.fanout.group)
+        if int(flag.item()):
+            out["anchor/sign_dev_across_dp"] = sign_deviation(self.correction.signs, self.fanout.numel,
+                                                              self.fanout.group)
         return out
 
     def driver_metrics(self) -> Dict:

@@ -52,11 +52,14 @@ class AnchorClient:
             ``(boundary, shape, dtype)`` of each basis the anchor sends this stage (ascending
             boundaries), ``sink(boundary, q, first_step)`` the codec's ``stage_basis``; a basis
             received during iteration t serves from t + 1 at both ends. None: no bases.
+        fanout: at data-parallel size > 1, the stage's ``SignFanout`` (``anchor/dp_fanout.py``):
+            after each ``before_optimizer_step`` the signs the hook holds go to the other replicas.
     """
 
     def __init__(self, named_params, layer_offset: int, tied_output: bool, anchor_rank: int, is_driver: bool,
-                 anchor, correction, group=None, rank: int = 0, bases=None):
+                 anchor, correction, group=None, rank: int = 0, bases=None, fanout=None):
         self.a = anchor
+        self.fanout = fanout
         named_params = list(named_params)
         self.params = [p for _, p in named_params]
         self.shapes = [tuple(p.shape) for p in self.params]
@@ -165,6 +168,7 @@ class AnchorClient:
         due = self._awaiting is not None and (
             self.a.anchor_apply == "fire-step" or t > self._awaiting)
         self._now = t
+        before = self.correction.signs
         if due:
             fire = self._awaiting
             with timers.phase("anchor_wait"):
@@ -173,6 +177,8 @@ class AnchorClient:
             self._awaiting = None
         if self.a.sign_fold == "fire-only" and self._fresh_for != t:
             self.correction.set_signs(None)
+        if self.fanout is not None:  # the other data-parallel replicas hold what this hook holds
+            self.fanout.lead(self.alive, before, self.correction.signs)
 
     def _receive_signs(self) -> None:
         hdr = torch.zeros(1, dtype=torch.int64)

@@ -42,7 +42,7 @@ def run_anchor(cfg, ctx) -> None:
             start = it  # saved without an anchor: the anchor starts empty at the trainer's iteration
             print(f"[cegrpo anchor] {ckpt_dir} has no anchor state; M and the ring start empty", flush=True)
     try:
-        worker = AnchorWorker(cfg, model, ref, stage_ranks=list(range(pp)), start_iteration=start,
+        worker = AnchorWorker(cfg, model, ref, stage_ranks=ctx.stage_ranks or list(range(pp)), start_iteration=start,
                               group=ctx.anchor_group)
         if state is not None:
             worker.load_state_dict(state)

@@ -13,7 +13,7 @@ from typing import Dict, List
 
 import torch
 
-__all__ = ["pack_rollouts", "slice_batch", "microbatches"]
+__all__ = ["pack_rollouts", "slice_batch", "microbatches", "replica_rows"]
 
 
 def pack_rollouts(
@@ -101,3 +101,26 @@ def microbatches(batch: Dict[str, torch.Tensor], micro_batch_size: int) -> List[
     if n % micro_batch_size:
         raise ValueError(f"--micro-batch-size={micro_batch_size} does not divide the {n} sequences")
     return [slice_batch(batch, i, i + micro_batch_size) for i in range(0, n, micro_batch_size)]
+
+
+def replica_rows(num_rows: int, mini_batch_size: int, dp_rank: int, dp_size: int) -> torch.Tensor:
+    """The rows of an iteration's batch that data-parallel replica ``dp_rank`` of ``dp_size`` runs
+    (issue 14): of every mini-batch (``mini_batch_size`` = ``--global-batch-size`` consecutive
+    rows, one optimizer step) the ``dp_rank``-th contiguous slice of ``mini_batch_size / dp_size``
+    rows, mini-batches in order. Replica ``r``'s own mini-batches are then consecutive slices of
+    ``mini_batch_size / dp_size`` rows of its share, and the DP-summed gradient of each is the
+    whole mini-batch's. The rows keep their ``sample_ids``, so the PRF masks (keyed by the global
+    sample id) do not depend on the replica that runs a sample.
+
+    Returns:
+        int64 [num_rows / dp_size] row indices, ascending.
+    Raises:
+        ValueError: ``mini_batch_size`` does not divide ``num_rows`` or ``dp_size`` does not
+            divide ``mini_batch_size`` (``TrainConfig.validate`` refuses both at start-up).
+    """
+    if num_rows % mini_batch_size or mini_batch_size % dp_size:
+        raise ValueError(f"{num_rows} rows in mini-batches of {mini_batch_size} cannot be shared by "
+                         f"{dp_size} replicas")
+    share = mini_batch_size // dp_size
+    return torch.cat([torch.arange(s + dp_rank * share, s + (dp_rank + 1) * share)
+                      for s in range(0, num_rows, mini_batch_size)])

@@ -41,9 +41,16 @@ _KEY = re.compile(r"^_errpersist/boundary_(\d+)/(dot|sq_cur|sq_prev)$")
 
 
 class BoundaryErrorTracker:
-    """Accumulates one stage's forward boundary error per iteration (see the module docstring)."""
+    """Accumulates one stage's forward boundary error per iteration (see the module docstring).
 
-    def __init__(self) -> None:
+    Data parallel (issue 14): with the stage's DP ``group`` the token sums and counts are added
+    over the replicas at the end of each iteration, so ``e_t`` is the whole batch's mean on every
+    replica (the state a checkpoint keeps from replica 0 is every replica's) and each replica
+    reports the same raw sums; the metrics reducer adds them over the replicas, which scales the
+    dot products and squared norms alike and leaves the cosines unchanged."""
+
+    def __init__(self, group=None) -> None:
+        self.group = group  # data parallel (issue 14): the stage's DP group; None at DP = 1
         self._sum: Dict[int, torch.Tensor] = {}
         self._count: Dict[int, int] = {}
         self._prev: Dict[int, torch.Tensor] = {}
@@ -71,6 +78,12 @@ class BoundaryErrorTracker:
         boundary seen now and in the previous iteration (``_errpersist/boundary_<i>/dot``,
         ``/sq_cur``, ``/sq_prev``), then keep this iteration's means as the previous ones.
         A boundary not seen this iteration is forgotten."""
+        if self.group is not None:  # the mean over every replica's tokens, the same on each replica
+            for b in sorted(self._sum):
+                n = torch.tensor([float(self._count[b])], dtype=torch.float64)
+                torch.distributed.all_reduce(self._sum[b], group=self.group)
+                torch.distributed.all_reduce(n, group=self.group)
+                self._count[b] = int(n.item())
         cur = {b: s / self._count[b] for b, s in self._sum.items()}
         out = {}
         for b, e in sorted(cur.items()):

@@ -9,12 +9,12 @@ sampler's log-probs, which no codec touches.
 from __future__ import annotations
 
 import pickle
-from typing import Any, Tuple
+from typing import Any, Callable, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["broadcast_metered", "broadcast_nbytes"]
+__all__ = ["broadcast_metered", "broadcast_nbytes", "scatter_metered"]
 
 
 def broadcast_nbytes(payload_bytes: int, group_size: int) -> int:
@@ -43,3 +43,38 @@ def broadcast_metered(obj: Any, group) -> Tuple[Any, int]:
     if group.rank() != 0:
         obj = pickle.loads(data.numpy().tobytes())
     return obj, broadcast_nbytes(int(n.item()), group.size())
+
+
+def scatter_metered(shards: Optional[Sequence[Any]], replica_of: Callable[[int], int], group) -> Tuple[Any, int]:
+    """Data parallel (issue 14): each member of ``group`` receives only its replica's share.
+
+    The group's rank 0 (the driver) gives ``shards`` (one picklable object per data-parallel
+    replica, None elsewhere); member ``g`` (global rank) receives ``shards[replica_of(g)]`` as
+    :func:`broadcast_metered` would send it (int64 length, then the pickle bytes), by point-to-point
+    sends from rank 0; rank 0 keeps ``shards[replica_of(rank 0)]``.
+
+    Returns:
+        (this member's share, bytes): on rank 0 the bytes it sent to all members, ``sum (8 +
+        len(pickle))`` over the other members (the ledger's ``comm/batch_bytes``); elsewhere the
+        bytes this member received.
+    Raises:
+        RuntimeError: the backend's, when a peer is gone.
+    """
+    me = dist.get_rank()
+    src = dist.get_global_rank(group, 0)
+    if me == src:
+        blobs = [torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8) for obj in shards]
+        sent = 0
+        for g in dist.get_process_group_ranks(group):
+            if g == src:
+                continue
+            data = blobs[replica_of(g)]
+            dist.send(torch.tensor([data.numel()], dtype=torch.int64), dst=g, group=group)
+            dist.send(data, dst=g, group=group)
+            sent += 8 + data.numel()
+        return shards[replica_of(src)], sent
+    n = torch.zeros(1, dtype=torch.int64)
+    dist.recv(n, src=src, group=group)
+    data = torch.empty(int(n.item()), dtype=torch.uint8)
+    dist.recv(data, src=src, group=group)
+    return pickle.loads(data.numpy().tobytes()), 8 + data.numel()

@@ -6,7 +6,13 @@ and its reduction over the stages (in stage order):
 - ``sum``: bytes, token counts, squared norms;
 - ``min``: flags that hold only if every stage agrees (``anchor/alive``);
 - ``first``: values every stage shares (the schedule's ``anchor/fire``);
-- ``stages``: the list of per-stage values (a derived metric reads it).
+- ``stages``: the list of per-stage values (a derived metric reads it);
+- ``max``: a deviation that must be 0 everywhere (``anchor/sign_dev_across_dp``).
+
+With data parallelism (issue 14) the replicas of each stage are merged first
+(:meth:`StageMetricsReducer.merge_replicas`): bytes and sums add up over the replicas, ``min``
+and ``max`` keep their meaning, and ``first`` / ``stages`` values (the replicas hold the same
+weights and follow the same schedule) are replica 0's.
 
 Keys starting with ``_`` are inputs of derived metrics (``derive`` callbacks) and are
 dropped from the log after the derivation.
@@ -23,7 +29,11 @@ _OPS = {
     "min": lambda vals: min(vals),
     "first": lambda vals: vals[0],
     "stages": lambda vals: list(vals),
+    "max": lambda vals: max(vals),
 }
+
+#: how the data-parallel replicas of one stage merge, per stage-reduction op
+_REPLICA_OPS = {"sum": "sum", "min": "min", "max": "max", "first": "first", "stages": "first"}
 
 
 class StageMetricsReducer:
@@ -57,6 +67,14 @@ class StageMetricsReducer:
             if key.startswith(prefix):
                 return op
         raise KeyError(f"stage metric {key!r} has no declared reduction")
+
+    def merge_replicas(self, replicas: List[Dict[str, float]]) -> Dict[str, float]:
+        """One stage's dict from its data-parallel replicas' (replica order), by each key's
+        declared op (``_REPLICA_OPS``). Raises KeyError for an undeclared key."""
+        keys: List[str] = []
+        for d in replicas:
+            keys.extend(k for k in d if k not in keys)
+        return {k: _OPS[_REPLICA_OPS[self._op(k)]]([d[k] for d in replicas if k in d]) for k in keys}
 
     def reduce(self, gathered: List[Dict[str, float]]) -> Dict:
         """Reduce the stages' dicts (stage order) by the declared rules, then derive.

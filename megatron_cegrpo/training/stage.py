@@ -26,6 +26,7 @@ from megatron_cegrpo.pipeline.communicator import CompressedP2PCommunicator
 from megatron_cegrpo.pipeline.schedule import PipelineRunner
 from megatron_cegrpo.pipeline.tied_embedding import TiedEmbeddingSync
 from megatron_cegrpo.pipeline.weight_sync import build_weight_sync
+from megatron_cegrpo.training import data_parallel as dpx
 
 __all__ = ["StageWorker", "boundary_bytes_ratio"]
 
@@ -57,7 +58,9 @@ class StageWorker:
         if hasattr(self.codec, "rank"):  # a lowrank budget too small for rank 1 fails here, naming the flag
             self.codec.rank(self.tf_config.hidden_size)
         self.meter = ByteMeter()
-        self.error_tracker = BoundaryErrorTracker()  # codec/error_persistence (pipeline/boundary_error.py)
+        self.dp_group = ctx.dp_group  # this stage's data-parallel replicas (None at DP = 1; data_parallel.py)
+        self.dp_bytes = 0  # comm/dp_grad_allreduce_bytes since the last stage_metrics
+        self.error_tracker = BoundaryErrorTracker(group=ctx.dp_group)  # codec/error_persistence (pipeline/boundary_error.py)
         self.comm = (CompressedP2PCommunicator(ctx.pp_group, self.tf_config, self.codec, self.meter,
                                                seed=cfg.optim.seed, tp_group=ctx.tp_group)
                      if ctx.pp_size > 1 else None)
@@ -138,11 +141,9 @@ class StageWorker:
             return {}
         batch["old_logprobs"] = torch.cat([o["logprobs"] for o in outs])
         entropy = torch.cat([o["entropy"] for o in outs])
-        mask = batch["loss_mask"]
         diff = batch["sampler_logprobs"] - batch["old_logprobs"]
-        return {"actor/entropy": float(ca.masked_mean(entropy, mask)),
-                "mismatch/abs_logprob_diff_mean": float(ca.masked_mean(diff.abs(), mask)),
-                "mismatch/logprob_diff_mean": float(ca.masked_mean(diff, mask))}
+        ent, absdiff, mdiff = dpx.masked_means([entropy, diff.abs(), diff], batch["loss_mask"], self.dp_group)
+        return {"actor/entropy": ent, "mismatch/abs_logprob_diff_mean": absdiff, "mismatch/logprob_diff_mean": mdiff}
 
     @torch.no_grad()
     def ref_log_prob(self, batch: Dict[str, torch.Tensor], t: int) -> None:
@@ -171,19 +172,15 @@ class StageWorker:
                          if self.ref_model is not None else None)
         if not self.ctx.is_last_stage:
             return {}
-        mask = batch["loss_mask"]
         lp = torch.cat([o["logprobs"] for o in dense])
-        out = {
-            "probe/abs_logprob_diff_mean": float(ca.masked_mean((batch["sampler_logprobs"] - lp).abs(), mask)),
-            "probe/view_abs_logprob_diff": float(ca.masked_mean((batch["old_logprobs"] - lp).abs(), mask)),
-        }
+        names = ["probe/abs_logprob_diff_mean", "probe/view_abs_logprob_diff"]
+        vals = [(batch["sampler_logprobs"] - lp).abs(), (batch["old_logprobs"] - lp).abs()]
         if dense_ref is not None:
             ref = torch.cat([o["logprobs"] for o in dense_ref])
             kind = self.cfg.grpo.kl_loss_type
-            out["probe/kl_to_ref"] = float(ca.masked_mean(ca.kl_penalty(lp, ref, kind), mask))
-            out["probe/kl_to_ref_compressed"] = float(
-                ca.masked_mean(ca.kl_penalty(batch["old_logprobs"], batch["ref_logprobs"], kind), mask))
-        return out
+            names += ["probe/kl_to_ref", "probe/kl_to_ref_compressed"]
+            vals += [ca.kl_penalty(lp, ref, kind), ca.kl_penalty(batch["old_logprobs"], batch["ref_logprobs"], kind)]
+        return dict(zip(names, dpx.masked_means(vals, batch["loss_mask"], self.dp_group)))
 
     def update(self, batch: Dict[str, torch.Tensor], t: int, probe=None) -> Dict[str, float]:
         """Step 7: 1F1B forward+backward per mini-batch, tied-embedding sum (``self.tied``), optimizer step
@@ -191,7 +188,7 @@ class StageWorker:
         ``probe``: a prepared ``GradFidelityProbe`` (``training/fidelity.py``) that computes the
         dense gradient before, and compares after, each codec backward; None: no probe."""
         cfg = self.cfg
-        n, gbs = batch["tokens"].shape[0], cfg.global_batch_size
+        n, gbs = batch["tokens"].shape[0], cfg.global_batch_size // self.ctx.dp_size  # this replica's share
         sums = {"pg_loss_sum": 0.0, "clip_sum": 0.0, "ppo_kl_sum": 0.0, "kl_sum": 0.0, "tokens": 0.0}
         norms = []
         self.model.train()
@@ -207,6 +204,8 @@ class StageWorker:
         out = {"actor/grad_norm": float(sum(norms) / len(norms)), "actor/lr": self.optimizer.param_groups[0]["lr"],
                "actor/num_optimizer_steps": len(norms), "actor/skipped_steps": self.clip.num_skipped}
         if self.ctx.is_last_stage:
+            if self.dp_group is not None:  # the whole batch's sums (every replica's last stage)
+                sums = dict(zip(sums, dpx.allreduce_sum(list(sums.values()), self.dp_group)))
             tok = max(sums["tokens"], 1.0)
             out.update({"actor/pg_loss": sums["pg_loss_sum"] / tok, "actor/pg_clipfrac": sums["clip_sum"] / tok,
                         "actor/ppo_kl": sums["ppo_kl_sum"] / tok})
@@ -222,7 +221,9 @@ class StageWorker:
         Returns:
             the loss function's per-micro-batch dicts on the last stage (empty elsewhere).
         """
-        loss_fn = partial(self._update_loss_fn, float(mini["loss_mask"].sum()), float(self.cfg.global_batch_size))
+        # the whole mini-batch's tokens (every replica's share): the replicas' gradients then sum to it
+        tokens = dpx.allreduce_sum([float(mini["loss_mask"].sum())], self.dp_group)[0]
+        loss_fn = partial(self._update_loss_fn, tokens, float(self.cfg.global_batch_size))
         self.tied.refresh_rows(mini["tokens"])
         if probe is not None:
             probe.dense_gradient(mini, start, t, loss_fn)
@@ -230,6 +231,7 @@ class StageWorker:
         with self._tracking_error():
             outs = self.runner.run(self.model, mini, step=t, forward_only=False, loss_fn=loss_fn)
         self.tied.reduce_grads(mini["tokens"])
+        self.dp_bytes += dpx.allreduce_gradients(self.params, self.dp_group)  # before the pre-step hooks
         if probe is not None:
             probe.compare()
         return outs
@@ -248,7 +250,11 @@ class StageWorker:
 
     def gather_weights(self):
         """Step 8 (collective over the pipeline): every stage's weights, on the driver (a tied
-        embedding from the stage that owns it, ``TiedEmbeddingSync.patch_gathered``)."""
+        embedding from the stage that owns it, ``TiedEmbeddingSync.patch_gathered``). Only
+        data-parallel replica 0 (the driver's pipeline) sends; the others hold the same weights
+        and return None."""
+        if not self.ctx.is_replica_leader:
+            return None
         sds = self.gatherer.gather()
         self.tied.patch_gathered(sds)
         return sds
@@ -268,6 +274,8 @@ class StageWorker:
         out["_weight/diff_sq"], out["_weight/base_sq"] = self._weight_change_sums()
         out.update(self.error_tracker.end_iteration())
         out.update(self.tied.metrics())
+        if self.dp_group is not None:
+            out["comm/dp_grad_allreduce_bytes"], self.dp_bytes = self.dp_bytes, 0
         return out
 
     @torch.no_grad()

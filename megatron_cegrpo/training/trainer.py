@@ -32,7 +32,8 @@ from megatron_cegrpo.checkpointing import is_save_iteration
 from megatron_cegrpo.initialize import DistContext
 from megatron_cegrpo.metrics import PhaseTimers, format_progress
 from megatron_cegrpo.models.stage import build_policy_stage
-from megatron_cegrpo.pipeline.broadcast import broadcast_metered
+from megatron_cegrpo.grpo.batch import replica_rows
+from megatron_cegrpo.pipeline.broadcast import broadcast_metered, scatter_metered
 from megatron_cegrpo.training.checkpointer import Checkpointer, RNGState
 from megatron_cegrpo.training.circuit import Circuit, circuits_of
 from megatron_cegrpo.training.driver import Driver, log
@@ -129,11 +130,11 @@ class GRPOTrainer:
         stage, timers = self.stage, self.timers
         t = self.iteration + 1
         t_start = time.perf_counter()
-        batch = self.rollout(t)
+        full, batch = self.rollout(t)  # the whole batch (driver only) and this replica's share
         stage.prefetch_codec(batch, t)  # masks of this iteration, on a background thread
         for c in self.circuits:
             with timers.phase(c.phase):
-                c.after_rollout(t, batch)
+                c.after_rollout(t, full if full is not None else batch)
         with timers.phase("old_log_prob"):
             stats = stage.old_log_prob(batch, t)
         if stage.ref_model is not None:
@@ -160,30 +161,52 @@ class GRPOTrainer:
             if is_save_iteration(t, c.save, c.save_interval, self.cfg.optim.train_iters):
                 self._full_sync(t)  # before the metrics: its bytes are this iteration's
         self.iteration = t
-        return self._metrics(batch, stats, t, time.perf_counter() - t_start)
+        return self._metrics(full, stats, t, time.perf_counter() - t_start)
 
-    def rollout(self, t: int) -> Dict:
+    def rollout(self, t: int):
         """Steps 1-4 of iteration ``t``: the driver generates and scores the batch, every stage
-        receives it (a collective over the rollout group, its bytes kept for the ledger);
-        returns the packed batch."""
-        batch = self.driver.generate_and_score(t, self.timers) if self.driver is not None else None
+        receives it (a collective over the rollout group, its bytes kept for the ledger).
+
+        Data parallel (issue 14): each replica receives only its share
+        (``grpo.batch.replica_rows``: the ``dp_rank``-th contiguous slice of every mini-batch,
+        global ``sample_ids`` kept), sent by the driver to each trainer rank.
+
+        Returns:
+            (the whole packed batch on the driver, else None; this replica's rows).
+        """
+        ctx = self.ctx
+        full = self.driver.generate_and_score(t, self.timers) if self.driver is not None else None
         with self.timers.phase("broadcast"):  # the rollout group: the stages wait as long as the driver generates
-            batch, self._batch_bytes = broadcast_metered(batch, self.ctx.rollout_group)
-        return batch
+            if ctx.dp_size == 1:
+                batch, self._batch_bytes = broadcast_metered(full, ctx.rollout_group)
+                return (batch if full is not None else None), batch
+            shards = None
+            if full is not None:
+                n = full["tokens"].shape[0]
+                shards = [{k: v[rows] for k, v in full.items()} for rows in
+                          (replica_rows(n, self.cfg.global_batch_size, r, ctx.dp_size) for r in range(ctx.dp_size))]
+            batch, self._batch_bytes = scatter_metered(shards, lambda g: g % ctx.dp_size, ctx.rollout_group)
+        return full, batch
 
     def _metrics(self, batch, stats: Dict[str, float], t: int, seconds: float) -> Optional[Dict]:
         """Loss metrics from the last stage, every stage's reduced by the declared rules, the
         driver's batch statistics and timers; written to the log on the driver."""
         ctx = self.ctx
         obj = [stats if ctx.is_last_stage else None]
-        dist.broadcast_object_list(obj, src=ctx.last_stage_rank, group=ctx.pp_group)
+        if ctx.is_replica_leader:  # the losses are already summed over the replicas
+            dist.broadcast_object_list(obj, src=ctx.last_stage_rank, group=ctx.pp_group)
         local = self.stage.stage_metrics()
         if self.fidelity is not None:
             local.update(self.fidelity.stage_metrics())
         for c in self.circuits:
             local.update(c.stage_metrics(t))
+        if ctx.dp_group is not None:  # this stage's replicas first (bytes summed; reduce.py)
+            replicas = [None] * ctx.dp_size
+            dist.all_gather_object(replicas, local, group=ctx.dp_group)
+            local = self.reducer.merge_replicas(replicas)
         gathered = [None] * ctx.pp_size if ctx.is_driver else None
-        dist.gather_object(local, gathered, dst=dist.get_global_rank(ctx.pp_group, 0), group=ctx.pp_group)
+        if ctx.is_replica_leader:  # the driver's pipeline (replica 0) carries the merged stage dicts
+            dist.gather_object(local, gathered, dst=dist.get_global_rank(ctx.pp_group, 0), group=ctx.pp_group)
         if self.driver is None:
             return None
         m = {"step": t, **Driver.batch_metrics(batch), **obj[0], **self.reducer.reduce(gathered)}
@@ -272,13 +295,17 @@ class GRPOTrainer:
     def _full_sync(self, t: int) -> None:
         """The whole tied embedding to the first stage (``TiedEmbeddingSync.full_sync``), once per
         iteration t, so that a checkpoint's first-stage file holds the true W."""
-        if self._synced_at != t:
+        if self._synced_at != t and self.ctx.is_replica_leader:  # only replica 0 writes checkpoints
             self.stage.tied.full_sync()
             self._synced_at = t
 
-    def save_checkpoint(self) -> str:
+    def save_checkpoint(self) -> Optional[str]:
         """Write everything the run needs to continue bit for bit (README "Checkpoints";
-        ``checkpointer.py``); the driver lets each circuit add its own state."""
+        ``checkpointer.py``); the driver lets each circuit add its own state. Data parallel:
+        replica 0 writes (the replicas hold the same weights and optimizer state); the others
+        return None."""
+        if not self.ctx.is_replica_leader:
+            return None
         self._full_sync(self.iteration)
         names = [n for n, _ in self.stage.model.named_parameters()]
         before_commit = None

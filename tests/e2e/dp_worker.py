@@ -1,0 +1,76 @@
+"""One rank of ``test_data_parallel.py``: several GRPO runs in one process group.
+
+``python dp_worker.py OUT PP DP`` (RANK, WORLD_SIZE, MASTER_* set by ``distributed_util.run_ranks``;
+world = PP x DP + 1 anchor rank). Each run from the same seeds, the anchor at c = K = 2 (the fire
+at 2 replays theta(0), the same weights in every run, and folds sign(M) into step 2):
+
+- ``dense``: ``--boundary-codec dense``, 2 iterations;
+- ``mask``: ``--boundary-codec mask``, 2 iterations, checkpoints at 1 and 2;
+- at DP > 1, ``resumed``: a new trainer loads ``mask``'s checkpoint at 1 and trains iteration 2
+  (see ``tied_sync_worker.py`` on why a resume at 1).
+
+Each trainer rank writes ``OUT/<run>/rank<r>.pt``: its stage's final parameters and the signs its
+anchor correction holds.
+"""
+
+import faulthandler
+import os
+import signal
+import sys
+
+import torch
+
+from megatron_cegrpo.bootstrap import bootstrap
+
+bootstrap(cpu_compat=True)
+
+import torch.distributed as dist  # noqa: E402
+from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed  # noqa: E402
+
+from megatron_cegrpo.arguments import build_config, parse_args  # noqa: E402
+from megatron_cegrpo.initialize import initialize_distributed, set_seed, shutdown_distributed  # noqa: E402
+
+faulthandler.register(signal.SIGUSR1, all_threads=True)  # a hung rank's stacks: kill -USR1 <pid>
+SEED = 1234
+OUT, PP, DP = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+ARGS = [
+    "--model", "tiny-llama", "--train-data", "mawps/singleop", "--pipeline-model-parallel-size", str(PP),
+    "--micro-batch-size", "2", "--rollout-batch-size", "2", "--num-generations", "4", "--max-new-tokens", "8",
+    "--lr", "1e-3", "--temperature", "1.0", "--kl-coef", "0.01", "--no-tqdm", "--num-threads", "1",
+    "--anchor-ranks", "1", "--anchor-interval", "2", "--anchor-delay", "2", "--seed", str(SEED),
+    "--deepspeed_config", os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                                       "ds_configs", "cpu_adamw.json"),
+    "--custom-reward-function", os.path.join(OUT, "reward.py") + ":parity_reward",
+]
+
+
+def train(run: str, codec: str, iters: int, *extra: str) -> None:
+    from megatron_cegrpo.anchor.runner import run_anchor
+    from megatron_cegrpo.training import GRPOTrainer
+
+    cfg = build_config(parse_args(ARGS + ["--boundary-codec", codec, "--train-iters", str(iters),
+                                          "--log-dir", os.path.join(OUT, run), *extra]))
+    cfg.validate(world_size=dist.get_world_size())
+    set_seed(SEED)
+    model_parallel_cuda_manual_seed(SEED, tp_rank=0, ep_rank=0, etp_rank=0)
+    if CTX.is_anchor:
+        run_anchor(cfg, CTX)
+        dist.barrier()  # the stages commit the last checkpoint after the anchor's part of it
+        return
+    trainer = GRPOTrainer(cfg, CTX)
+    trainer.train()
+    signs = trainer.circuits[0].correction.signs
+    out = {"params": {n: p.detach().clone() for n, p in trainer.stage.model.named_parameters()},
+           "signs": [s.clone() for s in signs] if signs is not None else None}
+    torch.save(out, os.path.join(OUT, run, f"rank{CTX.rank}.pt"))
+    dist.barrier()
+
+
+CTX = initialize_distributed(PP, SEED, 1, anchor_ranks=1)
+try:
+    train("dense", "dense", 2)
+    train("mask", "mask", 2, "--save", os.path.join(OUT, "mask", "ckpt"), "--save-interval", "1")
+    if DP > 1:  # a new trainer from mask's checkpoint at 1 trains iteration 2 again
+        train("resumed", "mask", 2, "--load", os.path.join(OUT, "mask", "ckpt", "iter_0000001"))
+finally:
+    shutdown_distributed()
