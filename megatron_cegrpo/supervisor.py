@@ -44,13 +44,18 @@ def should_supervise(env: Mapping[str, str] = os.environ) -> bool:
 
 def rank_role(argv: List[str], rank: int, world_size: int) -> str:
     """``"anchor"`` for the anchor ranks (the last ``--anchor-ranks`` of the world, DESIGN.md
-    section 1), else ``"pipeline stage <rank>"``."""
-    from megatron_cegrpo.arguments import AnchorConfig
+    section 1), else ``"pipeline stage <rank>"``, or with data parallelism (issue 14; stage-major
+    ranks, ``initialize.data_parallel_size``) ``"pipeline stage <s> (data-parallel replica <r>)"``."""
+    from megatron_cegrpo.arguments import AnchorConfig, ParallelConfig
 
     ap = argparse.ArgumentParser(add_help=False)
     ap.add_argument("--anchor-ranks", type=int, default=AnchorConfig.anchor_ranks)
+    ap.add_argument("--pipeline-model-parallel-size", type=int, default=ParallelConfig.pipeline_model_parallel_size)
     args, _ = ap.parse_known_args(argv)
-    return "anchor" if args.anchor_ranks > 0 and rank >= world_size - args.anchor_ranks else f"pipeline stage {rank}"
+    if args.anchor_ranks > 0 and rank >= world_size - args.anchor_ranks:
+        return "anchor"
+    dp = max(1, (world_size - max(args.anchor_ranks, 0)) // max(args.pipeline_model_parallel_size, 1))
+    return f"pipeline stage {rank}" if dp == 1 else f"pipeline stage {rank // dp} (data-parallel replica {rank % dp})"
 
 
 def _latest_checkpoint(argv: List[str]) -> Optional[str]:

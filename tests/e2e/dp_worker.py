@@ -6,8 +6,8 @@ at 2 replays theta(0), the same weights in every run, and folds sign(M) into ste
 
 - ``dense``: ``--boundary-codec dense``, 2 iterations;
 - ``mask``: ``--boundary-codec mask``, 2 iterations, checkpoints at 1 and 2;
-- at DP > 1, ``resumed``: a new trainer loads ``mask``'s checkpoint at 1 and trains iteration 2
-  (see ``tied_sync_worker.py`` on why a resume at 1).
+- at DP > 1, ``resumed``: a new trainer loads ``mask``'s checkpoint at 1 and trains iteration 2,
+  saving at 2 like ``mask`` (see ``tied_sync_worker.py`` on why a resume at 1).
 
 Each trainer rank writes ``OUT/<run>/rank<r>.pt``: its stage's final parameters and the signs its
 anchor correction holds.
@@ -71,6 +71,7 @@ try:
     train("dense", "dense", 2)
     train("mask", "mask", 2, "--save", os.path.join(OUT, "mask", "ckpt"), "--save-interval", "1")
     if DP > 1:  # a new trainer from mask's checkpoint at 1 trains iteration 2 again
-        train("resumed", "mask", 2, "--load", os.path.join(OUT, "mask", "ckpt", "iter_0000001"))
+        train("resumed", "mask", 2, "--load", os.path.join(OUT, "mask", "ckpt", "iter_0000001"),
+              "--save", os.path.join(OUT, "resumed", "ckpt"), "--save-interval", "1")
 finally:
     shutdown_distributed()
