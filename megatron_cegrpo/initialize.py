@@ -123,10 +123,8 @@ def initialize_distributed(pipeline_model_parallel_size: int, seed: int,
     and pipeline transfers; the waits the schedule sizes (driver-only phases, the anchor
     link) use ``rollout_group`` / ``anchor_group`` with :data:`PEER_LIFETIME_TIMEOUT`.
 
-    Data parallel (issue 14): DP = (world - anchor ranks) / PP (:func:`data_parallel_size`); the
-    ``dp`` groups are megatron-core's (``parallel_state`` or the trainer ``HyperCommGrid``), one
-    per stage, passed down as ``DistContext.dp_group``; the rollout group then spans every
-    trainer rank.
+    Data parallel (issue 14): DP from :func:`data_parallel_size`; megatron-core's ``dp`` group of
+    the stage is ``DistContext.dp_group``, and the rollout group spans every trainer rank.
 
     Raises:
         ConfigError: world size - anchor ranks not a multiple of the pipeline size, or more than

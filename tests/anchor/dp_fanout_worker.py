@@ -1,0 +1,40 @@
+"""One rank of ``test_dp_fanout.py`` (2 gloo processes, torch only): the leader's signs reach the
+follower exactly, and ``sign_deviation`` measures what each rank holds. Writes OUT/rank<r>.pt."""
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+from megatron_cegrpo.anchor.dp_fanout import CLEARED, KEEP, NEW, SignFanout, sign_deviation
+
+OUT = sys.argv[1]
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+group = dist.new_group([0, 1])
+shapes = [(3, 5), (7,)]  # 22 coordinates: the packed signs end in a partial byte
+gen = torch.Generator().manual_seed(0)
+signs = [torch.where(torch.rand(s, generator=gen) < 0.5, -1.0, 1.0) for s in shapes]
+fan = SignFanout(group, shapes)
+out = {"codes": [], "received": []}
+if rank == 0:
+    fan.lead(True, None, signs)  # new signs
+    fan.lead(True, signs, signs)  # unchanged
+    fan.lead(False, signs, None)  # cleared, anchor lost
+    out["sent"] = fan.take_bytes()
+else:
+    for _ in range(3):
+        alive, code, got = fan.follow()
+        out["codes"].append((alive, code))
+        out["received"].append(got)
+held = [s.clone() for s in signs]
+out["dev_same"] = sign_deviation(held, 22, group)
+if rank == 1:
+    held[1][4] = -held[1][4]  # one coordinate flipped on one replica
+out["dev_flip"] = sign_deviation(held, 22, group)
+out["dev_none"] = sign_deviation(None if rank == 1 else held, 22, group)
+out["consts"] = (KEEP, NEW, CLEARED)
+out["signs"] = signs
+torch.save(out, os.path.join(OUT, f"rank{rank}.pt"))
+dist.destroy_process_group()

@@ -1,0 +1,32 @@
+"""``StageMetricsReducer.merge_replicas`` (issue 14): one stage's data-parallel replicas merged by
+each key's declared rule before the stages are reduced."""
+
+import pytest
+
+from megatron_cegrpo.training.reduce import StageMetricsReducer
+
+
+def _reducer():
+    return (StageMetricsReducer().declare("comm/", "sum").declare("anchor/alive", "min")
+            .declare("anchor/fire", "first").declare("_weight/", "stages").declare("anchor/sign_dev", "max"))
+
+
+def test_replicas_merge_by_the_declared_rule():
+    r = _reducer()
+    merged = r.merge_replicas([
+        {"comm/fwd_bytes": 100, "anchor/alive": 1, "anchor/fire": 1, "_weight/diff_sq": 2.5, "anchor/sign_dev": 0.0},
+        {"comm/fwd_bytes": 60, "anchor/alive": 0, "anchor/fire": 1, "_weight/diff_sq": 2.5, "anchor/sign_dev": 0.5},
+    ])
+    # bytes add up; alive only if every replica is; a shared value (the weights) is replica 0's
+    assert merged == {"comm/fwd_bytes": 160, "anchor/alive": 0, "anchor/fire": 1, "_weight/diff_sq": 2.5,
+                      "anchor/sign_dev": 0.5}
+    # then the stages reduce as before: "stages" keeps one value per stage, "max" the largest
+    out = r.derive(lambda m: {"n_stages": len(m["_weight/diff_sq"])}).reduce(
+        [merged, {"comm/fwd_bytes": 40, "_weight/diff_sq": 1.0, "anchor/sign_dev": 0.0}])
+    assert out == {"comm/fwd_bytes": 200, "anchor/alive": 0, "anchor/fire": 1, "anchor/sign_dev": 0.5,
+                   "n_stages": 2}
+
+
+def test_an_undeclared_key_is_refused():
+    with pytest.raises(KeyError):
+        _reducer().merge_replicas([{"actor/loss": 1.0}])
