@@ -96,6 +96,7 @@ class GRPOTrainer:
             self._resume_driver()
         codec, d = self.stage.codec, self.stage.tf_config.hidden_size
         self._log(f"model {cfg.model.model}: {self.stage.tf_config.num_layers} layers, d={d}, PP={ctx.pp_size}, "
+                  + (f"DP={ctx.dp_size}, " if ctx.dp_size > 1 else "") +
                   f"codec={cfg.codec.boundary_codec}" + (f" (k={codec.k(d)} of d)" if hasattr(codec, "k") else "")
                   + (f" (rank {codec.rank(d)} of d, {codec.q_owner}-owned basis)" if hasattr(codec, "rank") else "")
                   + f"; set up in {time.perf_counter() - t0:.1f} s")
