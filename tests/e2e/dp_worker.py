@@ -5,7 +5,7 @@ world = PP x DP + 1 anchor rank). Each run from the same seeds, the anchor at c 
 at 2 replays theta(0), the same weights in every run, and folds sign(M) into step 2):
 
 - ``dense``: ``--boundary-codec dense``, 2 iterations;
-- ``mask``: ``--boundary-codec mask``, 2 iterations, checkpoints at 1 and 2;
+- ``mask``: ``--boundary-codec mask``, 2 iterations (at DP > 1 with checkpoints at 1 and 2);
 - at DP > 1, ``resumed``: a new trainer loads ``mask``'s checkpoint at 1 and trains iteration 2,
   saving at 2 like ``mask`` (see ``tied_sync_worker.py`` on why a resume at 1).
 
@@ -69,8 +69,11 @@ def train(run: str, codec: str, iters: int, *extra: str) -> None:
 CTX = initialize_distributed(PP, SEED, 1, anchor_ranks=1)
 try:
     train("dense", "dense", 2)
-    train("mask", "mask", 2, "--save", os.path.join(OUT, "mask", "ckpt"), "--save-interval", "1")
-    if DP > 1:  # a new trainer from mask's checkpoint at 1 trains iteration 2 again
+    if DP == 1:
+        train("mask", "mask", 2)
+    else:  # checkpoints at 1 and 2, and a resume from the one at 1
+        train("mask", "mask", 2, "--save", os.path.join(OUT, "mask", "ckpt"), "--save-interval", "1")
+        # a new trainer from mask's checkpoint at 1 trains iteration 2 again
         train("resumed", "mask", 2, "--load", os.path.join(OUT, "mask", "ckpt", "iter_0000001"),
               "--save", os.path.join(OUT, "resumed", "ckpt"), "--save-interval", "1")
 finally:
