@@ -186,7 +186,7 @@ class GRPOTrainer:
                 n = full["tokens"].shape[0]
                 shards = [{k: v[rows] for k, v in full.items()} for rows in
                           (replica_rows(n, self.cfg.global_batch_size, r, ctx.dp_size) for r in range(ctx.dp_size))]
-            batch, self._batch_bytes = scatter_metered(shards, lambda g: g % ctx.dp_size, ctx.rollout_group)
+            batch, self._batch_bytes = scatter_metered(shards, ctx.replica_of, ctx.rollout_group)
         return full, batch
 
     def _metrics(self, batch, stats: Dict[str, float], t: int, seconds: float) -> Optional[Dict]:
