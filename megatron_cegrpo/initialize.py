@@ -117,19 +117,16 @@ def initialize_distributed(pipeline_model_parallel_size: int, seed: int,
     ``pg_collection`` like in the plain case.
 
     ``tensor_model_parallel_size`` (``--tensor-model-parallel-size``, TP): megatron's TP groups
-    (TP fastest), PP = world / TP without anchor ranks; TP > 1 with an anchor rank is refused.
+    (TP fastest); TP > 1 with an anchor rank is refused. Data parallel (issue 14): DP from
+    :func:`data_parallel_size`; the stage's megatron ``dp`` group is ``DistContext.dp_group``.
 
     ``timeout_minutes`` (``--distributed-timeout-minutes``) bounds the trainer's collectives
     and pipeline transfers; the waits the schedule sizes (driver-only phases, the anchor
     link) use ``rollout_group`` / ``anchor_group`` with :data:`PEER_LIFETIME_TIMEOUT`.
 
-    Data parallel (issue 14): DP from :func:`data_parallel_size`; megatron-core's ``dp`` group of
-    the stage is ``DistContext.dp_group``, and the rollout group spans every trainer rank.
-
     Raises:
-        ConfigError: world size - anchor ranks not a multiple of the pipeline size, or more than
-            one anchor rank (``TrainConfig.validate(world_size)`` catches both earlier, with the
-            launch fix).
+        ConfigError: world size - anchor ranks not a multiple of TP x PP, or more than one anchor
+            rank (``TrainConfig.validate(world_size)`` catches both earlier, with the launch fix).
     """
     cpu = apply_cpu_compat()
     for k, v in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"),
