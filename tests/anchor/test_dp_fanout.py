@@ -14,7 +14,7 @@ WORKER = os.path.join(REPO, "tests", "anchor", "dp_fanout_worker.py")
 
 
 def test_followers_hold_the_leaders_signs_and_the_deviation_sees_a_flip(tmp_path):
-    run_ranks([WORKER, str(tmp_path)], 2, timeout=120)
+    run_ranks([WORKER, str(tmp_path)], 2, timeout=600)
     lead, follow = (torch.load(tmp_path / f"rank{r}.pt") for r in range(2))
     keep, new, cleared = lead["consts"]
     assert follow["codes"] == [(True, new), (True, keep), (False, cleared)]
