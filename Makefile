@@ -8,7 +8,7 @@ BIN         := $(VENV)/bin
 TORCH_SPEC  ?= torch==2.13.0
 STAMP       := $(VENV)/.installed-v2
 
-.PHONY: demo test venv clean-venv
+.PHONY: demo test test-slow venv clean-venv
 
 venv: $(STAMP)
 
@@ -27,6 +27,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q tests
+
+# the variants marked slow (pytest.ini), left out of `make test` to keep it within CI's 20 minutes
+test-slow: $(STAMP)
+	$(BIN)/python -m pytest -q -m slow tests
 
 clean-venv:
 	rm -rf $(VENV)

@@ -93,6 +93,7 @@ def test_sparse_equals_allreduce_pp2_with_anchor_and_resume(tmp_path):
     assert a[2]["anchor/bytes_out"] - s[2]["anchor/bytes_out"] == W_BYTES // 4 // 8  # its signs: 1 bit each
 
 
+@pytest.mark.slow  # `make test-slow`: the PP = 2 test covers the exchange; this adds a middle stage
 @pytest.mark.parametrize("pp", [3])
 def test_sparse_equals_allreduce_pp3_two_steps_per_iteration(tmp_path, pp):
     runs = _launch(tmp_path, pp, 0, False, "--decoder-first-pipeline-num-layers", "1",
