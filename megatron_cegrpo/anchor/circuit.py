@@ -94,7 +94,7 @@ class AnchorCircuit:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.fanout.group)
         if int(flag.item()):
             out["anchor/sign_dev_across_dp"] = sign_deviation(self.correction.signs, self.fanout.numel,
-                                                              self.fanout.group)
+                                                              self.fanout.group, self.fanout.shapes)
         return out
 
     def driver_metrics(self) -> Dict:
