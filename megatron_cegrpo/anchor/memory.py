@@ -16,12 +16,15 @@ Two granularities:
   replay) is flagged uninformative (:meth:`AnchorMemory.informative`); the anchor sends that
   flag with the signs and the stage's hook leaves that tensor's gradient unchanged;
 - a zero coordinate inside a non-zero tensor still reads +1 on the 1-bit wire (there is no
-  third value): its corrected gradient is ``alpha g + beta |g| >= 0``, a push in one direction
-  of size ``(alpha + beta) |g|`` where ``|g| - alpha |g|`` would be the uncorrected
-  magnitude's change.  Typical cause: embedding / output rows of tokens the anchor never
-  replayed.  :meth:`AnchorMemory.zero_fraction` measures how many such coordinates there are
-  (``anchor/m_zero_frac``, logged at every fire; tiny-llama, c = K = 2, 2 prompts x 4
-  responses: 0.35 after the first informative fire, the embedding rows of unseen tokens).
+  third value): its corrected gradient is ``alpha g + beta |g| >= 0`` instead of ``g``, i.e.
+  a coordinate whose fast gradient is negative gets ``-(beta - alpha) |g|`` flipped to the
+  wrong side by ``(alpha + beta) |g|`` per step until the anchor sees it.  Possible cause:
+  rows of an *untied* input embedding for tokens the anchor never replayed (a tied
+  embedding gets a gradient in every row through the output softmax, so this is rare).
+  :meth:`AnchorMemory.zero_fraction` measures it (``anchor/m_zero_frac``, logged at every
+  fire). Measured 2026-12-01: 0.0 at every informative fire of the tiny recorded run
+  (tests/equivalence, tiny-llama tied, c = K = 2) and of tests/anchor/test_anchor_e2e.py,
+  1.0 at a fire that replayed a reward-free batch (then no signs are sent at all).
 
 Pure tensor code, no torch.distributed; the state is a plain dict of
 ints/floats/tensors.

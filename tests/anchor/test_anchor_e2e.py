@@ -142,8 +142,9 @@ def test_fire_only_fold_and_next_step_apply(tmp_path):
     metrics, dump = _run(tmp_path, "--sign-fold", "fire-only", "--anchor-apply", "next-step",
                          "--sign-blend-magnitude", "mean", reward="late_parity_reward")
     assert metrics[0]["critic/score/mean"] == 0.0
-    fires = [m for m in metrics if m["anchor/fire"]]
-    assert [m["anchor/replay_batch"] for m in fires] == [1, 4, 6]
+    # the anchor's statistics of fire t reach the driver with its signs, at step t + 1
+    fires = [m for m in metrics if "anchor/replay_batch" in m]
+    assert [(m["step"], m["anchor/replay_batch"]) for m in fires][:2] == [(3, 1), (5, 4)]
     # fire 2 replayed the reward-free batch: M is 0 everywhere, so no sign is sent and step 3 (which
     # takes fire 2's signs) applies no correction: its gradients are the raw ones (the hook is not
     # entered, no dump); before the fix sign(0) = +1 everywhere was folded there
