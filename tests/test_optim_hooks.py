@@ -130,3 +130,45 @@ def test_sign_agreement_counts_only_the_counted_parameters():
     both.set_signs([torch.where(p.grad >= 0, 1.0, -1.0) for p in ps])
     both(None, (), {})
     assert both.last_agreement == (22, 22)
+
+
+def test_tensors_without_a_sign_keep_their_gradient_bit_for_bit():
+    """Zero-M issue: a None sign entry (M all 0 on that tensor) leaves its gradient unchanged;
+    only None entries (all of M 0) is no correction at all."""
+    ps = _params()
+    before = [p.grad.clone() for p in ps]
+    opt = torch.optim.SGD(ps, lr=0.0)
+    hook = SignCorrectionHook(ps, alpha=0.25, beta=0.75)
+    opt.register_step_pre_hook(hook)
+    hook.set_signs([None, None])
+    assert hook.signs is None
+    opt.step()
+    assert hook.num_applied == 0 and all(torch.equal(p.grad, g) for p, g in zip(ps, before))
+    s0 = torch.where(torch.rand_like(ps[0]) > 0.5, 1.0, -1.0)
+    hook.set_signs([s0, None])
+    opt.step()
+    assert hook.num_applied == 1
+    assert torch.equal(ps[0].grad, 0.25 * before[0] + 0.75 * before[0].abs() * s0)
+    assert torch.equal(ps[1].grad, before[1])  # bit for bit
+    agree = int(((before[0] > 0) == (s0 > 0)).sum())
+    assert hook.last_agreement == (agree, before[0].numel())  # the unsigned tensor is not counted
+    with pytest.raises(ValueError, match="sign shape"):
+        hook.set_signs([None, torch.ones(3)])
+
+
+def test_sign_agreement_counts_only_nonzero_gradient_coordinates():
+    """A zero gradient has no sign: its coordinates are left out of anchor/sign_agreement, and a
+    step whose gradient is exactly 0 reports no agreement (not 1.0)."""
+    from megatron_cegrpo.anchor.circuit import _correction
+
+    p = torch.nn.Parameter(torch.zeros(6))
+    p.grad = torch.tensor([0.0, 0.0, 1.0, -1.0, 2.0, 0.0])
+    hook = SignCorrectionHook([p])
+    hook.set_signs([torch.tensor([1.0, -1.0, 1.0, 1.0, -1.0, 1.0])])
+    hook(None, (), {})
+    assert hook.last_agreement == (1, 3)  # coordinate 2 agrees, 3 and 4 do not; 0, 1, 5 are g = 0
+    p.grad = torch.zeros(6)
+    hook(None, (), {})
+    assert hook.last_agreement == (0, 0) and torch.equal(p.grad, torch.zeros(6))
+    m = _correction({"_anchor/applied": 1, "_anchor/agree": 0, "_anchor/total": 0})
+    assert m == {"anchor/correction_applied": 1}  # no anchor/sign_agreement key

@@ -94,7 +94,7 @@ class AnchorCircuit:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.fanout.group)
         if int(flag.item()):
             out["anchor/sign_dev_across_dp"] = sign_deviation(self.correction.signs, self.fanout.numel,
-                                                              self.fanout.group)
+                                                              self.fanout.group, self.fanout.shapes)
         return out
 
     def driver_metrics(self) -> Dict:
@@ -127,6 +127,10 @@ def _anchor_bases(cfg, ctx, stage):
 
 
 def _correction(m: Dict) -> Dict:
+    """``anchor/correction_applied`` (1 when every stage applied the hook) and
+    ``anchor/sign_agreement``: agreeing / compared coordinates pooled over the stages, where a
+    coordinate is compared only when corrected and its gradient is non-zero (optim/hooks.py);
+    absent when none is (e.g. a step whose gradient is exactly 0)."""
     out = {"anchor/correction_applied": int(m["_anchor/applied"] > 0)}
     if m["_anchor/total"]:
         out["anchor/sign_agreement"] = m["_anchor/agree"] / m["_anchor/total"]

@@ -19,11 +19,12 @@ from typing import Callable, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
+from megatron_cegrpo.anchor.dp_fanout import held_signs
 from megatron_cegrpo.anchor.shipment import ShipmentEncoder
-from megatron_cegrpo.anchor.signs import packed_nbytes, unpack_sign_list
+from megatron_cegrpo.anchor.signs import packed_nbytes, unpack_bits, unpack_sign_list
 from megatron_cegrpo.anchor.transport import (
-    META_TAG, TAG_BASIS, TAG_BATCH, TAG_PARAMS, TAG_SAVE, TAG_SAVE_DONE, TAG_SIGN_HDR, TAG_SIGNS, TAG_STATS,
-    flatten_params, is_fire_step, is_ship_step, isend_object, recv_object, recv_tensor, send_object,
+    META_TAG, TAG_BASIS, TAG_BATCH, TAG_PARAMS, TAG_SAVE, TAG_SAVE_DONE, TAG_SIGN_HDR, TAG_SIGN_INFO, TAG_SIGNS,
+    TAG_STATS, flatten_params, is_fire_step, is_ship_step, isend_object, recv_object, recv_tensor, send_object,
 )
 
 __all__ = ["AnchorClient", "ANCHOR_BATCH_KEYS"]
@@ -185,12 +186,21 @@ class AnchorClient:
         recv_tensor(hdr, self.anchor, TAG_SIGN_HDR, self.group, self.timeout)
         self.bytes_out += 8
         flags = int(hdr.item())
+        info = None  # per tensor: False where the anchor's M is 0 on the whole tensor (no correction)
+        if flags & 4:
+            bitmap = torch.empty(packed_nbytes(len(self.shapes)), dtype=torch.uint8)
+            recv_tensor(bitmap, self.anchor, TAG_SIGN_INFO, self.group, self.timeout)
+            self.bytes_out += bitmap.numel()
+            info = unpack_bits(bitmap, len(self.shapes))
         if flags & 1:
             numel = sum(int(torch.Size(s).numel()) for s in self.shapes)
             packed = torch.empty(packed_nbytes(numel), dtype=torch.uint8)
             recv_tensor(packed, self.anchor, TAG_SIGNS, self.group, self.timeout)
             self.bytes_out += packed.numel()
-            self.correction.set_signs(unpack_sign_list(packed, self.shapes))
+            signs = unpack_sign_list(packed, self.shapes)
+            self.correction.set_signs(signs if info is None else [s if ok else None for s, ok in zip(signs, info)])
+        elif info is not None:  # M is 0 on every tensor of this stage: no correction
+            self.correction.set_signs(None)
         if flags & 2:
             self._receive_bases()
         if self.is_driver:
@@ -245,14 +255,14 @@ class AnchorClient:
         self._wait_pending()
         signs = self.correction.signs
         return {"sent_batch_at": self._sent_batch_at, "awaiting": self._awaiting, "fresh_for": self._fresh_for,
-                "signs": [s.to(torch.int8) for s in signs] if signs is not None else None,
+                "signs": [s.to(torch.int8) if s is not None else None for s in signs] if signs is not None else None,
                 "shipment": self.shipment.state_dict()}
 
     def load_state_dict(self, state: Dict) -> None:
         self._sent_batch_at, self._awaiting = state["sent_batch_at"], state["awaiting"]
         self._fresh_for = state["fresh_for"]
         signs = state["signs"]
-        self.correction.set_signs([s.float() for s in signs] if signs is not None else None)
+        self.correction.set_signs(held_signs(signs))
         self.shipment.load_state_dict(state.get("shipment"))  # absent before issue 12: a keyframe first
 
     def metrics(self, t: int) -> Dict:

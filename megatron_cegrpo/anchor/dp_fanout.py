@@ -6,8 +6,11 @@ stage's weights (the replicas hold the same ones) and receives the stage's sign(
 the slow link, once. After every optimizer-step preparation (``AnchorClient.before_optimizer_step``)
 the leader fans the signs its correction hook now holds out to the stage's other replicas over
 megatron-core's DP group (inside a host): a header ``[alive, code]`` (int64 x 2; code 0 = signs
-unchanged, 1 = new signs follow, 2 = signs cleared) and, for code 1, the signs packed 1 bit a
-parameter (``anchor/signs.py``), packed again from the very tensors the leader's hook applies.
+unchanged, 1 = new signs follow, 2 = signs cleared, 3 = new signs follow after a per-tensor
+"informative" bitmap: the leader holds no sign for a tensor whose anchor M is all 0,
+``anchor/memory.py``) and, for codes 1 and 3, the signs packed 1 bit a parameter
+(``anchor/signs.py``; a tensor without a sign packs as +1 and is dropped again by the follower),
+packed again from the very tensors the leader's hook applies.
 A follower (:class:`FollowerClient`) sets exactly those signs in its own hook, so every replica
 of a stage applies the identical slice, including after the anchor is lost (``alive`` 0) and
 under ``--sign-fold fire-only``.
@@ -24,12 +27,12 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from megatron_cegrpo.anchor.signs import pack_sign_list, packed_nbytes, unpack_sign_list
+from megatron_cegrpo.anchor.signs import pack_bits, pack_sign_list, packed_nbytes, unpack_bits, unpack_sign_list
 from megatron_cegrpo.anchor.transport import is_fire_step
 
-__all__ = ["SignFanout", "FollowerClient", "sign_deviation"]
+__all__ = ["SignFanout", "FollowerClient", "held_signs", "sign_deviation"]
 
-KEEP, NEW, CLEARED = 0, 1, 2
+KEEP, NEW, CLEARED, PARTIAL = 0, 1, 2, 3
 
 
 class SignFanout:
@@ -53,27 +56,38 @@ class SignFanout:
     def lead(self, alive: bool, before, after) -> None:
         """On replica 0: broadcast the change from ``before`` to ``after`` (the hook's sign
         lists, or None) and whether the anchor is alive."""
-        code = KEEP if after is before else CLEARED if after is None else NEW
+        code = (KEEP if after is before else CLEARED if after is None
+                else PARTIAL if any(s is None for s in after) else NEW)
         hdr = torch.tensor([int(alive), code], dtype=torch.int64)
         dist.broadcast(hdr, src=self.src, group=self.group)
         n = dist.get_world_size(self.group) - 1
         self.sent_bytes += 16 * n
-        if code == NEW:
-            packed, _ = pack_sign_list(after)
+        if code == PARTIAL:
+            bitmap = pack_bits(torch.tensor([s is not None for s in after], dtype=torch.bool))
+            dist.broadcast(bitmap, src=self.src, group=self.group)
+            self.sent_bytes += bitmap.numel() * n
+        if code in (NEW, PARTIAL):
+            packed, _ = pack_sign_list([s if s is not None else torch.ones(sh) for s, sh in zip(after, self.shapes)])
             dist.broadcast(packed, src=self.src, group=self.group)
             self.sent_bytes += packed.numel() * n
 
     def follow(self) -> Tuple[bool, int, Optional[List[torch.Tensor]]]:
         """On the other replicas: ``(alive, code, signs)``, signs as {-1, +1} fp32 tensors for
-        code :data:`NEW`, else None."""
+        codes :data:`NEW` and :data:`PARTIAL` (None for a tensor the leader holds no sign for),
+        else None."""
         hdr = torch.zeros(2, dtype=torch.int64)
         dist.broadcast(hdr, src=self.src, group=self.group)
         alive, code = bool(hdr[0]), int(hdr[1])
-        if code != NEW:
+        if code not in (NEW, PARTIAL):
             return alive, code, None
+        info = [True] * len(self.shapes)
+        if code == PARTIAL:
+            bitmap = torch.empty(packed_nbytes(len(self.shapes)), dtype=torch.uint8)
+            dist.broadcast(bitmap, src=self.src, group=self.group)
+            info = unpack_bits(bitmap, len(self.shapes))
         packed = torch.empty(packed_nbytes(self.numel), dtype=torch.uint8)
         dist.broadcast(packed, src=self.src, group=self.group)
-        return alive, code, unpack_sign_list(packed, self.shapes)
+        return alive, code, [s if ok else None for s, ok in zip(unpack_sign_list(packed, self.shapes), info)]
 
     def take_bytes(self) -> int:
         n, self.sent_bytes = self.sent_bytes, 0
@@ -108,7 +122,7 @@ class FollowerClient:
         """Take the leader's signs (the same call point on every replica)."""
         with timers.phase("anchor_wait"):
             alive, code, signs = self.fanout.follow()
-        if code == NEW:
+        if code in (NEW, PARTIAL):
             self.correction.set_signs(signs)
         elif code == CLEARED:
             self.correction.set_signs(None)
@@ -130,8 +144,7 @@ class FollowerClient:
     def load_state_dict(self, state: Dict) -> None:
         """Replica 0's ``AnchorClient`` state from the checkpoint: its held signs become ours."""
         self._state = dict(state)
-        signs = state["signs"]
-        self.correction.set_signs([s.float() for s in signs] if signs is not None else None)
+        self.correction.set_signs(held_signs(state["signs"]))
 
     def metrics(self, t: int) -> Dict:
         return {"anchor/fire": int(is_fire_step(t, self.a.anchor_interval) and self.alive),
@@ -139,20 +152,35 @@ class FollowerClient:
                 "anchor/alive": int(self.alive)}
 
 
+def held_signs(stored) -> Optional[List[Optional[torch.Tensor]]]:
+    """The hook's signs from a checkpoint's ``signs`` (int8 tensors, None entries for tensors
+    without a sign, or None): fp32 {-1, +1} tensors, None kept."""
+    if stored is None:
+        return None
+    return [s.float() if s is not None else None for s in stored]
+
+
 @torch.no_grad()
-def sign_deviation(signs: Optional[Sequence[torch.Tensor]], numel: int, group) -> float:
+def sign_deviation(signs: Optional[Sequence[Optional[torch.Tensor]]], numel: int, group,
+                   shapes: Optional[Sequence[Tuple[int, ...]]] = None) -> float:
     """``anchor/sign_dev_across_dp``: max over coordinates of ``(max_r s_r - min_r s_r) / 2`` over
     the replicas ``r`` of the DP ``group`` (a collective: every replica calls it).
 
     Args:
-        signs: this replica's held signs ({-1, +1} tensors, the hook's order) or None (counts 0).
+        signs: this replica's held signs ({-1, +1} tensors, the hook's order) or None (counts 0);
+            a None entry (no sign for that tensor: its M is all 0) counts 0 on its coordinates.
         numel: the total coordinates of the stage's signs (the same on every replica).
+        shapes: the tensors' shapes (needed only when ``signs`` has None entries).
     Returns:
         0.0 when every replica holds the same signs; 1.0 where two disagree; 0.5 where one
         holds none.
     """
-    v = (torch.cat([s.reshape(-1) for s in signs]).to(torch.int32) if signs is not None
-         else torch.zeros(numel, dtype=torch.int32))
+    if signs is None:
+        v = torch.zeros(numel, dtype=torch.int32)
+    else:
+        shapes = shapes if shapes is not None else [tuple(s.shape) for s in signs]
+        v = torch.cat([(s if s is not None else torch.zeros(sh)).reshape(-1) for s, sh in zip(signs, shapes)])
+        v = v.to(torch.int32)
     hi, neg_lo = v.clone(), -v
     dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=group)
     dist.all_reduce(neg_lo, op=dist.ReduceOp.MAX, group=group)

@@ -7,6 +7,25 @@ zero and the first update applies the same formula, so ``M_1 = (1 - a) G_1``
 is ``sign(M)`` with 0 -> +1 (:meth:`AnchorMemory.signs`, or
 :meth:`AnchorMemory.packed_signs` for the 1-bit wire form).
 
+A zero M carries no direction (issue "zero M"; found by the SmolLM2 study, where the first
+fire replayed a batch whose every response scored 0: all advantages 0, G_anc = 0, M = 0,
+and sign(M) = +1 everywhere pushed every corrected weight the same way for c steps).
+Two granularities:
+
+- a whole tensor whose M is exactly 0 (in particular all of M before the first informative
+  replay) is flagged uninformative (:meth:`AnchorMemory.informative`); the anchor sends that
+  flag with the signs and the stage's hook leaves that tensor's gradient unchanged;
+- a zero coordinate inside a non-zero tensor still reads +1 on the 1-bit wire (there is no
+  third value): its corrected gradient is ``alpha g + beta |g| >= 0`` instead of ``g``, i.e.
+  a coordinate whose fast gradient is negative gets ``-(beta - alpha) |g|`` flipped to the
+  wrong side by ``(alpha + beta) |g|`` per step until the anchor sees it.  Possible cause:
+  rows of an *untied* input embedding for tokens the anchor never replayed (a tied
+  embedding gets a gradient in every row through the output softmax, so this is rare).
+  :meth:`AnchorMemory.zero_fraction` measures it (``anchor/m_zero_frac``, logged at every
+  fire). Measured 2026-12-01: 0.0 at every informative fire of the tiny recorded run
+  (tests/equivalence, tiny-llama tied, c = K = 2) and of tests/anchor/test_anchor_e2e.py,
+  1.0 at a fire that replayed a reward-free batch (then no signs are sent at all).
+
 Pure tensor code, no torch.distributed; the state is a plain dict of
 ints/floats/tensors.
 """
@@ -101,6 +120,23 @@ class AnchorMemory:
         """``sign(M)`` of ``names`` (default: all, construction order) as one
         :func:`~megatron_cegrpo.anchor.signs.pack_sign_list` buffer."""
         return pack_sign_list([self._m[n] for n in self._select(names)])
+
+    def informative(self, names: Optional[Iterable[str]] = None) -> List[bool]:
+        """Per tensor of ``names`` (default: all, construction order): False where M is exactly 0
+        everywhere (its sign carries no information; the stage applies no correction there).
+        All False before the first update."""
+        selected = self.names if names is None else list(names)
+        return [bool(torch.count_nonzero(self._m[n])) for n in selected]
+
+    def zero_fraction(self) -> float:
+        """``anchor/m_zero_frac``: the fraction of M's coordinates (all parameters, each once)
+        that are exactly 0 (sign +1 on the wire, see the module docstring); 1.0 before the first
+        update."""
+        zeros = total = 0
+        for m in self._m.values():
+            zeros += m.numel() - int(torch.count_nonzero(m))
+            total += m.numel()
+        return zeros / total if total else 1.0
 
     def tensor(self, name: str) -> torch.Tensor:
         """M for ``name`` (the stored tensor; do not modify in place)."""

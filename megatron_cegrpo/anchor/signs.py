@@ -21,7 +21,7 @@ from typing import List, Sequence, Tuple
 
 import torch
 
-__all__ = ["pack_sign_list", "pack_signs", "packed_nbytes", "unpack_sign_list", "unpack_signs"]
+__all__ = ["pack_bits", "unpack_bits", "pack_sign_list", "pack_signs", "packed_nbytes", "unpack_sign_list", "unpack_signs"]
 
 
 def packed_nbytes(numel: int) -> int:
@@ -54,6 +54,21 @@ def _unpack_bits(packed: torch.Tensor, numel: int) -> torch.Tensor:
     shifts = torch.arange(8, dtype=torch.uint8, device=packed.device)
     bits = (packed.unsqueeze(1) >> shifts) & 1
     return bits.reshape(-1)[:numel]
+
+
+def pack_bits(bits: torch.Tensor) -> torch.Tensor:
+    """``[n]`` bool -> ``[ceil(n/8)]`` uint8, the signs' bit order (the anchor's per-tensor
+    "informative" bitmap, ``anchor/worker.py``)."""
+    return _pack_bits(bits.reshape(-1))
+
+
+def unpack_bits(packed: torch.Tensor, numel: int) -> List[bool]:
+    """Inverse of :func:`pack_bits` as a list of ``numel`` bools.
+
+    Raises:
+        ValueError: wrong buffer dtype/size.
+    """
+    return [bool(b) for b in _unpack_bits(packed, numel).tolist()]
 
 
 def _bits_to_signs(bits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -9,7 +9,8 @@ needed: for iteration t,
   driver sends the rollout batch of iteration t, the one theta(s) generated (``TAG_BATCH``);
 - fire (t is a multiple of c): the driver sends batch(t) unless it went out at ship time;
   the anchor answers each stage with a header (``TAG_SIGN_HDR``: bit 0 = signs follow,
-  bit 1 = bases follow), sign(M) packed 8 parameters a byte (``TAG_SIGNS``), with an
+  bit 1 = bases follow, bit 2 = a per-tensor "informative" bitmap follows (``TAG_SIGN_INFO``,
+  only when M is 0 on a whole tensor: that tensor gets no correction)), sign(M) packed 8 parameters a byte (``TAG_SIGNS``), with an
   anchor-owned lowrank codec the [d, r] basis of each boundary the stage touches, ascending
   (``TAG_BASIS``, pipeline dtype; ``anchor/basis.py``), and the driver with its statistics
   (``TAG_STATS``);
@@ -42,11 +43,11 @@ import torch.distributed as dist
 from megatron_cegrpo.pipeline.weight_sync import flatten_params, unflatten  # noqa: F401  (re-exported)
 
 __all__ = ["TAG_PARAMS", "TAG_BATCH", "TAG_SIGN_HDR", "TAG_SIGNS", "TAG_STATS", "META_TAG", "TAG_SAVE",
-           "TAG_SAVE_DONE", "TAG_BASIS", "is_ship_step", "is_fire_step", "send_object", "recv_object", "recv_tensor", "isend_object",
+           "TAG_SAVE_DONE", "TAG_BASIS", "TAG_SIGN_INFO", "is_ship_step", "is_fire_step", "send_object", "recv_object", "recv_tensor", "isend_object",
            "flatten_params", "unflatten"]
 
 TAG_PARAMS, TAG_BATCH, TAG_SIGN_HDR, TAG_SIGNS, TAG_STATS, META_TAG = 11, 12, 13, 14, 15, 16
-TAG_SAVE, TAG_SAVE_DONE, TAG_BASIS = 17, 18, 19
+TAG_SAVE, TAG_SAVE_DONE, TAG_BASIS, TAG_SIGN_INFO = 17, 18, 19, 20
 
 
 def is_ship_step(t: int, c: int) -> bool:

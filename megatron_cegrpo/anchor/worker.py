@@ -23,9 +23,9 @@ from megatron_cegrpo.anchor.forecast import get_forecast
 from megatron_cegrpo.anchor.memory import AnchorMemory
 from megatron_cegrpo.anchor.ring import CheckpointRing
 from megatron_cegrpo.anchor.shipment import ShipmentDecoder
-from megatron_cegrpo.anchor.signs import pack_sign_list
+from megatron_cegrpo.anchor.signs import pack_bits
 from megatron_cegrpo.anchor.transport import (
-    META_TAG, TAG_BASIS, TAG_BATCH, TAG_PARAMS, TAG_SIGN_HDR, TAG_SIGNS, TAG_STATS,
+    META_TAG, TAG_BASIS, TAG_BATCH, TAG_PARAMS, TAG_SIGN_HDR, TAG_SIGN_INFO, TAG_SIGNS, TAG_STATS,
     is_fire_step, is_ship_step, isend_object, recv_object, recv_tensor, unflatten,
 )
 from megatron_cegrpo.compression import build_codec
@@ -171,6 +171,7 @@ class AnchorWorker:
         has = self.memory.is_set
         stats.update({
             "anchor/m_norm": self.memory.norm() if has else 0.0,
+            "anchor/m_zero_frac": self.memory.zero_fraction(),
             "anchor/no_peek_violations": self.ring.num_no_peek_violations,
             "timing_s/anchor_compute": time.perf_counter() - t0,
             "anchor/received_bytes_total": self.bytes_in,
@@ -180,19 +181,30 @@ class AnchorWorker:
         self._send_signs(stats, range(len(self.stage_ranks)))
 
     def _send_signs(self, stats: dict, stages) -> None:
-        """sign(M) to each stage in ``stages`` (header bit 0: signs follow, unset when M is), the
-        stage's boundary bases after them (header bit 1: an anchor-owned lowrank basis has been
-        refreshed at a fire), ``stats`` to the driver."""
+        """sign(M) to each stage in ``stages``, the stage's boundary bases after them, ``stats`` to
+        the driver. Header (int64) bits: 0 signs follow (unset while M is unset, or when M is 0 on
+        every tensor of the stage); 1 an anchor-owned lowrank basis has been refreshed at a fire
+        and follows; 2 a per-tensor "informative" bitmap (``anchor/signs.py`` packing, bit = 1
+        where the tensor's M is non-zero) precedes the signs, sent only when some tensor's M is
+        all 0 (memory.py: such a tensor gets no correction), so a stage whose M is non-zero
+        everywhere gets the same bytes as before."""
         has = self.memory.is_set
         bases = self.basis is not None and self.basis.num_refreshes > 0
         self.wait_sends()
         for i in stages:
             r, meta = self.stage_ranks[i], self.stage_meta[i]
-            hdr = torch.tensor([(1 if has else 0) | (2 if bases else 0)], dtype=torch.int64)
+            names = [global_param_name(n, meta["layer_offset"], meta["tied_output"]) for n, _ in meta["params"]]
+            info = self.memory.informative(names) if has else []
+            signs, flagged = has and any(info), has and not all(info)
+            hdr = torch.tensor([(1 if signs else 0) | (2 if bases else 0) | (4 if flagged else 0)], dtype=torch.int64)
             self._pending.append([[torch.distributed.isend(hdr, dst=r, tag=TAG_SIGN_HDR, group=self.group)], hdr])
             self.bytes_out += 8
-            if has:
-                names = [global_param_name(n, meta["layer_offset"], meta["tied_output"]) for n, _ in meta["params"]]
+            if flagged:
+                bitmap = pack_bits(torch.tensor(info, dtype=torch.bool))
+                self._pending.append([[torch.distributed.isend(bitmap, dst=r, tag=TAG_SIGN_INFO, group=self.group)],
+                                      bitmap])
+                self.bytes_out += bitmap.numel()
+            if signs:
                 packed, _ = self.memory.packed_signs(names)
                 self._pending.append([[torch.distributed.isend(packed, dst=r, tag=TAG_SIGNS, group=self.group)],
                                       packed])

@@ -24,8 +24,17 @@ class SignCorrectionHook:
     Source: status 2026-07-31 section 1.3 (alpha 0.25, beta 0.75); the
     2026-07-04 report's signed_ema uses 0.25 / 0.50. ``sign(M)`` maps 0 to +1
     (DESIGN.md section 4). Cold-M guard: while ``signs`` is None (no sign has
-    arrived) gradients pass unchanged. The anchor circuit (a separate
-    component) feeds ``set_signs``.
+    arrived) gradients pass unchanged. Zero-M guard (``anchor/memory.py``): a
+    tensor whose sign entry is None (the anchor's M is 0 on the whole tensor, so
+    its signs carry no direction) keeps its gradient unchanged, bit for bit; a
+    list of only None entries is stored as None (no correction at all,
+    ``anchor/correction_applied`` 0). The anchor circuit (a separate component)
+    feeds ``set_signs``.
+
+    ``last_agreement`` (``anchor/sign_agreement``): the fraction of corrected,
+    counted coordinates with ``g != 0`` where ``sign(g) == sign(M)``; a zero
+    gradient has no sign to agree with, so those coordinates are left out (a
+    step whose gradient is exactly 0 reports no agreement instead of 1.0).
 
     Ablation (issue 11, ``magnitude="mean"``): ``|G|`` is replaced by one constant per
     parameter tensor, ``mean(|G|)`` over its coordinates, so the fast gradient no longer
@@ -55,17 +64,25 @@ class SignCorrectionHook:
         self.magnitude = magnitude
         self.signs: Optional[List[torch.Tensor]] = None
         self.num_applied = 0
-        self.last_agreement = (0, 0)  # (coordinates where sign(G_comp) == sign(M), coordinates)
+        self.last_agreement = (0, 0)  # (coordinates g != 0 where sign(G_comp) == sign(M), coordinates g != 0)
         self.dump_path: Optional[str] = None  # --anchor-debug-dir: save G_comp, signs and G here
 
-    def set_signs(self, signs: Optional[List[torch.Tensor]]) -> None:
-        """signs: one tensor per parameter, same shape, values in {-1, +1} (or None to clear)."""
+    def set_signs(self, signs: Optional[List[Optional[torch.Tensor]]]) -> None:
+        """signs: one entry per parameter: a tensor of the parameter's shape with values in
+        {-1, +1}, or None (no correction for that parameter); or None to clear. A list of only
+        None entries clears.
+
+        Raises:
+            ValueError: wrong number of entries or a shape that differs from its parameter's.
+        """
         if signs is not None:
             if len(signs) != len(self.params):
                 raise ValueError(f"got {len(signs)} sign tensors for {len(self.params)} parameters")
             for s, p in zip(signs, self.params):
-                if s.shape != p.shape:
+                if s is not None and s.shape != p.shape:
                     raise ValueError(f"sign shape {tuple(s.shape)} != parameter shape {tuple(p.shape)}")
+            if all(s is None for s in signs):
+                signs = None
         self.signs = signs
 
     @torch.no_grad()
@@ -76,18 +93,19 @@ class SignCorrectionHook:
             if self.dump_path else None
         agree = total = 0
         for p, s in zip(self.params, self.signs):
-            if p.grad is None:
+            if p.grad is None or s is None:
                 continue
             g = p.grad
             if id(p) in self._counted:
-                agree += int(((g >= 0) == (s > 0)).sum())  # sign(0) = +1, as for M
-                total += g.numel()
+                nonzero = g != 0
+                agree += int(((g > 0) == (s > 0)).logical_and_(nonzero).sum())
+                total += int(nonzero.sum())
             mag = g.abs() if self.magnitude == "grad" else g.abs().mean()
             g.copy_(self.alpha * g + self.beta * mag * s.to(g.dtype))
         self.last_agreement = (agree, total)
         self.num_applied += 1
         if self.dump_path:
-            torch.save({"g_comp": before, "signs": [s.clone() for s in self.signs],
+            torch.save({"g_comp": before, "signs": [s.clone() if s is not None else None for s in self.signs],
                         "g": [p.grad.detach().clone() if p.grad is not None else None for p in self.params]},
                        self.dump_path)
         return None

@@ -7,7 +7,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from megatron_cegrpo.anchor.dp_fanout import CLEARED, KEEP, NEW, SignFanout, sign_deviation
+from megatron_cegrpo.anchor.dp_fanout import CLEARED, KEEP, NEW, PARTIAL, SignFanout, sign_deviation
 
 OUT = sys.argv[1]
 dist.init_process_group("gloo")
@@ -21,10 +21,12 @@ out = {"codes": [], "received": []}
 if rank == 0:
     fan.lead(True, None, signs)  # new signs
     fan.lead(True, signs, signs)  # unchanged
-    fan.lead(False, signs, None)  # cleared, anchor lost
+    partial = [signs[0], None]  # no sign for tensor 1 (the anchor's M is all 0 there)
+    fan.lead(True, signs, partial)
+    fan.lead(False, partial, None)  # cleared, anchor lost
     out["sent"] = fan.take_bytes()
 else:
-    for _ in range(3):
+    for _ in range(4):
         alive, code, got = fan.follow()
         out["codes"].append((alive, code))
         out["received"].append(got)
@@ -34,7 +36,9 @@ if rank == 1:
     held[1][4] = -held[1][4]  # one coordinate flipped on one replica
 out["dev_flip"] = sign_deviation(held, 22, group)
 out["dev_none"] = sign_deviation(None if rank == 1 else held, 22, group)
-out["consts"] = (KEEP, NEW, CLEARED)
+held = [s.clone() for s in signs]
+out["dev_partial"] = sign_deviation([held[0], None] if rank == 1 else held, 22, group, shapes)
+out["consts"] = (KEEP, NEW, CLEARED, PARTIAL)
 out["signs"] = signs
 torch.save(out, os.path.join(OUT, f"rank{rank}.pt"))
 dist.destroy_process_group()

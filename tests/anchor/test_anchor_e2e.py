@@ -27,8 +27,20 @@ from megatron_cegrpo.anchor.worker import global_param_name
 KL = 0.01
 
 
-def _run(tmp_path, *extra):
-    (tmp_path / "reward.py").write_text(REWARD)
+# iteration 1's 8 responses (2 prompts x 4) all score 0, then the parity reward: the fire at 2
+# replays batch 1 (fallback), whose advantages are all 0, so G_anc = 0 and M = 0 (zero-M issue)
+LATE_REWARD = REWARD + '''
+_CALLS = [0]
+
+
+def late_parity_reward(response, ground_truth):
+    _CALLS[0] += 1
+    return 0.0 if _CALLS[0] <= 8 else parity_reward(response, ground_truth)
+'''
+
+
+def _run(tmp_path, *extra, reward="parity_reward"):
+    (tmp_path / "reward.py").write_text(LATE_REWARD)
     dump = tmp_path / "dump"
     dump.mkdir()
     cmd = [_launcher("deepspeed"), "--num_gpus", "3", "--master_port", str(free_port()),
@@ -37,7 +49,7 @@ def _run(tmp_path, *extra):
            "--num-generations", "4", "--max-new-tokens", "12", "--train-iters", "6", "--lr", "1e-4",
            "--kl-coef", str(KL), "--boundary-codec", "mask", "--anchor-ranks", "1", "--anchor-interval", "2",
            "--anchor-delay", "2", "--no-tqdm", "--num-threads", "1",
-           "--custom-reward-function", f"{tmp_path / 'reward.py'}:parity_reward",
+           "--custom-reward-function", f"{tmp_path / 'reward.py'}:{reward}",
            "--deepspeed_config", "ds_configs/cpu_adamw.json", "--log-dir", str(tmp_path / "run"),
            "--anchor-debug-dir", str(dump), *extra]
     env = dict(os.environ, OMP_NUM_THREADS="1")
@@ -125,15 +137,30 @@ def _check_ledger(metrics, metas):
 
 
 def test_fire_only_fold_and_next_step_apply(tmp_path):
-    # (with the constant-magnitude ablation of the blend, --sign-blend-magnitude mean)
+    # (with the constant-magnitude ablation of the blend, --sign-blend-magnitude mean; and batch 1
+    # without a reward, so that the fire at 2 has M = 0: the zero-M issue)
     metrics, dump = _run(tmp_path, "--sign-fold", "fire-only", "--anchor-apply", "next-step",
-                         "--sign-blend-magnitude", "mean")
-    # the sign of fire t is taken at step t + 1 and folded only there
-    assert [m["anchor/correction_applied"] for m in metrics] == [0, 0, 1, 0, 1, 0]
+                         "--sign-blend-magnitude", "mean", reward="late_parity_reward")
+    assert metrics[0]["critic/score/mean"] == 0.0
+    # the anchor's statistics of fire t reach the driver with its signs, at step t + 1
+    fires = [m for m in metrics if "anchor/replay_batch" in m]
+    assert [(m["step"], m["anchor/replay_batch"]) for m in fires][:2] == [(3, 1), (5, 4)]
+    # fire 2 replayed the reward-free batch: M is 0 everywhere, so no sign is sent and step 3 (which
+    # takes fire 2's signs) applies no correction: its gradients are the raw ones (the hook is not
+    # entered, no dump); before the fix sign(0) = +1 everywhere was folded there
+    assert fires[0]["anchor/m_norm"] == 0.0 and fires[0]["anchor/m_zero_frac"] == 1.0
+    assert all(0.0 <= m["anchor/m_zero_frac"] < 1.0 and m["anchor/m_norm"] > 0 for m in fires[1:])
+    metas = [torch.load(f, weights_only=True) for f in sorted(glob.glob(str(dump / "stage_meta_*.pt")))]
+    # fire 2's answer (received at step 3): an 8-byte header and a 1-byte all-0 "informative"
+    # bitmap per stage and the statistics, no signs (1 bit a parameter would be numel / 8 bytes)
+    numel = sum(_numel(meta) for meta in metas)
+    assert len(metas) * (8 + 1) < metrics[2]["anchor/bytes_out"] <= len(metas) * (8 + 1) + 4096 < numel // 8
+    # the sign of fire t is taken at step t + 1 and folded only there (fire 4's at 5)
+    assert [m["anchor/correction_applied"] for m in metrics] == [0, 0, 0, 0, 1, 0]
     assert [m["anchor/fire"] for m in metrics] == [0, 1, 0, 1, 0, 1]
     assert all(m["anchor/no_peek_violations"] == 0 for m in metrics if "anchor/no_peek_violations" in m)
     steps = sorted(os.path.basename(f) for f in glob.glob(str(dump / "stage0_step*.pt")))
-    assert steps == ["stage0_step00003.pt", "stage0_step00005.pt"]
+    assert steps == ["stage0_step00005.pt"]
     for f in glob.glob(str(dump / "stage*_step*.pt")):
         d = torch.load(f, weights_only=True)
         for g_comp, sign, g in zip(d["g_comp"], d["signs"], d["g"]):

@@ -72,3 +72,16 @@ def test_state_round_trip(tmp_path):
         AnchorMemory({"w": (2, 3), "b": (4,)}, decay=0.5).load_state_dict(state)
     with pytest.raises(ValueError):
         AnchorMemory({"w": (2, 3), "b": (5,)}).load_state_dict(state)
+
+
+def test_informative_tensors_and_zero_fraction():
+    """Zero-M issue: a tensor whose M is exactly 0 is uninformative; m_zero_frac counts exact zeros."""
+    mem = AnchorMemory([("a", (2, 3)), ("b", (4,))], decay=0.25)
+    assert mem.informative() == [False, False] and mem.zero_fraction() == 1.0
+    mem.update({"a": torch.zeros(2, 3), "b": torch.zeros(4)})  # a replay whose advantages are all 0
+    assert mem.is_set and mem.informative() == [False, False] and mem.zero_fraction() == 1.0
+    mem.update({"a": torch.tensor([[1.0, 0.0, -2.0], [0.0, 0.0, 0.0]]), "b": torch.zeros(4)})
+    assert mem.informative() == [True, False] and mem.informative(["b", "a"]) == [False, True]
+    assert mem.zero_fraction() == 8 / 10
+    mem.update({"a": torch.zeros(2, 3), "b": torch.zeros(4)})  # the EMA keeps the old direction
+    assert mem.informative() == [True, False] and mem.zero_fraction() == 8 / 10
