@@ -249,9 +249,13 @@ def plot_accuracy(arms: Sequence[Dict], out_dir: str) -> Optional[str]:
     xs = range(len(rows))
     for off, key, se, lab in ((-0.2, "acc_before", "acc_before_stderr", "before"),
                               (0.2, "acc_after", "acc_stderr", "after")):
-        ys = [a[key] if a[key] is not None else 0.0 for a in rows]
-        es = [a[se] or 0.0 for a in rows]
-        ax.bar([x + off for x in xs], ys, width=0.38, yerr=es, capsize=3, label=lab, error_kw={"lw": 0.8})
+        have = [(x, a) for x, a in zip(xs, rows) if a[key] is not None]  # an unfinished arm has no bar
+        ax.bar([x + off for x, _ in have], [a[key] for _, a in have], width=0.38,
+               yerr=[a[se] or 0.0 for _, a in have], capsize=3, label=lab, error_kw={"lw": 0.8})
+        for x, a in zip(xs, rows):
+            if a[key] is None:
+                ax.text(x + off, 0.005, "unfinished", rotation=90, ha="center", va="bottom", fontsize=7)
+    ax.set_xlim(-0.6, len(rows) - 0.4)
     ax.set_xticks(list(xs))
     ax.set_xticklabels([f"{a['arm']}\nseed {a['seed']}" for a in rows], fontsize=7)
     ax.set_ylabel("held-out greedy accuracy")
