@@ -250,7 +250,7 @@ def _run(trainer, args, specs: List[str]) -> Optional[List[Dict]]:
     say(f"codecs: {', '.join(specs)} at keep ratio {args.keep_ratio} (the trainer's own --boundary-codec is unused)")
     for t in range(1, args.batches + 1):
         t0 = time.perf_counter()
-        batch = trainer.rollout(t)
+        _, batch = trainer.rollout(t)  # (the whole batch on the driver, this rank's rows): DP = 1 here
         probe.prepare(batch, t)
         say(f"batch {t}/{args.batches}: {batch['tokens'].shape[0]} responses generated and scored, dense "
             f"log-probs done in {time.perf_counter() - t0:.1f} s")
