@@ -29,10 +29,9 @@ from megatron_cegrpo.bootstrap import bootstrap
 bootstrap(cpu_compat=True)
 
 import torch.distributed as dist  # noqa: E402
-from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed  # noqa: E402
 
-from megatron_cegrpo.arguments import build_config, parse_args  # noqa: E402
-from megatron_cegrpo.initialize import initialize_distributed, set_seed, shutdown_distributed  # noqa: E402
+from megatron_cegrpo.initialize import initialize_distributed, shutdown_distributed  # noqa: E402
+from worker_common import train_or_anchor  # noqa: E402
 
 faulthandler.register(signal.SIGUSR1, all_threads=True)  # a hung rank's stacks: kill -USR1 <pid>
 SEED = 1234
@@ -58,21 +57,11 @@ def _counting_send(real):
 
 
 def train(run: str, mode: str, iters: int, *extra: str) -> None:
-    from megatron_cegrpo.anchor.runner import run_anchor
-    from megatron_cegrpo.training import GRPOTrainer
-
-    cfg = build_config(parse_args(ARGS + ["--tied-embedding-sync", mode, "--train-iters", str(iters),
-                                          "--log-dir", os.path.join(OUT, run), *extra]))
-    cfg.validate(world_size=dist.get_world_size())
-    set_seed(SEED)
-    model_parallel_cuda_manual_seed(SEED, tp_rank=0, ep_rank=0, etp_rank=0)
-    if CTX.is_anchor:
-        run_anchor(cfg, CTX)
-        dist.barrier()  # the stages commit the last checkpoint after the anchor's part of it
-        return
     SENT["bytes"] = 0
-    trainer = GRPOTrainer(cfg, CTX)
-    trainer.train()
+    trainer = train_or_anchor(ARGS + ["--tied-embedding-sync", mode, "--train-iters", str(iters),
+                                      "--log-dir", os.path.join(OUT, run), *extra], CTX, SEED)
+    if trainer is None:
+        return
     out = {"params": {n: p.detach().clone() for n, p in trainer.stage.model.named_parameters()},
            "sent": SENT["bytes"]}
     if trainer.driver is not None:
