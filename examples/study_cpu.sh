@@ -9,6 +9,8 @@
 #   mask_anchor_constmag   mask + anchor, sign blend with |G_comp| replaced by
 #                          mean |G_comp| per tensor, alpha 0 beta 1 (every corrected
 #                          coordinate = constant * sign(M)): what the fast path adds  first seed
+#   pcaq:lrq, pcaq:lrq_anchor  the best codec pair of issue 10 (docs/codecs.md: forward PCA basis +
+#                          quantised coefficients, backward low-rank), BEST_PAIR                  first seed
 #   <codec>, <codec>_anchor  every other registered codec (lowrank, ...)             first seed
 #
 # Every arm: same seed(s), same data order, same held-out rows (--holdout-seed), no KL, no
@@ -68,8 +70,9 @@ other_codecs() {  # registered codecs beyond dense and mask
 print(' '.join(c for c in a() if c not in ('dense', 'mask')))"
 }
 
+BEST_PAIR=${BEST_PAIR:-pcaq:lrq}  # issue 10's highest-fidelity codec pair at <= 5 % of the bytes
 if [[ -z "${ARMS:-}" ]]; then
-  ARMS="dense mask mask_anchor mask_anchor_constmag"
+  ARMS="dense mask mask_anchor mask_anchor_constmag $BEST_PAIR ${BEST_PAIR}_anchor"
   for c in $(other_codecs); do ARMS="$ARMS $c ${c}_anchor"; done
 fi
 MULTI_SEED=${MULTI_SEED:-"dense mask_anchor"}  # the control and the best compressed arm

@@ -42,6 +42,13 @@ Figures (one line per arm, raw values per step): ``reward.png`` (``critic/score/
 ``entropy.png`` (``actor/entropy``) and ``heldout_accuracy.png`` (before/after bars with
 standard-error whiskers). The panels are drawn by ``tools/plot_runs.py``.
 
+The runs' small files (:data:`ARCHIVE_FILES`) are copied into ``<docs>/study/runs/<arm>-s<seed>/``
+and the report is drawn from those copies, so that the committed docs hold the evidence: run
+folders live outside the checkout and do not survive a machine reset (the first two arms'
+logs were lost that way on 2026-12-01). An arm that is in an earlier ``summary.json`` but has
+neither a run folder nor an archived copy keeps its summary row (``logs_lost``: true) and has no
+curves in the figures.
+
 ``docs/study.md`` gets the table and links the figures; the prose that interprets them
 (what the evidence says about the seeds' claims) lives between the markers
 ``<!-- study:notes -->`` and ``<!-- /study:notes -->`` of an existing ``study.md`` and is
@@ -76,6 +83,9 @@ STEP_PANELS = [
 ]
 
 NOTES_BEGIN, NOTES_END = "<!-- study:notes -->", "<!-- /study:notes -->"
+
+#: A run's files copied into ``<docs>/study/runs/<folder>/`` (small: no checkpoints, no train.log).
+ARCHIVE_FILES = ("metrics.jsonl", "study_arm.json", "config.json", "wall_seconds", "DONE")
 
 
 def _plot_runs():
@@ -191,6 +201,39 @@ def summarize_run(run_dir: str) -> Dict:
     return out
 
 
+def archive_runs(run_dirs: Sequence[str], archive_dir: str) -> List[str]:
+    """Copy each run's :data:`ARCHIVE_FILES` (those present) into ``archive_dir/<folder name>/``,
+    replacing an older copy of the same folder; returns the copies' folders."""
+    import shutil
+
+    out = []
+    for d in run_dirs:
+        dst = os.path.join(archive_dir, os.path.basename(os.path.normpath(d)))
+        if os.path.abspath(dst) == os.path.abspath(d):
+            out.append(dst)
+            continue
+        os.makedirs(dst, exist_ok=True)
+        for name in ARCHIVE_FILES:
+            src = os.path.join(d, name)
+            if os.path.isfile(src):
+                shutil.copyfile(src, os.path.join(dst, name))
+            elif os.path.exists(os.path.join(dst, name)):
+                os.remove(os.path.join(dst, name))  # e.g. DONE of an older, finished copy
+        out.append(dst)
+    return out
+
+
+def _carried_arms(summary_path: str, have: Sequence[Dict]) -> List[Dict]:
+    """Arms of an earlier ``summary.json`` with no run folder and no archived copy now
+    (``logs_lost``: true); [] without that file."""
+    if not os.path.isfile(summary_path):
+        return []
+    with open(summary_path, encoding="utf-8") as f:
+        old = json.load(f).get("arms", [])
+    keys = {(a["arm"], a["seed"]) for a in have}
+    return [dict(a, logs_lost=True, run_dir=None) for a in old if (a["arm"], a["seed"]) not in keys]
+
+
 def find_runs(study_dir: str) -> List[str]:
     """Sub-folders of ``study_dir`` holding a metrics.jsonl, sorted by name."""
     if not os.path.isdir(study_dir):
@@ -279,31 +322,52 @@ def _kept_notes(md_path: str) -> str:
     return "(no interpretation written yet)"
 
 
-def write_report(study_dir: str, docs_dir: str) -> Dict:
-    """Summarize every run under ``study_dir``; write ``<docs>/study/summary.json``, the PNGs
-    and ``<docs>/study.md``. Returns the summary dict. FileNotFoundError without runs."""
-    runs = find_runs(study_dir)
-    if not runs:
-        raise FileNotFoundError(f"{study_dir}: no arm folder with a metrics.jsonl")
-    arms = [summarize_run(d) for d in runs]
+def write_report(study_dir: Optional[str], docs_dir: str) -> Dict:
+    """Archive every run under ``study_dir`` into ``<docs>/study/runs/`` (:func:`archive_runs`),
+    summarize every archived run, carry the arms of the earlier ``summary.json`` whose logs are
+    gone (:func:`_carried_arms`), and write ``<docs>/study/summary.json``, the PNGs and
+    ``<docs>/study.md``. ``study_dir`` None or missing: the archive alone. Returns the summary
+    dict. Raises FileNotFoundError when there is no run at all."""
     out_dir = os.path.join(docs_dir, "study")
+    archive = os.path.join(out_dir, "runs")
+    live = find_runs(study_dir) if study_dir and os.path.isdir(study_dir) else []
+    if live:
+        archive_runs(live, archive)
+    runs = find_runs(archive) if os.path.isdir(archive) else []
+    root = os.path.dirname(os.path.abspath(docs_dir))
+    arms = []
+    for d in runs:
+        a = summarize_run(d)
+        a["run_dir"] = os.path.relpath(os.path.abspath(d), root)  # the archived copy, from the repo root
+        a["logs_lost"] = False
+        arms.append(a)
+    arms += _carried_arms(os.path.join(out_dir, "summary.json"), arms)
+    if not arms:
+        raise FileNotFoundError(f"{study_dir}: no arm folder with a metrics.jsonl (and nothing archived in {archive})")
+    arms.sort(key=lambda a: (str(a["arm"]), str(a["seed"])))
     os.makedirs(out_dir, exist_ok=True)
-    summary = {"study_dir": os.path.abspath(study_dir), "fields": list(FIELDS), "arms": arms}
+    summary = {"study_dir": os.path.abspath(study_dir) if study_dir else None, "archive": os.path.relpath(archive, root),
+               "fields": list(FIELDS), "arms": arms}
     with open(os.path.join(out_dir, "summary.json"), "w", encoding="utf-8") as f:
         json.dump(summary, f, indent=2)
         f.write("\n")
-    labels = [f"{a['arm']} s{a['seed']}" for a in arms]
-    figs = plot_steps(runs, labels, out_dir)
+    drawn = [a for a in arms if not a["logs_lost"]]
+    labels = [f"{a['arm']} s{a['seed']}" for a in drawn]
+    figs = plot_steps([os.path.join(root, a["run_dir"]) for a in drawn], labels, out_dir)
     acc = plot_accuracy(arms, out_dir)
     figs += [acc] if acc else []
     md = os.path.join(docs_dir, "study.md")
     notes = _kept_notes(md)
     others = sorted({n for a in arms for n in a["other"]})
+    lost = [f"{a['arm']} seed {a['seed']}" for a in arms if a["logs_lost"]]
     lines = ["# CPU study: does it learn? (issue 11)", "",
-             "Written by `tools/study_report.py` from the arms' `metrics.jsonl` under "
-             f"`{os.path.abspath(study_dir)}` (runs of `examples/study_cpu.sh`). Held-out accuracy is greedy "
-             "pass@1 on rows held out of the training file; ± is one standard error; the gain's z is "
+             "Written by `tools/study_report.py` from the arms' `metrics.jsonl`, archived in "
+             f"`{os.path.relpath(archive, docs_dir)}/` (runs of `examples/study_cpu.sh`). Held-out accuracy is "
+             "greedy pass@1 on rows held out of the training file; ± is one standard error; the gain's z is "
              "unpaired (conservative).", "", table(arms), ""]
+    if lost:
+        lines += [f"Logs lost (summary rows kept from the earlier summary.json, no curves in the figures): "
+                  f"{', '.join(lost)}.", ""]
     for n in others:
         lines += [f"Other data set `{n}` (before -> after, ± se):", ""]
         for a in arms:
@@ -323,7 +387,8 @@ def write_report(study_dir: str, docs_dir: str) -> Dict:
 def main(argv=None) -> int:
     bootstrap()
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("study_dir", nargs="?", default=os.environ.get("STUDY_DIR", "/work/study-runs/study"))
+    p.add_argument("study_dir", nargs="?", default=os.environ.get("STUDY_DIR", "/work/study-runs/study"),
+                   help="folder of live arm folders to archive first (missing: the archive in docs/study/runs alone)")
     p.add_argument("--docs", default=os.path.join(os.path.dirname(_HERE), "docs"), help="docs folder to write")
     args = p.parse_args(argv)
     try:

@@ -104,3 +104,33 @@ def test_no_runs_is_an_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="no arm folder"):
         mod.write_report(str(tmp_path / "empty"), str(tmp_path / "docs"))
     assert mod.main([str(tmp_path / "missing"), "--docs", str(tmp_path / "docs")]) == 2
+
+
+def test_archive_then_report_without_runs(study, tmp_path):
+    """The runs' small files are archived under docs/study/runs and a later report drawn from the
+    archive alone (the run folders gone) gives the same summary; an arm of an earlier summary.json
+    whose logs are gone everywhere keeps its row, flagged, and gets no curve."""
+    mod = _tool()
+    docs = tmp_path / "docs"
+    first = mod.write_report(str(study), str(docs))
+    archived = docs / "study" / "runs"
+    assert sorted(p.name for p in archived.iterdir()) == ["dense-s1", "mask_anchor-s1"]
+    assert sorted(p.name for p in (archived / "dense-s1").iterdir()) == ["metrics.jsonl", "study_arm.json",
+                                                                          "wall_seconds"]
+    assert [a["run_dir"] for a in first["arms"]] == ["docs/study/runs/dense-s1", "docs/study/runs/mask_anchor-s1"]
+
+    # an arm known only from the summary: its logs were lost
+    on_disk = json.loads((docs / "study" / "summary.json").read_text())
+    lost = dict(on_disk["arms"][0], arm="mask", seed=7)
+    on_disk["arms"].append(lost)
+    (docs / "study" / "summary.json").write_text(json.dumps(on_disk))
+    import shutil
+    shutil.rmtree(study)
+    again = mod.write_report(str(study), str(docs))
+    assert again["arms"][:1] + again["arms"][2:] == first["arms"]  # sorted: dense, mask (carried), mask_anchor-s1
+    carried = again["arms"][1]
+    assert carried["arm"] == "mask" and carried["logs_lost"] is True and carried["run_dir"] is None
+    assert carried["acc_after"] == 0.40
+    md = (docs / "study.md").read_text()
+    assert "Logs lost (summary rows kept from the earlier summary.json, no curves in the figures): mask seed 7." in md
+    assert "| mask | 7 | dense | no | 2 |" in md
