@@ -21,6 +21,7 @@ from .lowrank import LowRankCodec
 from .meter import ByteMeter
 from .pair import PairCodec
 from . import subspace  # noqa: F401  (registers the pcaq and lrq halves)
+from . import repeat  # noqa: F401  (registers the rpq half)
 from .spec import build_codec, check_codec_budget, parse_codec_spec
 from .prf import exact_k_indices, keep_count, prf_channel_scores, threefry2x32
 
