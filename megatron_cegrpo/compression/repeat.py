@@ -86,8 +86,8 @@ class RepeatPcaHalf(SubspaceQuantHalf):
 
     refresh = "step"
 
-    def __init__(self, keep_ratio: float = 0.05, rank: int = 192, share: float = 0.12, max_bits: int = 8,
-                 outliers: int = 1, passes: int = 3, repeat: float = 0.002, own: int = 0):
+    def __init__(self, keep_ratio: float = 0.05, rank: int = 144, share: float = 0.12, max_bits: int = 8,
+                 outliers: int = 1, passes: int = 3, repeat: float = 0.002, own: int = 1):
         super().__init__(keep_ratio=keep_ratio, rank=rank, share=share, max_bits=max_bits, outliers=outliers)
         if int(passes) < 1 or not 0.0 <= float(repeat) <= float(keep_ratio) or int(own) not in (0, 1):
             raise ValueError(f"rpq: need passes >= 1, 0 <= repeat <= keep_ratio, own 0 or 1; got {passes}, "
