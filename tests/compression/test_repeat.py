@@ -89,13 +89,16 @@ def test_bytes_exactly_as_documented_and_repeats_decode_the_first_bit_for_bit(ow
 
 def test_budget_check_counts_passes():
     """At the demo shape rpq:lrq fits 24 forward / 8 backward messages (3 passes) and is
-    rejected with 16 forward messages (--kl-coef 0: 2 passes) until passes=2 (and a
-    larger basis share)."""
+    rejected with 16 forward messages (--kl-coef 0: 2 passes) until passes=2; with a per-step
+    basis (own=0) too."""
     demo = dict(shape=(199, 4, 576), bwd_messages=8)
     check_codec_budget(build_codec("rpq:lrq", 0.05), 0.05, messages=24, **demo)
     with pytest.raises(ValueError, match="forward sends"):
         check_codec_budget(build_codec("rpq:lrq", 0.05), 0.05, messages=16, **demo)
-    check_codec_budget(build_codec("rpq/passes=2/share=0.16:lrq", 0.05), 0.05, messages=16, **demo)
+    check_codec_budget(build_codec("rpq/passes=2:lrq", 0.05), 0.05, messages=16, **demo)
+    check_codec_budget(build_codec("rpq/own=0/rank=192:lrq", 0.05), 0.05, messages=24, **demo)
+    with pytest.raises(ValueError, match="forward sends"):  # the share cannot pay a 192-row basis over 2 passes
+        check_codec_budget(build_codec("rpq/own=0/rank=192/passes=2:lrq", 0.05), 0.05, messages=16, **demo)
     f, b = spec_bytes(build_codec("rpq:lrq", 0.05), (199, 4, 576), 4, 24, 8)
     assert (f + b) / (32 * 199 * 4 * 576 * 4) <= 0.05
 
@@ -123,8 +126,10 @@ torch.save(res, sys.argv[2])
 
 def test_both_ends_in_separate_processes_hold_the_same_state(tmp_path):
     """The receiver process (its own basis, first-crossing cache and repeat decoding) decodes,
-    bit for bit, what the sender says it will (``decode_sent``) for every message of two steps."""
-    spec = "rpq/rank=10:lrq/rank=4"
+    bit for bit, what the sender says it will (``decode_sent``) for every message of two steps.
+    own=0 (a per-step basis the receiver keeps) is the more stateful mode; the default own=1
+    crosses real processes in tests/pipeline/test_pipeline_equivalence.py."""
+    spec = "rpq/rank=10/own=0:lrq/rank=4"
     env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1")
     wire, got = tmp_path / "wire.pt", tmp_path / "got.pt"
     sender, msgs, at_sender = build_codec(spec, 0.1), [], []

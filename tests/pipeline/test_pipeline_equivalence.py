@@ -132,7 +132,7 @@ def test_rpq_pair_pipeline_equals_single_process_map(tmp_path):
     """rpq (compression/repeat.py) in a real gloo pipeline: the forward-only pass's crossings are
     first crossings, the update pass's are repeats of the same tensors, decoded bit for bit as
     the first; so the pipeline equals one process applying PairCodec.forward_map once per
-    micro-batch, and the bytes are one first crossing (with the step basis) + 3 others + 4 repeats."""
+    micro-batch, and the bytes are 4 first crossings (each with its own basis, the default) + 4 repeats."""
     spec = "rpq/rank=16:lrq"
     ranks, ref = _run(tmp_path, spec, 2)
     _compare(ranks, ref, atol=1e-5)
