@@ -3,7 +3,7 @@
 Pure tensor code (no torch.distributed): the Threefry-2x32 PRF, the exact-k
 channel mask derived from it, the boundary codecs (``dense``, ``mask``, ``lowrank``), the
 independent forward/backward halves of ``FWD:BWD`` specs (``halves.py``, ``subspace.py``,
-``pair.py``; parsed in ``spec.py``) and the byte meter that reports ``comm/bytes_ratio``.
+``repeat.py``, ``pair.py``; parsed in ``spec.py``) and the byte meter that reports ``comm/bytes_ratio``.
 """
 
 from .codecs import (
