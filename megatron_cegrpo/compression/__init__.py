@@ -3,7 +3,7 @@
 Pure tensor code (no torch.distributed): the Threefry-2x32 PRF, the exact-k
 channel mask derived from it, the boundary codecs (``dense``, ``mask``, ``lowrank``), the
 independent forward/backward halves of ``FWD:BWD`` specs (``halves.py``, ``subspace.py``,
-``pair.py``; parsed in ``spec.py``) and the byte meter that reports ``comm/bytes_ratio``.
+``repeat.py``, ``pair.py``; parsed in ``spec.py``) and the byte meter that reports ``comm/bytes_ratio``.
 """
 
 from .codecs import (
@@ -21,6 +21,7 @@ from .lowrank import LowRankCodec
 from .meter import ByteMeter
 from .pair import PairCodec
 from . import subspace  # noqa: F401  (registers the pcaq and lrq halves)
+from . import repeat  # noqa: F401  (registers the rpq half)
 from .spec import build_codec, check_codec_budget, parse_codec_spec
 from .prf import exact_k_indices, keep_count, prf_channel_scores, threefry2x32
 

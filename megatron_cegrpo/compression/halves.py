@@ -8,7 +8,7 @@ two of them into a :class:`~megatron_cegrpo.compression.codecs.BoundaryCodec`
 
 Halves registered here: ``dense`` (identity) and ``mask`` (the exact-k PRF mask of
 :class:`~megatron_cegrpo.compression.codecs.MaskCodec`); ``subspace.py`` adds ``pcaq`` and
-``lrq``. Payloads are in the dense tensor's dtype (the pipeline dtype megatron-core's p2p
+``lrq``, ``repeat.py`` adds ``rpq``. Payloads are in the dense tensor's dtype (the pipeline dtype megatron-core's p2p
 buffers use); halves whose payload is a byte string view it as that dtype (``wire.py``).
 
 Sender and receiver state are kept apart (a stage can be both, for different boundaries, and

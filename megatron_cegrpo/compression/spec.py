@@ -117,13 +117,21 @@ def build_codec(spec: str, keep_ratio: float, *, warn: bool = True, **options) -
 
 def spec_bytes(codec: BoundaryCodec, shape, elem: int, fwd_messages: int, bwd_messages: int) -> Tuple[int, int]:
     """Documented wire bytes (fwd, bwd) of one step's messages of ``shape``: the first
-    message of a direction carries any per-step basis; a single-name codec sends
-    payload_shape elements per message."""
+    message of a direction carries any per-step basis; a half with ``step_nbytes`` (``rpq``)
+    counts ``bwd_messages`` (or, without a backward, ``fwd_messages``) distinct micro-batches
+    whose first crossing is a full one and the other crossings repeats; a single-name codec
+    sends payload_shape elements per message."""
     counts = {"fwd": int(fwd_messages), "bwd": int(bwd_messages)}
     if isinstance(codec, PairCodec):
-        return tuple(0 if counts[dr] == 0 else codec.bytes_per_message(dr, shape, elem, True)
-                     + (counts[dr] - 1) * codec.bytes_per_message(dr, shape, elem, False)
-                     for dr in ("fwd", "bwd"))  # type: ignore[return-value]
+        keys = counts["bwd"] or counts["fwd"]  # distinct micro-batches: those of the update pass(es)
+
+        def direction(dr):
+            half = codec.fwd if dr == "fwd" else codec.bwd
+            if hasattr(half, "step_nbytes"):  # rpq: first crossings and repeats (repeat.py)
+                return half.step_nbytes(shape, elem, counts[dr], keys)
+            return 0 if counts[dr] == 0 else (codec.bytes_per_message(dr, shape, elem, True)
+                                              + (counts[dr] - 1) * codec.bytes_per_message(dr, shape, elem, False))
+        return direction("fwd"), direction("bwd")
     n = 1
     for v in codec.payload_shape(tuple(shape)):
         n *= int(v)

@@ -126,3 +126,24 @@ def test_lowrank_pipeline_equals_projected_reference(tmp_path):
     assert b["comm/bwd_bytes"] == coeff
     dense = 3 * 4 * 16 * 2 * d * 4
     assert (f["comm/fwd_bytes"] + b["comm/bwd_bytes"]) / dense <= 0.25
+
+
+def test_rpq_pair_pipeline_equals_single_process_map(tmp_path):
+    """rpq (compression/repeat.py) in a real gloo pipeline: the forward-only pass's crossings are
+    first crossings, the update pass's are repeats of the same tensors, decoded bit for bit as
+    the first; so the pipeline equals one process applying PairCodec.forward_map once per
+    micro-batch, and the bytes are 4 first crossings (each with its own basis, the default) + 4 repeats."""
+    spec = "rpq/rank=16:lrq"
+    ranks, ref = _run(tmp_path, spec, 2)
+    _compare(ranks, ref, atol=1e-5)
+    from megatron_cegrpo.compression import build_codec
+    from megatron_cegrpo.compression.spec import spec_bytes
+
+    codec = build_codec(spec, 0.25)
+    shape, mbs = (16, 2, 64), 4
+    f, b = ranks[0]["meter"], ranks[1]["meter"]
+    h = codec.fwd
+    assert f["comm/fwd_bytes"] == (h.nbytes(shape, 4, True) + (mbs - 1) * h.nbytes(shape, 4, False)
+                                   + mbs * h.nbytes(shape, 4, False, repeat=True)) == spec_bytes(codec, shape, 4, 8, 4)[0]
+    assert b["comm/bwd_bytes"] == mbs * codec.bytes_per_message("bwd", shape, 4, False)
+    assert f["comm/fwd_bytes"] + b["comm/bwd_bytes"] <= 0.25 * 3 * mbs * 16 * 2 * 64 * 4  # both directions
