@@ -205,7 +205,8 @@ class ParallelConfig:
            "size DP inferred (Megatron's convention)")
     tensor_model_parallel_size: int = option(
         1, "tensor-parallel ranks T inside each stage (Megatron; megatron-core's tensor-parallel layers, TP "
-           "fastest in the rank order); the launch has T x P ranks (docs/parallelism.md)")
+           "fastest in the rank order); the launch has T x P ranks; at T > 1 with --anchor-ranks 0, one "
+           "replica (DP 1) and --boundary-codec mask or dense in this version (docs/parallelism.md)")
     decoder_first_pipeline_num_layers: Optional[int] = option(
         None, "transformer layers of the first stage for an uneven split (Megatron; default: an even split)")
     decoder_last_pipeline_num_layers: Optional[int] = option(
