@@ -13,7 +13,7 @@ Tolerance (fp32 reduction order: the row-parallel layers add two partial product
 norm terms are summed in another order): losses, grad norms, KL, entropy, mismatch and the probes'
 numbers within ``1e-5`` relative + ``1e-6`` absolute; weights after 2 Adam steps at lr 1e-3 within
 ``1e-5`` absolute (1 % of one Adam step) at the recorded coordinates (per parameter the 32 that
-moved most and 32 evenly spaced), and each parameter's ``||theta - theta_0||`` within ``1e-4``
+moved most and 32 evenly spaced), and each parameter's ``||theta - theta_0||`` within ``1e-5``
 relative. Measured (2026-12-02, this machine): see docs/parallelism.md ("The trainer at TP > 1").
 
 Bytes: the boundary, sampler-sync and batch bytes equal TP = 1's exactly (each TP rank sends its
@@ -41,7 +41,7 @@ WORKER = os.path.join(HERE, "tp_train_worker.py")
 REFERENCE = os.path.join(HERE, "reference", "tp_train_tp1_pp2.json")
 CACHE = "embedding.word_embeddings.weight"  # the first stage's row cache of the tied W (not trained there)
 STEPS = (1, 2)
-REL, ABS, W_ABS, NORM_REL = 1e-5, 1e-6, 1e-5, 1e-4
+REL, ABS, W_ABS, NORM_REL = 1e-5, 1e-6, 1e-5, 1e-5
 #: numbers that must agree within the fp32 tolerance
 CLOSE_KEYS = ("actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/kl_loss", "actor/entropy",
               "actor/grad_norm", "actor/weight_rel_change", "actor/weight_rel_change/stage_0",
