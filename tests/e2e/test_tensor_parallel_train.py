@@ -250,6 +250,18 @@ def test_a_run_written_at_another_tp_size_does_not_continue():
         _check_resume_tensor_parallel({}, cfg, "ckpt")
 
 
+def test_per_tp_rank_file_names_and_continued_runs():
+    from megatron_cegrpo import checkpointing as ck
+
+    assert ck.tp_file_name("reference") == "reference" and ck.tp_file_name("reference", 1, 2) == "reference_tp01"
+    with pytest.raises(ValueError, match="out of range"):
+        ck.tp_file_name("trainer_state", 2, 2)
+    files = lambda *names: {"files": {f"stage_00/{n}": {} for n in names}}  # noqa: E731
+    assert ck.continues_run(files("model.safetensors", "trainer_state.pt"))
+    assert ck.continues_run(files("model_tp00.safetensors", "trainer_state_tp00.pt", "trainer_state_tp01.pt"))
+    assert not ck.continues_run(files("model_tp00.safetensors", "model_tp01.safetensors"))  # weights only
+
+
 if __name__ == "__main__":
     if sys.argv[1:] != ["--record"]:
         sys.exit("usage: PYTHONPATH=$PWD python tests/e2e/test_tensor_parallel_train.py --record")
