@@ -205,7 +205,8 @@ class ParallelConfig:
            "size DP inferred (Megatron's convention)")
     tensor_model_parallel_size: int = option(
         1, "tensor-parallel ranks T inside each stage (Megatron; megatron-core's tensor-parallel layers, TP "
-           "fastest in the rank order); the launch has T x P ranks (docs/parallelism.md)")
+           "fastest in the rank order); the launch has T x P ranks; at T > 1 with --anchor-ranks 0, one "
+           "replica (DP 1) and --boundary-codec mask or dense in this version (docs/parallelism.md)")
     decoder_first_pipeline_num_layers: Optional[int] = option(
         None, "transformer layers of the first stage for an uneven split (Megatron; default: an even split)")
     decoder_last_pipeline_num_layers: Optional[int] = option(
@@ -798,6 +799,7 @@ class TrainConfig:
                 "--grad-fidelity-interval or run with --pipeline-model-parallel-size >= 2"
             )
         self._validate_codec()
+        self._validate_tensor_parallel()
         tp = p.tensor_model_parallel_size
         expected = tp * p.pipeline_model_parallel_size + self.anchor.anchor_ranks
         if world_size is not None and world_size != expected and tp > 1:
@@ -855,6 +857,26 @@ class TrainConfig:
             raise ConfigError(
                 f"--grad-fidelity-interval compares one replica's dense gradient, not supported at data-parallel "
                 f"size {dp}; fix: drop --grad-fidelity-interval, or launch one replica")
+
+    def _validate_tensor_parallel(self) -> None:
+        """What the trainer does not run at ``--tensor-model-parallel-size`` > 1 yet (docs/parallelism.md):
+        the anchor rank (its dense replica takes whole-stage shipments and returns whole-stage signs)
+        and codecs with state (a basis every TP rank would hold and send whole). TP x DP is refused by
+        the launch check (world = TP x PP + anchor ranks). Raises ConfigError naming the flag."""
+        tp, anchors = self.parallel.tensor_model_parallel_size, self.anchor.anchor_ranks
+        if tp == 1:
+            return
+        if anchors:
+            raise ConfigError(
+                f"--tensor-model-parallel-size {tp} with --anchor-ranks {anchors}: the anchor's dense replica takes "
+                "whole-stage weight shipments and returns whole-stage signs, not TP shards (not in this version); "
+                "fix: pass --anchor-ranks 0 (the fast circuit alone) or --tensor-model-parallel-size 1")
+        halves = self.codec.boundary_codec.split(":")
+        if any(h.split("/")[0] not in DP_CODECS for h in halves):
+            raise ConfigError(
+                f"--boundary-codec {self.codec.boundary_codec} keeps state (a basis) that every TP rank would "
+                f"hold and send whole, not split over the {tp} TP ranks (not in this version); fix: pass "
+                "--boundary-codec mask or dense, or --tensor-model-parallel-size 1")
 
     def _validate_codec(self) -> None:
         """An anchor-owned lowrank basis needs an anchor. Raises ConfigError."""

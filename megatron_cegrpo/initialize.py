@@ -86,6 +86,13 @@ class DistContext:
         return (rank // self.tp_size) % self.dp_size
 
     @property
+    def is_pipeline_leader(self) -> bool:
+        """A rank of the driver's pipeline (data-parallel replica 0, TP rank 0): the ranks that
+        send the sampler's weights and the stage metrics to the driver; the other TP ranks of a
+        stage contribute through their TP group first."""
+        return self.dp_rank == 0 and self.tp_rank == 0
+
+    @property
     def is_replica_leader(self) -> bool:
         """Data-parallel rank 0 of its stage: the replica that syncs the sampler, writes
         checkpoints and talks to the anchor (the others receive what it receives)."""
@@ -161,7 +168,7 @@ def initialize_distributed(pipeline_model_parallel_size: int, seed: int,
             tensor_model_parallel_size=tp, pipeline_model_parallel_size=pipeline_model_parallel_size
         )
     rollout_group = _pipeline_groups_with_peer_lifetime_timeout(world, pipeline_model_parallel_size)
-    if dp > 1:  # every trainer rank (DP = 1: the one pipeline group above, unchanged)
+    if dp > 1 or tp > 1:  # every trainer rank (TP = DP = 1: the one pipeline group above, unchanged)
         rollout_group = dist.new_group(list(range(world)), timeout=PEER_LIFETIME_TIMEOUT)
     set_seed(seed)
     model_parallel_cuda_manual_seed(seed)

@@ -52,8 +52,8 @@ def preflight(cfg) -> None:
     process group exists (each rank finds the same result, so no rank waits on another).
 
     * ``--model`` resolves; its config fits ``--pipeline-model-parallel-size`` and the uneven
-      split, ``--tensor-model-parallel-size`` divides its heads, KV heads, FFN and vocabulary
-      (and the trainer refuses TP > 1, ``_check_trainer_tensor_parallel``), and ``--max-prompt-length + --max-new-tokens`` fits its positions;
+      split, ``--tensor-model-parallel-size`` divides its heads, KV heads, FFN and vocabulary,
+      and ``--max-prompt-length + --max-new-tokens`` fits its positions;
     * ``--boundary-codec``'s bytes fit the ``--boundary-keep-ratio`` it claims (PP >= 2);
     * ``--custom-reward-function`` loads and takes ``(response, ground_truth)``;
     * ``--train-data`` resolves and loads, ``--num-holdout`` leaves a training prompt, and
@@ -63,7 +63,8 @@ def preflight(cfg) -> None:
     * ``--load``: a checkpoint is there unless it is the ``--save`` directory
       (``checkpointing.find_resume_checkpoint``); it fits the model, split and codec
       (``check_compatible``), its files have their recorded sizes, and, when it continues a
-      run, the trajectory options equal this run's (``check_resume``).
+      run, it was written at this ``--tensor-model-parallel-size`` and the trajectory options
+      equal this run's (``check_resume``).
 
     Raises:
         ConfigError: (or its subclasses DatasetError, CheckpointError) naming the flag and the fix.
@@ -84,7 +85,6 @@ def preflight(cfg) -> None:
     p = cfg.parallel
     check_model_config(hf_config, p.pipeline_model_parallel_size, p.decoder_first_pipeline_num_layers,
                        p.decoder_last_pipeline_num_layers, tensor_model_parallel_size=p.tensor_model_parallel_size)
-    _check_trainer_tensor_parallel(cfg)
     positions = int(getattr(hf_config, "max_position_embeddings", 0) or 0)
     r = cfg.rollout
     if positions and r.max_prompt_length + r.max_new_tokens > positions:
@@ -123,23 +123,22 @@ def preflight(cfg) -> None:
             ck.check_compatible(meta, hf_config=hf_config, pp_size=p.pipeline_model_parallel_size,
                                 num_layers_in_first=p.decoder_first_pipeline_num_layers,
                                 num_layers_in_last=p.decoder_last_pipeline_num_layers, codec=cfg.codec)
-            if "trainer_state.pt" in ck.stage_file_names(meta, 0):  # continues a run (not weights only)
+            if ck.continues_run(meta):  # trainer state: continues a run (not weights only)
+                _check_resume_tensor_parallel(meta, cfg, ckpt_dir)
                 ck.check_resume(meta, cfg.resume_options(), train_iters=cfg.optim.train_iters)
 
 
-def _check_trainer_tensor_parallel(cfg) -> None:
-    """The GRPO trainer runs at ``--tensor-model-parallel-size 1`` only in this version: the
-    stage passes, weight loading, checkpoints and conversion work at TP > 1 (docs/parallelism.md),
-    but the trainer's collectives around them (the rollout broadcast, gradient clipping, the
-    sampler's weight gather, the tied-embedding exchange, its checkpoint blobs and byte ledger)
-    span one TP rank per stage. Raises ConfigError naming the flag."""
-    tp = cfg.parallel.tensor_model_parallel_size
-    if tp > 1:
+def _check_resume_tensor_parallel(meta: dict, cfg, ckpt_dir: str) -> None:
+    """A checkpoint that continues a run (optimizer state, reference and RNGs per TP shard) must be
+    resumed at the ``--tensor-model-parallel-size`` it was written at; weights-only checkpoints load
+    at any TP size (their shards are merged and re-split). Raises ConfigError naming the flag."""
+    saved, tp = int(meta.get("tp_size", 1)), cfg.parallel.tensor_model_parallel_size
+    if saved != tp:
         raise ConfigError(
-            f"--tensor-model-parallel-size {tp}: the GRPO trainer does not run tensor parallelism yet (its "
-            "rollout broadcast, clipping, sampler weight gather and tied-embedding exchange span one TP rank per "
-            "stage; the stage passes, loading, checkpoints and conversion do support it, docs/parallelism.md); "
-            "fix: pass --tensor-model-parallel-size 1")
+            f"--load {ckpt_dir} was written at --tensor-model-parallel-size {saved} and holds its optimizer state "
+            f"per TP shard; it cannot continue at --tensor-model-parallel-size {tp}; fix: pass "
+            f"--tensor-model-parallel-size {saved}, or convert it to weights only (tools/checkpoint/convert.py "
+            f"--target-tp-size {tp}) to start a new run from it")
 
 
 def _check_codec_budget(cfg, hf_config) -> None:

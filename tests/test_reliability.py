@@ -258,11 +258,15 @@ CASES = [
          "--tensor-model-parallel-size=3 does not divide the model's 4 attention heads and 2 KV heads "
          "(num_attention_heads, num_key_value_heads: each TP rank holds whole heads); fix: choose one of 1, 2",
          env={"WORLD_SIZE": "3"}),
-    Case("tp-trainer", "flag", ["--tensor-model-parallel-size", "2"],
-         "--tensor-model-parallel-size 2: the GRPO trainer does not run tensor parallelism yet (its rollout "
-         "broadcast, clipping, sampler weight gather and tied-embedding exchange span one TP rank per stage; the "
-         "stage passes, loading, checkpoints and conversion do support it, docs/parallelism.md); fix: pass "
-         "--tensor-model-parallel-size 1", env={"WORLD_SIZE": "2"}),
+    Case("tp-anchor", "flag", ["--tensor-model-parallel-size", "2", "--anchor-ranks", "1"],
+         "--tensor-model-parallel-size 2 with --anchor-ranks 1: the anchor's dense replica takes whole-stage weight "
+         "shipments and returns whole-stage signs, not TP shards (not in this version); fix: pass --anchor-ranks 0 "
+         "(the fast circuit alone) or --tensor-model-parallel-size 1", env={"WORLD_SIZE": "3"}),
+    Case("tp-stateful-codec", "flag", ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                                       "--boundary-codec", "lowrank"],
+         "--boundary-codec lowrank keeps state (a basis) that every TP rank would hold and send whole, not split "
+         "over the 2 TP ranks (not in this version); fix: pass --boundary-codec mask or dense, or "
+         "--tensor-model-parallel-size 1", env={"WORLD_SIZE": "4"}),
     Case("tp-world-size", "launch", ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"],
          "world size 2 != --tensor-model-parallel-size (2) x --pipeline-model-parallel-size (2) + --anchor-ranks "
          "(0); fix: launch with `deepspeed --num_gpus 4` (or `torchrun --nproc-per-node 4`)", env={"WORLD_SIZE": "2"},

@@ -69,6 +69,8 @@ from megatron_cegrpo.checkpointing.format import (
     resolve_load_dir,
     stage_dir_name,
     stage_file_names,
+    continues_run,
+    tp_file_name,
     verify_checkpoint,
 )
 from megatron_cegrpo.checkpointing.stage_files import (
@@ -88,5 +90,5 @@ __all__ = [
     "find_resume_checkpoint", "has_checkpoint", "hf_config_from_meta", "is_save_iteration", "iter_dir_name",
     "list_checkpoints", "load_stage_model", "make_meta", "model_file_name", "normalize_codec", "read_meta", "read_stage_blob",
     "read_stage_file", "read_stage_model", "resolve_load_dir", "sha256_file", "stage_dir_name", "stage_file_names",
-    "stage_model_state_dict", "verify_checkpoint", "write_stage_blob", "write_stage_file",
+    "stage_model_state_dict", "verify_checkpoint", "continues_run", "tp_file_name", "write_stage_blob", "write_stage_file",
 ]

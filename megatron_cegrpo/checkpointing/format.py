@@ -119,6 +119,26 @@ def model_file_name(tp_rank: int = 0, tp_size: int = 1) -> str:
     return MODEL_FILE if int(tp_size) == 1 else f"{MODEL_FILE}_tp{int(tp_rank):02d}"
 
 
+def tp_file_name(name: str, tp_rank: int = 0, tp_size: int = 1) -> str:
+    """A per-TP-rank stage file: ``name`` without tensor parallelism, ``name_tpRR`` (RR = ``tp_rank``,
+    two digits) with ``tp_size`` > 1 (the trainer's ``reference`` and ``trainer_state`` of each TP
+    rank, as :func:`model_file_name` names its model shard).
+
+    Raises:
+        ValueError: ``tp_rank`` outside ``0 .. tp_size - 1``.
+    """
+    if not 0 <= int(tp_rank) < int(tp_size):
+        raise ValueError(f"tp_rank {tp_rank} out of range for tp_size {tp_size}")
+    return name if int(tp_size) == 1 else f"{name}_tp{int(tp_rank):02d}"
+
+
+def continues_run(meta: dict, name: str = "trainer_state") -> bool:
+    """Whether the checkpoint holds stage 0's trainer state blob (``name.pt``, or ``name_tp00.pt``
+    at TP > 1): it continues a run, unlike a weights-only (converted) checkpoint."""
+    names = stage_file_names(meta, 0)
+    return f"{name}.pt" in names or f"{name}_tp00.pt" in names
+
+
 def _file_name(name: str, ext: str) -> str:
     """``name`` + ``ext`` (``ext`` not doubled); ValueError unless ``name`` is a plain file name."""
     if name.endswith(ext):

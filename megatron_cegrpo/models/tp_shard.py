@@ -37,7 +37,8 @@ import torch
 
 from megatron_cegrpo.models.name_map import is_ignored_key
 
-__all__ = ["partition_dim", "shard_stage_state_dict", "merge_tp_shards", "gather_tp_stage_state_dict"]
+__all__ = ["partition_dim", "shard_stage_state_dict", "merge_tp_shards", "gather_tp_stage_state_dict",
+           "is_tp_split", "TPGatheredStage"]
 
 #: stage-local parameter name suffix -> the dimension megatron splits over the TP ranks
 _SPLIT = {
@@ -173,3 +174,49 @@ def gather_tp_stage_state_dict(stage_sd: Dict[str, torch.Tensor], tp_group) -> D
         for sd, part in zip(shards, parts):
             sd[name] = part
     return merge_tp_shards(shards)
+
+
+def is_tp_split(p: torch.Tensor) -> bool:
+    """Whether megatron-core split parameter ``p`` over the TP ranks (its ``tensor_model_parallel``
+    attribute, set by the tensor-parallel layers); False for a replicated one (norms), whose
+    gradient is the same on every TP rank: a norm or sum over the stage counts it on TP rank 0 only
+    (megatron-core's ``param_is_not_tensor_parallel_duplicate``)."""
+    return bool(getattr(p, "tensor_model_parallel", False))
+
+
+class TPGatheredStage:
+    """The whole stage, gathered from the TP shards, seen as a module's parameters: what the
+    sampler's weight sync (``pipeline/weight_sync.py``, ``delta_sync.py``) reads at TP > 1
+    instead of a TP rank's shard.
+
+    :meth:`named_parameters` yields ``(name, whole tensor)`` in the stage's parameter order, with
+    the shapes of the TP = 1 stage (fp32 or the model's dtype). The tensors are allocated once and
+    refreshed in place by :meth:`refresh`, so a weight sync that keeps references to them sees the
+    new values. Constructing and refreshing are collectives over ``tp_group`` (every TP rank of the
+    stage calls them, :func:`gather_tp_stage_state_dict`).
+
+    Args:
+        model: this TP rank's stage.
+        tp_group: the stage's tensor-parallel group (size > 1).
+    """
+
+    def __init__(self, model: torch.nn.Module, tp_group):
+        self.model, self.group = model, tp_group
+        self._named = [(n, t.clone()) for n, t in self._gather().items()]
+
+    def _gather(self) -> Dict[str, torch.Tensor]:
+        return gather_tp_stage_state_dict({n: p.detach() for n, p in self.model.named_parameters()}, self.group)
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        """Gather the stage's current weights into the whole tensors (collective over ``tp_group``)."""
+        for (_, dst), src in zip(self._named, self._gather().values()):
+            dst.copy_(src)
+
+    def named_parameters(self):
+        """``(name, whole tensor)`` pairs, stage order."""
+        return iter(self._named)
+
+    def parameters(self):
+        """The whole tensors, stage order."""
+        return (t for _, t in self._named)

@@ -24,11 +24,15 @@ def broadcast_nbytes(payload_bytes: int, group_size: int) -> int:
     return (8 + payload_bytes) * (group_size - 1)
 
 
-def broadcast_metered(obj: Any, group) -> Tuple[Any, int]:
+def broadcast_metered(obj: Any, group, copies: Optional[int] = None) -> Tuple[Any, int]:
     """Broadcast ``obj`` (given on the group's rank 0, None elsewhere) to every member.
 
-    Returns (the object, :func:`broadcast_nbytes` of its pickle) on every member; the
-    count is the same everywhere. Raises RuntimeError (the backend's) when a peer is gone.
+    ``copies``: how many copies cross hosts (default: one per other member); with tensor
+    parallelism the trainer passes the number of other stages (a stage's TP ranks share a host).
+
+    Returns (the object, ``(8 + len(pickle)) x copies`` bytes, :func:`broadcast_nbytes` by default)
+    on every member; the count is the same everywhere. Raises RuntimeError (the backend's) when a
+    peer is gone.
     """
     src = dist.get_global_rank(group, 0)
     if group.rank() == 0:
@@ -42,7 +46,7 @@ def broadcast_metered(obj: Any, group) -> Tuple[Any, int]:
     dist.broadcast(data, src=src, group=group)
     if group.rank() != 0:
         obj = pickle.loads(data.numpy().tobytes())
-    return obj, broadcast_nbytes(int(n.item()), group.size())
+    return obj, broadcast_nbytes(int(n.item()), group.size() if copies is None else int(copies) + 1)
 
 
 def scatter_metered(shards: Optional[Sequence[Any]], replica_of: Callable[[int], int], group) -> Tuple[Any, int]:

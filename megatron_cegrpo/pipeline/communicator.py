@@ -52,12 +52,44 @@ from typing import List, Optional, Sequence
 import torch
 import torch.distributed as dist
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
-from megatron.core.tensor_parallel.utils import gather_split_1d_tensor, split_tensor_into_1d_equal_chunks
+from megatron.core.tensor_parallel.utils import gather_split_1d_tensor
 
 from megatron_cegrpo.compression import BoundaryCodec, BoundaryContext, ByteMeter
 from megatron_cegrpo.pipeline.prefetch import CodecPrefetcher
 
-__all__ = ["CompressedP2PCommunicator"]
+__all__ = ["CompressedP2PCommunicator", "tp_payload_piece", "tp_payload_whole"]
+
+
+def tp_payload_piece(payload: torch.Tensor, tp_size: int, tp_rank: int) -> torch.Tensor:
+    """TP rank ``tp_rank``'s piece of a codec payload (any shape and dtype): the flattened payload
+    zero-padded to a multiple of ``tp_size`` (at most ``tp_size - 1`` zeros at the end), then its
+    ``tp_rank``-th of ``tp_size`` equal chunks (megatron-core's ``split_tensor_into_1d_equal_chunks``
+    layout), a new 1-D tensor of ``ceil(payload.numel() / tp_size)`` elements, payload dtype.
+
+    Raises:
+        ValueError: ``tp_rank`` outside ``0 .. tp_size - 1``.
+    """
+    if not 0 <= tp_rank < tp_size:
+        raise ValueError(f"tp_rank {tp_rank} out of range for tensor-parallel size {tp_size}")
+    flat = payload.reshape(-1)
+    pad = -flat.numel() % tp_size
+    if pad:
+        flat = torch.cat([flat, flat.new_zeros(pad)])
+    n = flat.numel() // tp_size
+    return flat[tp_rank * n:(tp_rank + 1) * n].clone()
+
+
+def tp_payload_whole(pieces: torch.Tensor, shape) -> torch.Tensor:
+    """Inverse of :func:`tp_payload_piece`: the TP ranks' pieces concatenated in TP rank order
+    (1-D, what ``gather_split_1d_tensor`` returns) -> the payload of ``shape`` (the padding dropped).
+
+    Raises:
+        ValueError: fewer elements than ``shape`` holds.
+    """
+    n = math.prod(shape)
+    if pieces.numel() < n:
+        raise ValueError(f"TP payload pieces hold {pieces.numel()} elements, fewer than the {n} of shape {tuple(shape)}")
+    return pieces[:n].reshape(shape)
 
 BASIS_TAG = 23  # a codec's basis (lowrank), sent before the payload it decodes
 
@@ -218,11 +250,7 @@ class CompressedP2PCommunicator(P2PCommunicator):
         its chunk of the flattened payload zero-padded to a multiple of T."""
         if self.tp_group is None:
             return payload
-        flat = payload.reshape(-1)
-        pad = -flat.numel() % self._tp()
-        if pad:
-            flat = torch.cat([flat, flat.new_zeros(pad)])
-        return split_tensor_into_1d_equal_chunks(flat, tp_group=self.tp_group, new_buffer=True)
+        return tp_payload_piece(payload, self._tp(), self.tp_group.rank())
 
     def _piece_shape(self, shape):
         """The receive buffer of one TP rank's piece of a payload of ``shape``."""
@@ -235,7 +263,7 @@ class CompressedP2PCommunicator(P2PCommunicator):
         """The payload of ``shape`` from the TP ranks' pieces (an all-gather inside the stage)."""
         if self.tp_group is None:
             return piece
-        return gather_split_1d_tensor(piece, tp_group=self.tp_group)[: math.prod(shape)].reshape(shape)
+        return tp_payload_whole(gather_split_1d_tensor(piece, tp_group=self.tp_group), shape)
 
     def _send_piece(self, direction: str, boundary: int, payload: torch.Tensor, dense_numel: int) -> torch.Tensor:
         """Record what this rank sends (its piece, against its share of the dense tensor); return the piece."""

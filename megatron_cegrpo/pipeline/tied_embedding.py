@@ -34,6 +34,14 @@ last stage (output layer) each hold W. Two exchanges keep them one weight
     already holds (the driver's broadcast). The row messages are sized by ``len(ids)`` on
     both sides, so ends that disagree fail in the receive instead of mixing rows.
 
+Tensor parallelism (``--tensor-model-parallel-size`` T > 1): W is vocabulary-parallel on both
+stages (``VocabParallelEmbedding`` / the ``ColumnParallelLinear`` output layer): TP rank t holds
+rows ``t V/T .. (t+1) V/T`` of W on the first and on the last stage, and megatron's embedding group
+joins the two TP-rank-t copies. Each TP rank runs the exchange above on its own rows: ``ids`` are
+the batch's tokens inside its vocabulary slice, shifted to local rows (:meth:`TiedEmbeddingSync._ids`),
+so the TP ranks' row messages together are the TP = 1 rows, each sent once, and the norm and
+weight terms are its shard's (summed over the TP ranks with the other TP-split parameters).
+
 Metering (bytes this rank sent, summed over the stages by the metrics reducer):
 ``comm/embd_sync_bytes`` (everything sent for W: rows both ways, the 8- and 16-byte terms,
 full syncs), ``comm/embd_sync_dense_bytes`` (what the dense all-reduce sends in the same
@@ -75,6 +83,7 @@ class TiedEmbeddingSync:
         if mode not in SYNC_MODES:
             raise ValueError(f"tied embedding sync mode must be one of {SYNC_MODES}, got {mode!r}")
         self.mode, self.model, self.group = mode, model, ctx.embd_group
+        self.tp_rank, self.tp_size = int(getattr(ctx, "tp_rank", 0)), int(getattr(ctx, "tp_size", 1))
         tied = ctx.pp_size > 1 and bool(getattr(model, "share_embeddings_and_output_weights", False))
         self.role = None if not tied else "first" if ctx.is_first_stage else "last" if ctx.is_last_stage else None
         self.weight: Optional[torch.nn.Parameter] = model.shared_embedding_or_output_weight() if self.role else None
@@ -99,16 +108,29 @@ class TiedEmbeddingSync:
 
     # ------------------------------------------------------------------ p2p
     def _send(self, t: torch.Tensor) -> None:
+        if t.numel() == 0:  # both ends size their messages alike (e.g. no token in a TP rank's slice)
+            return
         t = t.contiguous()
         dist.send(t, dst=self.peer, group=self.group)
         self.sent_bytes += t.numel() * t.element_size()
 
     def _recv(self, shape, dtype) -> torch.Tensor:
         buf = torch.empty(shape, dtype=dtype)
-        dist.recv(buf, src=self.peer, group=self.group)
+        if buf.numel():
+            dist.recv(buf, src=self.peer, group=self.group)
         return buf
 
     # ------------------------------------------------------------------ rows
+    def _ids(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The rows of this rank's W that ``tokens`` use: ``unique(tokens)`` (int64, sorted); at
+        TP > 1 those inside this TP rank's vocabulary slice, as local row indices."""
+        ids = torch.unique(tokens)
+        if self.tp_size == 1:
+            return ids
+        rows = self.weight.shape[0]
+        lo = self.tp_rank * rows
+        return ids[(ids >= lo) & (ids < lo + rows)] - lo
+
     @torch.no_grad()
     def refresh_rows(self, tokens: torch.Tensor) -> None:
         """Before the policy's forward on ``tokens`` [N, S] int64: the first stage's rows
@@ -117,7 +139,7 @@ class TiedEmbeddingSync:
         first and the last stage with the same ``tokens`` (a no-op elsewhere)."""
         if not self.sparse:
             return
-        ids = torch.unique(tokens)
+        ids = self._ids(tokens)
         if self._fresh is not None and bool(torch.isin(ids, self._fresh).all()):
             return
         w = self.weight
@@ -144,7 +166,7 @@ class TiedEmbeddingSync:
             allreduce_tied_embedding_grads(self.model, self.group)
             self.sent_bytes += self.weight_bytes
             return
-        w, ids = self.weight, torch.unique(tokens)
+        w, ids = self.weight, self._ids(tokens)
         if self.role == "first":
             g = w.grad if w.grad is not None else torch.zeros_like(w)
             rows = g.index_select(0, ids)

@@ -8,6 +8,13 @@ atomic, collective commit):
   — the optimizer, the LR scheduler, every RNG, the byte meter, the codec, a circuit's
   state under its name, and on the driver the prompt sampler's position.
 
+Tensor parallelism (``--tensor-model-parallel-size`` T > 1): every TP rank writes its own shard
+files, ``model_tpRR``, ``reference_tpRR`` and ``trainer_state_tpRR`` (its optimizer state, RNGs and
+meter belong to its shard; ``checkpointing.tp_file_name``), meta.json records ``tp_size`` and the
+save and load collectives span every trainer rank (megatron's model-parallel group, TP x PP).
+A checkpoint that continues a run resumes at the same T (``train.preflight``); its model shards
+load at any T (``checkpointing.load_stage_model`` merges and re-splits).
+
 Objects whose state must be set later (the driver's sampler and the RNGs are restored once
 the driver has built its sampler, whose construction draws random numbers) are passed to
 :meth:`Checkpointer.load` as ``deferred`` and restored by :meth:`Checkpointer.restore_deferred`.
@@ -51,11 +58,19 @@ class Checkpointer:
     def __init__(self, cfg, ctx, hf_config, log):
         self.cfg, self.ctx, self.hf_config, self._log = cfg, ctx, hf_config, log
         self._pending: Dict[str, Any] = {}
+        self.tp_rank, self.tp_size = int(getattr(ctx, "tp_rank", 0)), int(getattr(ctx, "tp_size", 1))
+        # the ranks that write one checkpoint together: the pipeline, or at TP > 1 every TP rank of it
+        self.group = ctx.pg_collection.mp if self.tp_size > 1 else ctx.pp_group
+
+    def _name(self, name: str) -> str:
+        """This TP rank's file of ``name`` (``name_tpRR`` at TP > 1)."""
+        return ck.tp_file_name(name, self.tp_rank, self.tp_size)
 
     # ------------------------------------------------------------------ save
     def save(self, iteration: int, model, reference: Dict[str, torch.Tensor], stateful: Mapping[str, Any],
              before_commit=None) -> str:
-        """Write checkpoint ``iteration`` (a collective over the pipeline group; atomic).
+        """Write checkpoint ``iteration`` (a collective over the pipeline group, every TP rank of it
+        at TP > 1; atomic).
 
         Args:
             model: the stage (``model.safetensors``); its parameters must be finite.
@@ -72,12 +87,13 @@ class Checkpointer:
             raise ck.CheckpointError(f"stage {ctx.pp_rank}: refusing to save non-finite weights ({bad[:3]}); "
                                      f"resume from the last checkpoint with a lower --lr")
         # the stages' collectives only: a dead or slow anchor cannot block a save
-        tmp = ck.begin_save(cfg.checkpoint.save, iteration, group=ctx.pp_group)
-        ck.write_stage_file(tmp, ctx.pp_rank, ck.MODEL_FILE, ck.stage_model_state_dict(model))
-        ck.write_stage_file(tmp, ctx.pp_rank, "reference", reference)
+        tmp = ck.begin_save(cfg.checkpoint.save, iteration, group=self.group)
+        ck.write_stage_file(tmp, ctx.pp_rank, ck.model_file_name(self.tp_rank, self.tp_size),
+                            ck.stage_model_state_dict(model))
+        ck.write_stage_file(tmp, ctx.pp_rank, self._name("reference"), reference)
         state = {"iteration": iteration}
         state.update({name: obj.state_dict() for name, obj in stateful.items()})
-        ck.write_stage_blob(tmp, ctx.pp_rank, TRAINER_STATE, state)
+        ck.write_stage_blob(tmp, ctx.pp_rank, self._name(TRAINER_STATE), state)
         if before_commit is not None:
             before_commit(tmp)
         p = cfg.parallel
@@ -85,8 +101,8 @@ class Checkpointer:
             hf_config=self.hf_config, pp_size=ctx.pp_size, num_layers_in_first=p.decoder_first_pipeline_num_layers,
             num_layers_in_last=p.decoder_last_pipeline_num_layers, codec=cfg.codec, model_name=cfg.model.model,
             params_dtype=cfg.model.params_dtype, extra={"seed": cfg.optim.seed, "train_data": cfg.data.train_data},
-            options=cfg.resume_options())
-        path = ck.commit_save(cfg.checkpoint.save, tmp, iteration, meta, cfg.checkpoint.keep_last, group=ctx.pp_group)
+            options=cfg.resume_options(), tp_size=self.tp_size)
+        path = ck.commit_save(cfg.checkpoint.save, tmp, iteration, meta, cfg.checkpoint.keep_last, group=self.group)
         self._log(f"saved checkpoint {path}")
         return path
 
@@ -110,7 +126,7 @@ class Checkpointer:
         """
         box = {}
         ck.agree_on_errors(lambda: box.update(r=self._load_here(load_dir, model, ref_model, stateful, deferred)),
-                           group=self.ctx.pp_group)
+                           group=self.group)
         return box["r"]
 
     def _load_here(self, load_dir, model, ref_model, stateful, deferred):
@@ -126,26 +142,31 @@ class Checkpointer:
         ck.check_compatible(meta, hf_config=self.hf_config, pp_size=ctx.pp_size,
                             num_layers_in_first=p.decoder_first_pipeline_num_layers,
                             num_layers_in_last=p.decoder_last_pipeline_num_layers, codec=cfg.codec)
-        weights_only = f"{TRAINER_STATE}.pt" not in ck.stage_file_names(meta, ctx.pp_rank)
+        weights_only = not ck.continues_run(meta, TRAINER_STATE)
+        saved_tp = int(meta.get("tp_size", 1))
+        if not weights_only and saved_tp != self.tp_size:  # train.preflight says so first, naming the flag
+            raise ck.CheckpointError(f"{ckpt_dir} was written at --tensor-model-parallel-size {saved_tp}; a run "
+                                     f"continues at that size only; fix: pass --tensor-model-parallel-size {saved_tp}")
         if not weights_only:
             for warning in ck.check_resume(meta, cfg.resume_options(), train_iters=cfg.optim.train_iters):
                 self._log(f"warning: {warning}")
-        ck.load_stage_model(ckpt_dir, ctx.pp_rank, model, meta=meta)
+        tp = dict(tp_rank=self.tp_rank, tp_size=self.tp_size)
+        ck.load_stage_model(ckpt_dir, ctx.pp_rank, model, meta=meta, **tp)
         if weights_only:  # a converted checkpoint: a new run starts from these weights
             if ref_model is not None:
-                ck.load_stage_model(ckpt_dir, ctx.pp_rank, ref_model, meta=meta)
+                ck.load_stage_model(ckpt_dir, ctx.pp_rank, ref_model, meta=meta, **tp)
                 theta0 = [p.detach() for p in ref_model.parameters()]
             else:
                 theta0 = [p.detach().clone() for p in model.parameters()]
             self._log(f"initialised the policy and the reference from {ckpt_dir} (weights only)")
             return 0, theta0
-        ref = ck.read_stage_file(ckpt_dir, ctx.pp_rank, "reference", meta=meta)
+        ref = ck.read_stage_file(ckpt_dir, ctx.pp_rank, self._name("reference"), meta=meta)
         if ref_model is not None:
             load_stage_weights(ref_model, ref)
             theta0 = [p.detach() for p in ref_model.parameters()]
         else:
             theta0 = [ref[n].clone() for n, _ in model.named_parameters()]
-        state = ck.read_stage_blob(ckpt_dir, ctx.pp_rank, TRAINER_STATE, meta=meta)
+        state = ck.read_stage_blob(ckpt_dir, ctx.pp_rank, self._name(TRAINER_STATE), meta=meta)
         if state["iteration"] != it:
             raise ck.CheckpointError(f"{ckpt_dir}: trainer_state says iteration {state['iteration']}, "
                                      f"the directory {it}; the checkpoint is inconsistent")

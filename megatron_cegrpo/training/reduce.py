@@ -14,6 +14,12 @@ With data parallelism (issue 14) the replicas of each stage are merged first
 and ``max`` keep their meaning, and ``first`` / ``stages`` values (the replicas hold the same
 weights and follow the same schedule) are replica 0's.
 
+With tensor parallelism the TP ranks of each stage are merged before anything else
+(:meth:`StageMetricsReducer.merge_tp_ranks`): every TP rank reports what it sent and the sums over
+the parameters it counts (its TP shards, the replicated ones on TP rank 0 only), so ``sum`` and
+``stages`` values add up over the TP ranks (a ``stages`` list elementwise); ``min``, ``max`` and
+``first`` keep their meaning.
+
 Keys starting with ``_`` are inputs of derived metrics (``derive`` callbacks) and are
 dropped from the log after the derivation.
 """
@@ -34,6 +40,17 @@ _OPS = {
 
 #: how the data-parallel replicas of one stage merge, per stage-reduction op
 _REPLICA_OPS = {"sum": "sum", "min": "min", "max": "max", "first": "first", "stages": "first"}
+
+
+def _add(vals):
+    """Sum numbers, or lists of numbers elementwise (a ``stages`` key's per-step list)."""
+    if isinstance(vals[0], (list, tuple)):
+        return [sum(x) for x in zip(*vals)]
+    return sum(vals)
+
+
+#: how the tensor-parallel ranks of one stage merge, per stage-reduction op
+_TP_OPS = {"sum": _add, "stages": _add, "min": _OPS["min"], "max": _OPS["max"], "first": _OPS["first"]}
 
 
 class StageMetricsReducer:
@@ -75,6 +92,15 @@ class StageMetricsReducer:
         for d in replicas:
             keys.extend(k for k in d if k not in keys)
         return {k: _OPS[_REPLICA_OPS[self._op(k)]]([d[k] for d in replicas if k in d]) for k in keys}
+
+    def merge_tp_ranks(self, ranks: List[Dict]) -> Dict:
+        """One stage's dict from its tensor-parallel ranks' (TP rank order), by each key's declared
+        op (``_TP_OPS``: ``sum`` and ``stages`` add, lists elementwise). Each rank's sums must count
+        a replicated parameter on one TP rank only. Raises KeyError for an undeclared key."""
+        keys: List[str] = []
+        for d in ranks:
+            keys.extend(k for k in d if k not in keys)
+        return {k: _TP_OPS[self._op(k)]([d[k] for d in ranks if k in d]) for k in keys}
 
     def reduce(self, gathered: List[Dict[str, float]]) -> Dict:
         """Reduce the stages' dicts (stage order) by the declared rules, then derive.

@@ -19,6 +19,7 @@ from megatron_cegrpo.grpo.batch import slice_batch
 from megatron_cegrpo.grpo.loss import grpo_token_loss
 from megatron_cegrpo.models import hf_to_megatron, stage_layer_range
 from megatron_cegrpo.models.stage import PolicyStage
+from megatron_cegrpo.models.tp_shard import TPGatheredStage, is_tp_split
 from megatron_cegrpo.optim.factory import build_lr_scheduler, build_optimizer
 from megatron_cegrpo.optim.hooks import GradClipHook
 from megatron_cegrpo.pipeline.boundary_error import BoundaryErrorTracker, declare_error_persistence
@@ -39,6 +40,11 @@ class StageWorker:
     The optimizer runs one pre-step hook: the registered corrections (a circuit's
     ``G = alpha G + beta |G| sign(M)``, in registration order), then global-norm clipping
     (``optim/hooks.py``), after the tied-embedding gradient sum.
+
+    Tensor parallel (``ctx.tp_size`` > 1): the stage holds this TP rank's shard; the global norm
+    is all-reduced over megatron's model-parallel group (TP x PP) and counts the TP-split gradients
+    on every TP rank and the replicated ones (norms) on TP rank 0 only (:meth:`counted_here`); the
+    sampler's weights are gathered from the shards (``TPGatheredStage``) by TP rank 0.
 
     Args:
         cfg: the TrainConfig.
@@ -73,13 +79,17 @@ class StageWorker:
         self.optimizer = build_optimizer(self.params, cfg.optim)  # a cache without grad is never stepped
         self.scheduler = build_lr_scheduler(self.optimizer, cfg.optim)
         self.corrections: List[_PreStep] = []
-        self.clip = GradClipHook(self.params, [p for p in self.params if not self.is_duplicate_tied_weight(p)],
-                                 cfg.optim.clip_grad, group=ctx.pp_group if ctx.pp_size > 1 else None,
-                                 external_terms=self.tied.norm_terms)
+        norm_group = ctx.pg_collection.mp if ctx.tp_size > 1 else ctx.pp_group if ctx.pp_size > 1 else None
+        self.clip = GradClipHook(self.params, [p for p in self.params if not self.is_duplicate_tied_weight(p)
+                                               and self.is_counted_on_tp_rank(p)],
+                                 cfg.optim.clip_grad, group=norm_group, external_terms=self.tied.norm_terms)
         self.optimizer.register_step_pre_hook(self._pre_step)
         # the sampler starts from the driver's HF state dict: the bf16 sync's baseline per stage
         baseline = (partial(_stage_baseline, policy, ctx.pp_size) if policy.hf_state_dict is not None else None)
-        self.gatherer = build_weight_sync(self.model, ctx.pp_group, cfg.rollout.dtype, baseline=baseline)
+        # at TP > 1 the sampler takes whole stages: every TP rank gathers, TP rank 0 sends them
+        self.whole = TPGatheredStage(self.model, ctx.tp_group) if ctx.tp_size > 1 else None
+        self.gatherer = (build_weight_sync(self.whole or self.model, ctx.pp_group, cfg.rollout.dtype, baseline=baseline)
+                         if ctx.tp_rank == 0 else None)
 
     # ------------------------------------------------------------------ structure
     def is_duplicate_tied_weight(self, p: torch.nn.Parameter) -> bool:
@@ -90,11 +100,19 @@ class StageWorker:
                 and getattr(self.model, "post_process", False)
                 and p is self.model.shared_embedding_or_output_weight())
 
+    def is_counted_on_tp_rank(self, p: torch.nn.Parameter) -> bool:
+        """Whether sums over the stage's parameters (the gradient norm, the fidelity probe, the weight
+        change) count ``p`` on this TP rank: a TP-split parameter on every TP rank (each holds its
+        shard), a replicated one (norms) on TP rank 0 only. Always True at TP = 1."""
+        return self.ctx.tp_size == 1 or self.ctx.tp_rank == 0 or is_tp_split(p)
+
     def counted_here(self, p: torch.nn.Parameter) -> bool:
-        """Whether per-parameter statistics pooled over the stages (the anchor's sign agreement)
-        count ``p`` on this stage: every owned parameter once, a tied embedding on the stage
-        that steps its gradient (the first under ``allreduce``, the last under ``sparse``)."""
-        return self.tied.owns(p) and (self.tied.sparse or not self.is_duplicate_tied_weight(p))
+        """Whether per-parameter statistics pooled over the stages (the anchor's sign agreement,
+        the fidelity probe) count ``p`` on this stage and TP rank: every owned parameter once, a
+        tied embedding on the stage that steps its gradient (the first under ``allreduce``, the
+        last under ``sparse``), a replicated parameter on TP rank 0 (:meth:`is_counted_on_tp_rank`)."""
+        return (self.tied.owns(p) and (self.tied.sparse or not self.is_duplicate_tied_weight(p))
+                and self.is_counted_on_tp_rank(p))
 
     @property
     def layer_offset(self) -> int:
@@ -252,8 +270,14 @@ class StageWorker:
         """Step 8 (collective over the pipeline): every stage's weights, on the driver (a tied
         embedding from the stage that owns it, ``TiedEmbeddingSync.patch_gathered``). Only
         data-parallel replica 0 (the driver's pipeline) sends; the others hold the same weights
-        and return None."""
+        and return None. At TP > 1 every TP rank first gathers its stage's whole weights (a
+        collective over the TP group, inside the stage) and TP rank 0 sends them: the driver gets
+        the TP = 1 stages' tensors (names and shapes)."""
         if not self.ctx.is_replica_leader:
+            return None
+        if self.whole is not None:
+            self.whole.refresh()
+        if self.gatherer is None:  # TP rank > 0: its stage's weights travel from TP rank 0
             return None
         sds = self.gatherer.gather()
         self.tied.patch_gathered(sds)
@@ -281,11 +305,15 @@ class StageWorker:
     @torch.no_grad()
     def _weight_change_sums(self) -> Tuple[float, float]:
         """(||theta - theta_0||^2, ||theta_0||^2) over this stage's parameters (fp64); a tied
-        embedding's terms from the stage that owns it (``TiedEmbeddingSync.weight_terms``)."""
+        embedding's terms from the stage that owns it (``TiedEmbeddingSync.weight_terms``); at
+        TP > 1 this rank's shards and, on TP rank 0, the replicated parameters (summed over the TP
+        ranks by ``StageMetricsReducer.merge_tp_ranks``)."""
         params = list(self.model.parameters())
         remote = self.tied.weight_terms(params, self.theta0, _weight_terms)
         diff = base = 0.0
         for p, p0 in zip(params, self.theta0):
+            if not self.is_counted_on_tp_rank(p):
+                continue
             d, b = remote[id(p)] if id(p) in remote else _weight_terms(p, p0)
             diff += d
             base += b

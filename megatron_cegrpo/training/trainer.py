@@ -65,7 +65,7 @@ class GRPOTrainer:
                                     num_layers_in_first=p.decoder_first_pipeline_num_layers,
                                     num_layers_in_last=p.decoder_last_pipeline_num_layers,
                                     pg_collection=ctx.pg_collection, with_reference=cfg.grpo.kl_coef > 0,
-                                    keep_hf_state_dict=ctx.is_driver)
+                                    keep_hf_state_dict=ctx.is_driver, tp_rank=ctx.tp_rank, tp_size=ctx.tp_size)
         self.stage = StageWorker(cfg, ctx, policy)
         self.circuits: List[Circuit] = circuits_of(cfg, ctx, self.stage)
         self.reducer = StageMetricsReducer()
@@ -96,6 +96,7 @@ class GRPOTrainer:
             self._resume_driver()
         codec, d = self.stage.codec, self.stage.tf_config.hidden_size
         self._log(f"model {cfg.model.model}: {self.stage.tf_config.num_layers} layers, d={d}, PP={ctx.pp_size}, "
+                  + (f"TP={ctx.tp_size}, " if ctx.tp_size > 1 else "")
                   + (f"DP={ctx.dp_size}, " if ctx.dp_size > 1 else "") +
                   f"codec={cfg.codec.boundary_codec}" + (f" (k={codec.k(d)} of d)" if hasattr(codec, "k") else "")
                   + (f" (rank {codec.rank(d)} of d, {codec.q_owner}-owned basis)" if hasattr(codec, "rank") else "")
@@ -168,6 +169,9 @@ class GRPOTrainer:
         """Steps 1-4 of iteration ``t``: the driver generates and scores the batch, every stage
         receives it (a collective over the rollout group, its bytes kept for the ledger).
 
+        Tensor parallel: every TP rank receives the whole batch (the rollout group is every trainer
+        rank); ``comm/batch_bytes`` counts one copy per other stage (a stage's TP ranks share a host).
+
         Data parallel (issue 14): each replica receives only its share
         (``grpo.batch.replica_rows``: the ``dp_rank``-th contiguous slice of every mini-batch,
         global ``sample_ids`` kept), sent by the driver to each trainer rank.
@@ -179,7 +183,8 @@ class GRPOTrainer:
         full = self.driver.generate_and_score(t, self.timers) if self.driver is not None else None
         with self.timers.phase("broadcast"):  # the rollout group: the stages wait as long as the driver generates
             if ctx.dp_size == 1:
-                batch, self._batch_bytes = broadcast_metered(full, ctx.rollout_group)
+                batch, self._batch_bytes = broadcast_metered(full, ctx.rollout_group,
+                                                             copies=ctx.pp_size - 1 if ctx.tp_size > 1 else None)
                 return (batch if full is not None else None), batch
             shards = None
             if full is not None:
@@ -191,22 +196,28 @@ class GRPOTrainer:
 
     def _metrics(self, batch, stats: Dict[str, float], t: int, seconds: float) -> Optional[Dict]:
         """Loss metrics from the last stage, every stage's reduced by the declared rules, the
-        driver's batch statistics and timers; written to the log on the driver."""
+        driver's batch statistics and timers; written to the log on the driver. A stage's TP ranks
+        merge first (``StageMetricsReducer.merge_tp_ranks``: each rank's bytes and shard sums added),
+        then its DP replicas; TP rank 0 of the driver's pipeline carries the stage's dict."""
         ctx = self.ctx
         obj = [stats if ctx.is_last_stage else None]
-        if ctx.is_replica_leader:  # the losses are already summed over the replicas
+        if ctx.is_pipeline_leader:  # the losses are already summed over the replicas (equal on the TP ranks)
             dist.broadcast_object_list(obj, src=ctx.last_stage_rank, group=ctx.pp_group)
         local = self.stage.stage_metrics()
         if self.fidelity is not None:
             local.update(self.fidelity.stage_metrics())
         for c in self.circuits:
             local.update(c.stage_metrics(t))
-        if ctx.dp_group is not None:  # this stage's replicas first (bytes summed; reduce.py)
+        if ctx.tp_size > 1:  # this stage's TP ranks first (bytes and shard sums added; reduce.py)
+            ranks = [None] * ctx.tp_size
+            dist.all_gather_object(ranks, local, group=ctx.tp_group)
+            local = self.reducer.merge_tp_ranks(ranks)
+        if ctx.dp_group is not None:  # this stage's replicas (bytes summed; reduce.py)
             replicas = [None] * ctx.dp_size
             dist.all_gather_object(replicas, local, group=ctx.dp_group)
             local = self.reducer.merge_replicas(replicas)
         gathered = [None] * ctx.pp_size if ctx.is_driver else None
-        if ctx.is_replica_leader:  # the driver's pipeline (replica 0) carries the merged stage dicts
+        if ctx.is_pipeline_leader:  # the driver's pipeline (replica 0, TP rank 0) carries the merged stage dicts
             dist.gather_object(local, gathered, dst=dist.get_global_rank(ctx.pp_group, 0), group=ctx.pp_group)
         if self.driver is None:
             return None

@@ -30,3 +30,19 @@ def test_replicas_merge_by_the_declared_rule():
 def test_an_undeclared_key_is_refused():
     with pytest.raises(KeyError):
         _reducer().merge_replicas([{"actor/loss": 1.0}])
+
+
+def test_tp_ranks_merge_by_adding_their_shard_sums():
+    """``merge_tp_ranks``: each TP rank reports what it sent and its shards' sums (the replicated
+    parameters on TP rank 0 only), so ``sum`` and ``stages`` add (a per-step list elementwise)."""
+    r = _reducer().declare("_fidelity/", "stages")
+    merged = r.merge_tp_ranks([
+        {"comm/fwd_bytes": 100, "anchor/alive": 1, "anchor/fire": 1, "_weight/diff_sq": 2.5,
+         "_fidelity/dot": [1.0, 2.0], "anchor/sign_dev": 0.0},
+        {"comm/fwd_bytes": 100, "anchor/alive": 1, "anchor/fire": 1, "_weight/diff_sq": 0.5,
+         "_fidelity/dot": [0.25, 0.5], "anchor/sign_dev": 0.0},
+    ])
+    assert merged == {"comm/fwd_bytes": 200, "anchor/alive": 1, "anchor/fire": 1, "_weight/diff_sq": 3.0,
+                      "_fidelity/dot": [1.25, 2.5], "anchor/sign_dev": 0.0}
+    with pytest.raises(KeyError):
+        r.merge_tp_ranks([{"actor/loss": 1.0}])

@@ -1,0 +1,272 @@
+"""The GRPO trainer at tensor-parallel size 2 (issue 14): TP = 2 x PP = 2 trains like TP = 1 x PP = 2.
+
+One launch in the default suite: ``tp_train_worker.py`` at TP = 2 x PP = 2 (4 real gloo ranks,
+tiny-llama: tied vocabulary-parallel embedding, 4 heads, 2 KV heads), 2 iterations of 8 sequences
+(one optimizer step each), the mask codec at keep 0.25, KL to the reference, the drift probe and
+the gradient-fidelity probe at iteration 2, the sparse tied-embedding exchange, a checkpoint at 2.
+It is compared with a committed record of the same run at TP = 1 x PP = 2
+(``reference/tp_train_tp1_pp2.json``; re-record it with
+``PYTHONPATH=$PWD python tests/e2e/test_tensor_parallel_train.py --record``, which launches the
+TP = 1 run: 2 ranks).
+
+Tolerance (fp32 reduction order: the row-parallel layers add two partial products, the TP ranks'
+norm terms are summed in another order): losses, grad norms, KL, entropy, mismatch and the probes'
+numbers within ``1e-5`` relative + ``1e-6`` absolute; weights after 2 Adam steps at lr 1e-3 within
+``1e-5`` absolute (1 % of one Adam step) at the recorded coordinates (per parameter the 32 that
+moved most and 32 evenly spaced), and each parameter's ``||theta - theta_0||`` within ``1e-5``
+relative. Measured (2026-12-02, this machine): see docs/parallelism.md ("The trainer at TP > 1").
+
+Bytes: the boundary, sampler-sync and batch bytes equal TP = 1's exactly (each TP rank sends its
+half of every payload; TP rank 0 sends the whole gathered stage to the sampler; one batch copy per
+other stage); the tied-embedding exchange sends the TP = 1 rows split over the TP ranks plus one
+8-byte norm term per optimizer step and one 16-byte weight term per iteration per extra TP rank.
+
+``@slow``: a resume at TP = 2 (checkpoint at 1, a new trainer trains iteration 2) is bit-exact.
+"""
+
+import json
+import math
+import os
+import sys
+
+import pytest
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))  # distributed_util (pytest's rootdir conftest does the same)
+
+from distributed_util import PARITY_REWARD, run_ranks  # noqa: E402
+
+WORKER = os.path.join(HERE, "tp_train_worker.py")
+REFERENCE = os.path.join(HERE, "reference", "tp_train_tp1_pp2.json")
+CACHE = "embedding.word_embeddings.weight"  # the first stage's row cache of the tied W (not trained there)
+STEPS = (1, 2)
+REL, ABS, W_ABS, NORM_REL = 1e-5, 1e-6, 1e-5, 1e-5
+#: numbers that must agree within the fp32 tolerance
+CLOSE_KEYS = ("actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/kl_loss", "actor/entropy",
+              "actor/grad_norm", "actor/weight_rel_change", "actor/weight_rel_change/stage_0",
+              "actor/weight_rel_change/stage_1", "mismatch/abs_logprob_diff_mean", "mismatch/logprob_diff_mean",
+              "critic/score/mean", "response_length/mean", "probe/abs_logprob_diff_mean",
+              "probe/view_abs_logprob_diff", "probe/kl_to_ref", "probe/kl_to_ref_compressed", "fidelity/cos",
+              "fidelity/cos/stage_0", "fidelity/cos/stage_1", "fidelity/sign_agreement", "fidelity/norm_ratio",
+              "codec/error_persistence")
+#: bytes that must be equal
+EQUAL_KEYS = ("comm/fwd_bytes", "comm/bwd_bytes", "comm/dense_equiv_bytes", "comm/bytes_ratio",
+              "comm/embd_sync_dense_bytes", "comm/embd_full_sync_bytes", "comm/batch_bytes", "sync/bytes",
+              "sync/dense_fp32_bytes", "actor/num_optimizer_steps", "actor/skipped_steps")
+TOP, SPREAD = 32, 32
+
+
+# ----------------------------------------------------------------------------- a run's numbers
+
+def launch(out_dir, tp: int, *extra: str) -> None:
+    """Run ``tp_train_worker.py`` at TP = ``tp`` x PP = 2 (2 x tp gloo ranks) into ``out_dir``."""
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "reward.py"), "w") as f:
+        f.write(PARITY_REWARD)
+    run_ranks([WORKER, str(out_dir), str(tp), *extra], 2 * tp, timeout=900)
+
+
+def load_metrics(out_dir, run: str):
+    """{step: metrics without timings} of ``run``'s metrics.jsonl."""
+    path = os.path.join(out_dir, run, "metrics.jsonl")
+    with open(path) as f:
+        lines = [json.loads(x) for x in f if x.strip()]
+    return {m["step"]: {k: v for k, v in m.items() if not k.startswith("timing_s/")} for m in lines if "step" in m
+            and any(k.startswith("actor/") for k in m)}
+
+
+def load_stages(out_dir, run: str, tp: int):
+    """[(whole params, whole theta_0) per stage]: the TP ranks' dumps merged (``merge_tp_shards``)."""
+    from megatron_cegrpo.models.tp_shard import merge_tp_shards
+
+    dumps = [torch.load(os.path.join(out_dir, run, f"rank{r}.pt")) for r in range(2 * tp)]
+    stages = []
+    for pp in (0, 1):
+        shards = sorted((d for d in dumps if d["pp_rank"] == pp), key=lambda d: d["tp_rank"])
+        assert [d["tp_rank"] for d in shards] == list(range(tp))
+        stages.append(tuple(merge_tp_shards([d[k] for d in shards]) for k in ("params", "theta0")))
+    return stages, dumps
+
+
+def fingerprint(stages):
+    """Per trained parameter ``stage/name``: ``||theta - theta_0||`` (fp64) and the values of
+    theta at its 32 most-moved and 32 evenly spaced coordinates (flat indices)."""
+    out = {}
+    for pp, (params, theta0) in enumerate(stages):
+        for name, p in params.items():
+            if pp == 0 and name == CACHE:
+                continue
+            flat, delta = p.reshape(-1), (p.double() - theta0[name].double()).reshape(-1)
+            top = torch.topk(delta.abs(), min(TOP, delta.numel())).indices
+            spread = torch.linspace(0, delta.numel() - 1, min(SPREAD, delta.numel())).long()
+            idx = sorted(set(top.tolist()) | set(spread.tolist()))
+            out[f"{pp}/{name}"] = {"delta_norm": float(delta.norm()), "idx": idx,
+                                   "val": [float(flat[i]) for i in idx]}
+    return out
+
+
+def record(out_dir) -> dict:
+    """Launch the TP = 1 x PP = 2 run and write :data:`REFERENCE` (metrics and weight fingerprints)."""
+    launch(out_dir, 1)
+    stages, _ = load_stages(out_dir, "mask", 1)
+    ref = {"about": "tests/e2e/tp_train_worker.py at TP = 1 x PP = 2 (re-record: python "
+                    "tests/e2e/test_tensor_parallel_train.py --record)",
+           "torch": torch.__version__, "metrics": load_metrics(out_dir, "mask"), "weights": fingerprint(stages)}
+    with open(REFERENCE, "w") as f:
+        json.dump(ref, f, indent=1, sort_keys=True)
+        f.write("\n")
+    return ref
+
+
+# ----------------------------------------------------------------------------- the default suite
+
+@pytest.fixture(scope="module")
+def tp2(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tp2")
+    launch(d, 2)
+    return d
+
+
+@pytest.fixture(scope="module")
+def reference():
+    with open(REFERENCE) as f:
+        ref = json.load(f)
+    ref["metrics"] = {int(k): v for k, v in ref["metrics"].items()}
+    return ref
+
+
+def _close(a, b) -> bool:
+    return math.isclose(a, b, rel_tol=REL, abs_tol=ABS)
+
+
+def test_tp2_trains_like_the_recorded_tp1_run(tp2, reference):
+    m2, m1 = load_metrics(tp2, "mask"), reference["metrics"]
+    assert sorted(m2) == sorted(m1) == list(STEPS)
+    for step in STEPS:
+        for k in CLOSE_KEYS:
+            assert (k in m1[step]) == (k in m2[step]), (step, k)
+            if k in m1[step]:
+                assert _close(m1[step][k], m2[step][k]), (step, k, m1[step][k], m2[step][k])
+        for k in EQUAL_KEYS:
+            assert m2[step][k] == m1[step][k], (step, k, m1[step][k], m2[step][k])
+    assert "fidelity/cos" in m2[2] and "probe/kl_to_ref" in m2[2]  # both probes ran at iteration 2
+    stages, _ = load_stages(tp2, "mask", 2)
+    for key, ref in reference["weights"].items():
+        pp, name = key.split("/", 1)
+        params, theta0 = stages[int(pp)]
+        flat = params[name].reshape(-1)
+        got = torch.tensor([float(flat[i]) for i in ref["idx"]], dtype=torch.float64)
+        diff = float((got - torch.tensor(ref["val"], dtype=torch.float64)).abs().max())
+        assert diff <= W_ABS, (key, diff)
+        norm = float((params[name].double() - theta0[name].double()).norm())
+        assert math.isclose(norm, ref["delta_norm"], rel_tol=NORM_REL, abs_tol=1e-9), (key, norm, ref["delta_norm"])
+
+
+def test_tp2_tied_embedding_bytes_are_tp1_rows_split_over_the_tp_ranks(tp2, reference):
+    m2, m1 = load_metrics(tp2, "mask"), reference["metrics"]
+    for step in STEPS:
+        steps = m2[step]["actor/num_optimizer_steps"]
+        # the second TP rank's 8-byte norm term per optimizer step and 16-byte weight term per iteration
+        assert m2[step]["comm/embd_sync_bytes"] - m1[step]["comm/embd_sync_bytes"] == 8 * steps + 16, step
+        assert m2[step]["comm/total_bytes"] - m1[step]["comm/total_bytes"] == 8 * steps + 16, step
+
+
+def test_tp2_ranks_of_a_stage_hold_identical_replicated_weights(tp2):
+    from megatron_cegrpo.models.tp_shard import partition_dim
+
+    _, dumps = load_stages(tp2, "mask", 2)
+    for pp in (0, 1):
+        a, b = (d["params"] for d in dumps if d["pp_rank"] == pp)
+        for n in a:
+            if partition_dim(n) is None:  # norms: the same gradient and step on both TP ranks
+                assert torch.equal(a[n], b[n]), (pp, n)
+
+
+def test_tp2_checkpoint_holds_one_shard_per_tp_rank(tp2):
+    from megatron_cegrpo import checkpointing as ck
+
+    ckpt = os.path.join(tp2, "mask", "ckpt", "iter_0000002")
+    meta = ck.verify_checkpoint(ckpt)
+    assert meta["tp_size"] == 2 and ck.continues_run(meta)
+    for pp in (0, 1):
+        names = ck.stage_file_names(meta, pp)
+        for base, ext in (("model", "safetensors"), ("reference", "safetensors"), ("trainer_state", "pt")):
+            assert [n for n in names if n.startswith(base)] == [f"{base}_tp00.{ext}", f"{base}_tp01.{ext}"], names
+
+
+@pytest.mark.slow
+def test_resume_at_tp2_is_bit_exact(tmp_path):
+    """Checkpoints at 1 and 2; a new trainer from the one at 1 trains iteration 2: the metrics of
+    iteration 2 and every rank's final weights equal the straight run's bit for bit."""
+    launch(tmp_path, 2, "resume")
+    a, b = load_metrics(tmp_path, "mask"), load_metrics(tmp_path, "resumed")
+    assert sorted(b) == [2]
+    assert a[2] == b[2], {k: (a[2][k], b[2].get(k)) for k in a[2] if a[2][k] != b[2].get(k)}
+    _, straight = load_stages(tmp_path, "mask", 2)
+    _, resumed = load_stages(tmp_path, "resumed", 2)
+    for p, q in zip(straight, resumed):
+        assert all(torch.equal(p["params"][n], q["params"][n]) for n in p["params"]), (p["pp_rank"], p["tp_rank"])
+
+
+# ----------------------------------------------------------------------------- refused at start-up (no launch)
+
+def _cfg(*extra):
+    from megatron_cegrpo.arguments import build_config, parse_args
+
+    return build_config(parse_args(["--model", "tiny-llama", "--pipeline-model-parallel-size", "2",
+                                    "--tensor-model-parallel-size", "2", "--rollout-batch-size", "2",
+                                    "--num-generations", "4", "--micro-batch-size", "2", *extra]))
+
+
+def test_tp2_pp2_without_an_anchor_validates():
+    _cfg("--anchor-ranks", "0").validate(world_size=4)
+
+
+@pytest.mark.parametrize("extra,world,start", [
+    (["--anchor-ranks", "1"], 5, "--tensor-model-parallel-size 2 with --anchor-ranks 1: the anchor's dense replica"),
+    (["--anchor-ranks", "0", "--boundary-codec", "lowrank"], 4,
+     "--boundary-codec lowrank keeps state (a basis) that every TP rank would hold and send whole"),
+    (["--anchor-ranks", "0", "--boundary-codec", "pcaq:lrq"], 4, "--boundary-codec pcaq:lrq keeps state"),
+    (["--anchor-ranks", "0"], 8, "world size 8 != --tensor-model-parallel-size (2) x --pipeline-model-parallel-size"),
+])
+def test_what_tp_does_not_run_yet_stops_with_one_line(extra, world, start):
+    from megatron_cegrpo.errors import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        _cfg(*extra).validate(world_size=world)
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith(start) and "fix: " in msg, msg
+
+
+def test_a_run_written_at_another_tp_size_does_not_continue():
+    from megatron_cegrpo.errors import ConfigError
+    from megatron_cegrpo.train import _check_resume_tensor_parallel
+
+    cfg = _cfg("--anchor-ranks", "0")
+    _check_resume_tensor_parallel({"tp_size": 2}, cfg, "ckpt")
+    with pytest.raises(ConfigError, match=r"^--load ckpt was written at --tensor-model-parallel-size 1 .*fix: pass "
+                                          r"--tensor-model-parallel-size 1, or convert it to weights only"):
+        _check_resume_tensor_parallel({}, cfg, "ckpt")
+
+
+def test_per_tp_rank_file_names_and_continued_runs():
+    from megatron_cegrpo import checkpointing as ck
+
+    assert ck.tp_file_name("reference") == "reference" and ck.tp_file_name("reference", 1, 2) == "reference_tp01"
+    with pytest.raises(ValueError, match="out of range"):
+        ck.tp_file_name("trainer_state", 2, 2)
+    files = lambda *names: {"files": {f"stage_00/{n}": {} for n in names}}  # noqa: E731
+    assert ck.continues_run(files("model.safetensors", "trainer_state.pt"))
+    assert ck.continues_run(files("model_tp00.safetensors", "trainer_state_tp00.pt", "trainer_state_tp01.pt"))
+    assert not ck.continues_run(files("model_tp00.safetensors", "model_tp01.safetensors"))  # weights only
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] != ["--record"]:
+        sys.exit("usage: PYTHONPATH=$PWD python tests/e2e/test_tensor_parallel_train.py --record")
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        r = record(tmp)
+    print(f"wrote {REFERENCE}: steps {sorted(r['metrics'])}, {len(r['weights'])} parameters")

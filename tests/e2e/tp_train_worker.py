@@ -1,0 +1,75 @@
+"""One rank of ``test_tensor_parallel_train.py``: GRPO training at TP = T x PP = 2 (no anchor).
+
+``python tp_train_worker.py OUT TP [resume]`` (RANK, WORLD_SIZE, MASTER_* set by
+``distributed_util.run_ranks``; world = 2 x TP). From the same seeds as every other launch:
+
+- ``mask``: ``--boundary-codec mask`` (keep 0.25), 2 iterations, KL to the reference, the drift probe
+  and the gradient-fidelity probe at iteration 2, ``--tied-embedding-sync sparse``, a checkpoint at 2
+  (with ``resume``: at 1 and 2);
+- with ``resume``, ``resumed``: a new trainer loads ``mask``'s checkpoint at 1 and trains iteration 2.
+
+Each trainer rank writes ``OUT/<run>/rank<r>.pt``: its place (pp_rank, tp_rank), its stage's final
+parameters (its TP shards) and theta_0 (the reference it started from).
+"""
+
+import faulthandler
+import os
+import signal
+import sys
+
+import torch
+
+from megatron_cegrpo.bootstrap import bootstrap
+
+bootstrap(cpu_compat=True)
+
+import torch.distributed as dist  # noqa: E402
+from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed  # noqa: E402
+
+from megatron_cegrpo.arguments import build_config, parse_args  # noqa: E402
+from megatron_cegrpo.initialize import initialize_distributed, set_seed, shutdown_distributed  # noqa: E402
+
+faulthandler.register(signal.SIGUSR1, all_threads=True)  # a hung rank's stacks: kill -USR1 <pid>
+SEED = 1234
+OUT, TP = sys.argv[1], int(sys.argv[2])
+RESUME = len(sys.argv) > 3 and sys.argv[3] == "resume"
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ARGS = [
+    "--model", "tiny-llama", "--train-data", "mawps/singleop", "--pipeline-model-parallel-size", "2",
+    "--tensor-model-parallel-size", str(TP), "--anchor-ranks", "0",
+    "--micro-batch-size", "2", "--rollout-batch-size", "2", "--num-generations", "4", "--max-new-tokens", "8",
+    "--lr", "1e-3", "--temperature", "1.0", "--kl-coef", "0.01", "--no-tqdm", "--num-threads", "1",
+    "--boundary-codec", "mask", "--boundary-keep-ratio", "0.25", "--seed", str(SEED),
+    "--drift-probe-interval", "2", "--grad-fidelity-interval", "2",
+    "--deepspeed_config", os.path.join(REPO, "ds_configs", "cpu_adamw.json"),
+    "--custom-reward-function", os.path.join(OUT, "reward.py") + ":parity_reward",
+]
+
+
+def train(run: str, iters: int, *extra: str) -> None:
+    from megatron_cegrpo.training import GRPOTrainer
+
+    cfg = build_config(parse_args(ARGS + ["--train-iters", str(iters), "--log-dir", os.path.join(OUT, run),
+                                          *extra]))
+    cfg.validate(world_size=dist.get_world_size())
+    set_seed(SEED)  # as train.main: initialize_distributed seeded every RNG just before the trainer
+    model_parallel_cuda_manual_seed(SEED)
+    trainer = GRPOTrainer(cfg, CTX)
+    trainer.train()
+    st = trainer.stage
+    out = {"pp_rank": CTX.pp_rank, "tp_rank": CTX.tp_rank,
+           "params": {n: p.detach().clone() for n, p in st.model.named_parameters()},
+           "theta0": {n: p0.detach().clone() for (n, _), p0 in zip(st.model.named_parameters(), st.theta0)}}
+    torch.save(out, os.path.join(OUT, run, f"rank{CTX.rank}.pt"))
+    dist.barrier()
+
+
+CTX = initialize_distributed(2, SEED, 1, anchor_ranks=0, tensor_model_parallel_size=TP)
+try:
+    ckpt = os.path.join(OUT, "mask", "ckpt")
+    train("mask", 2, "--save", ckpt, *(["--save-interval", "1"] if RESUME else []))
+    if RESUME:  # a new trainer from mask's checkpoint at 1 trains iteration 2 again
+        train("resumed", 2, "--load", os.path.join(ckpt, "iter_0000001"),
+              "--save", os.path.join(OUT, "resumed", "ckpt"), "--save-interval", "1")
+finally:
+    shutdown_distributed()
