@@ -58,17 +58,35 @@ def rank_role(argv: List[str], rank: int, world_size: int) -> str:
     return f"pipeline stage {rank}" if dp == 1 else f"pipeline stage {rank // dp} (data-parallel replica {rank % dp})"
 
 
-def _latest_checkpoint(argv: List[str]) -> Optional[str]:
+def _save_dir(argv: List[str]) -> Optional[str]:
+    """``--save`` of a command line, or None."""
     ap = argparse.ArgumentParser(add_help=False)
     ap.add_argument("--save", default=None)
     args, _ = ap.parse_known_args(argv)
-    if not args.save:
+    return args.save or None
+
+
+def _latest_checkpoint(argv: List[str]) -> Optional[str]:
+    save = _save_dir(argv)
+    if not save:
         return None
     try:
-        with open(os.path.join(args.save, "latest")) as f:
-            return os.path.join(args.save, f.read().strip())
+        with open(os.path.join(save, "latest")) as f:
+            return os.path.join(save, f.read().strip())
     except OSError:
         return None
+
+
+def _resume_hint(argv: List[str]) -> str:
+    """What the user can resume from: the newest complete checkpoint, none yet under ``--save``,
+    or no ``--save`` at all."""
+    ckpt = _latest_checkpoint(argv)
+    if ckpt:
+        return f"; the newest complete checkpoint is {ckpt}: rerun the same command with --load to resume"
+    if _save_dir(argv):
+        return (f"; no checkpoint had been written under --save {_save_dir(argv)} yet (the first comes at "
+                f"--save-interval): rerunning starts the run over")
+    return "; no checkpoint was written (pass --save DIR --save-interval N to be able to resume)"
 
 
 def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
@@ -82,7 +100,10 @@ def _die_with_parent() -> None:  # pragma: no cover - runs in the child before e
 def _describe(rc: int) -> str:
     if rc < 0:
         try:
-            return f"was killed by {signal.Signals(-rc).name}"
+            name = signal.Signals(-rc).name
+            # the kernel's out-of-memory killer sends SIGKILL (a study arm died so on 2026-12-02)
+            return f"was killed by {name}" + (" (if nobody sent it: out of memory? see `dmesg`)"
+                                               if rc == -signal.SIGKILL else "")
         except ValueError:
             return f"was killed by signal {-rc}"
     return f"exited with status {rc}"
@@ -112,8 +133,5 @@ def supervise(env: Mapping[str, str] = os.environ) -> int:
         return 0
     if rc == 2:
         return 2  # a configuration error, reported by the rank itself
-    ckpt = _latest_checkpoint(argv)
-    hint = (f"; the newest complete checkpoint is {ckpt}: rerun the same command with --load to resume"
-            if ckpt else "; no checkpoint was written (pass --save DIR --save-interval N to be able to resume)")
-    print(f"{what}; the run stops{hint}", flush=True)
+    print(f"{what}; the run stops{_resume_hint(argv)}", flush=True)
     return 128 - rc if rc < 0 else rc
