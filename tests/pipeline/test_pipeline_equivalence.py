@@ -87,18 +87,26 @@ def test_mask_three_stage_uneven_pipeline(tmp_path):
     _assert_prefetched(ranks, 4)
 
 
+#: the boundary tensor [S, mbs, d] and micro-batches per pass of ``_run(..., 2)`` (the pair tests)
+PAIR_SHAPE, PAIR_MICRO_BATCHES = (16, 2, 64), 4
+
+
+def _run_pair(tmp_path, spec):
+    """A PP=2 run of codec ``spec`` at keep ratio 0.25 compared with its single-process map;
+    returns (the codec as the trainer builds it, stage 0's meter, stage 1's meter)."""
+    from megatron_cegrpo.compression import build_codec
+
+    ranks, ref = _run(tmp_path, spec, 2)
+    _compare(ranks, ref, atol=1e-5)
+    return build_codec(spec, 0.25), ranks[0]["meter"], ranks[1]["meter"]
+
+
 def test_pair_pipeline_equals_single_process_map(tmp_path):
     """A FWD:BWD pair in a real gloo pipeline equals one process applying PairCodec.forward_map
     (forward half's roundtrip, backward half's roundtrip of the gradient; per-step basis sent on
     the first message of step 7 and reused by the update pass)."""
-    spec = "pcaq/rank=16:lrq"
-    ranks, ref = _run(tmp_path, spec, 2)
-    _compare(ranks, ref, atol=1e-5)
-    from megatron_cegrpo.compression import build_codec
-
-    codec = build_codec(spec, 0.25)
-    shape, mbs = (16, 2, 64), 4
-    f, b = ranks[0]["meter"], ranks[1]["meter"]
+    codec, f, b = _run_pair(tmp_path, "pcaq/rank=16:lrq")
+    shape, mbs = PAIR_SHAPE, PAIR_MICRO_BATCHES
     # bytes exactly as documented: 2 passes x 4 micro-batches forward, the first one with the basis
     assert f["comm/fwd_bytes"] == (codec.bytes_per_message("fwd", shape, 4, True)
                                    + (2 * mbs - 1) * codec.bytes_per_message("fwd", shape, 4, False))
@@ -133,15 +141,10 @@ def test_rpq_pair_pipeline_equals_single_process_map(tmp_path):
     first crossings, the update pass's are repeats of the same tensors, decoded bit for bit as
     the first; so the pipeline equals one process applying PairCodec.forward_map once per
     micro-batch, and the bytes are 4 first crossings (each with its own basis, the default) + 4 repeats."""
-    spec = "rpq/rank=16:lrq"
-    ranks, ref = _run(tmp_path, spec, 2)
-    _compare(ranks, ref, atol=1e-5)
-    from megatron_cegrpo.compression import build_codec
     from megatron_cegrpo.compression.spec import spec_bytes
 
-    codec = build_codec(spec, 0.25)
-    shape, mbs = (16, 2, 64), 4
-    f, b = ranks[0]["meter"], ranks[1]["meter"]
+    codec, f, b = _run_pair(tmp_path, "rpq/rank=16:lrq")
+    shape, mbs = PAIR_SHAPE, PAIR_MICRO_BATCHES
     h = codec.fwd
     assert f["comm/fwd_bytes"] == (h.nbytes(shape, 4, True) + (mbs - 1) * h.nbytes(shape, 4, False)
                                    + mbs * h.nbytes(shape, 4, False, repeat=True)) == spec_bytes(codec, shape, 4, 8, 4)[0]
