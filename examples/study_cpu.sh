@@ -93,7 +93,7 @@ run_arm() {  # run_arm ARM SEED
   local arm=$1 seed=$2 spec codec anchor dir
   spec=$(arm_spec "$arm")
   read -r codec anchor extra <<<"$spec" || true
-  dir="$STUDY_DIR/$arm-s$seed"
+  dir="$STUDY_DIR/${arm//\//,}-s$seed"  # a spec's "/" (rpq/passes=2:lrq) would nest folders: "," instead
   if [[ -f "$dir/DONE" ]]; then
     echo "[study] $arm seed $seed: done, skipped ($dir)"
     return 0
