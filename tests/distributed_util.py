@@ -32,6 +32,13 @@ def run_ranks(cmd: List[str], world_size: int, timeout: float = 600, env: Option
         for p in procs:
             out, _ = p.communicate(timeout=timeout)
             outs.append(out)
+    except subprocess.TimeoutExpired:
+        # keep what every rank printed: a hang under load must leave its tracebacks in the report
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        tails = [f"--- rank {r} ---\n{(p.communicate()[0] or '')[-3000:]}" for r, p in enumerate(procs)]
+        raise AssertionError(f"{world_size} ranks still running after {timeout:.0f} s; killed:\n" + "\n".join(tails))
     finally:
         for p in procs:
             if p.poll() is None:

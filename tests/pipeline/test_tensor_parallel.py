@@ -37,7 +37,7 @@ def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("tp")
     res = {}
     for tp in (2, 1):
-        run_ranks([WORKER, "--tp", str(tp), "--out", str(out)], 2 * tp, timeout=300)
+        run_ranks([WORKER, "--tp", str(tp), "--out", str(out)], 2 * tp, timeout=900)
         res[tp] = [torch.load(out / f"tp{tp}_rank{r}.pt") for r in range(2 * tp)]
     return res
 
