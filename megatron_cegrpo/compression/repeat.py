@@ -100,6 +100,23 @@ class RepeatPcaHalf(SubspaceQuantHalf):
         self._last_sent = None  # (payload, x_hat) of the latest encode, for decode_sent
 
     # ---- sizes ---------------------------------------------------------------------------
+    #: with ``own``, the basis of a first crossing takes at most this fraction of its
+    #: ``floor(passes * keep_ratio * D)`` bytes (r shrinks below ``rank`` on short micro-batches)
+    BASIS_CAP = 0.75
+
+    def basis_rows(self, shape, elem: int) -> int:
+        """r for a message of ``shape``: ``min(rank, d)``; with ``own`` also at most
+        ``floor(BASIS_CAP * floor(passes * keep_ratio * D) / (2 d + 4))`` (>= 1), so that a short
+        micro-batch (few tokens N) keeps a quarter of its first crossing for coefficients instead
+        of leaving none: at rank 144 and d = 576 that binds below N = 963 tokens with 2 passes (642 with 3), e.g.
+        the study's 4 x 144-token micro-batches get r = 86. Longer micro-batches are unaffected."""
+        r = super().basis_rows(shape, elem)
+        if not self.own:
+            return r
+        s, b, d = _check_shape(shape)
+        cap = math.floor(self.BASIS_CAP * math.floor(self.passes * self.keep_ratio * s * b * d * elem) / (2 * d + 4))
+        return max(1, min(r, cap))
+
     def repeat_bits(self, shape, elem: int) -> int:
         """B_rep, coefficient bits per token of a later crossing (>= 0)."""
         s, b, d = _check_shape(shape)

@@ -87,6 +87,24 @@ def test_bytes_exactly_as_documented_and_repeats_decode_the_first_bit_for_bit(ow
     assert sum(sizes[:6]) == spec_bytes(sender, SHAPE, e, 6, 2)[0] <= 6 * int(0.25 * n * d * e) + (0 if own else basis)
 
 
+@pytest.mark.parametrize("passes,n_tokens,r", [(2, 576, 86), (3, 576, 129), (2, 1024, 144)])
+def test_a_short_micro_batch_shrinks_the_own_basis_instead_of_failing(passes, n_tokens, r):
+    """rank 144 at d = 576 with 2 passes and 4 x 144 tokens (the study's micro-batch) used to
+    leave no coefficient bits (ValueError mid-run); the basis is now capped at 3/4 of the first
+    crossing's floor(passes * keep_ratio * D) bytes: r = floor(0.75 * that / (2 d + 4)), and the
+    message encodes, decodes and fits the budget. Enough tokens: r = rank."""
+    shape, e = (n_tokens // 4, 4, 576), 4
+    c = build_codec(f"rpq/passes={passes}:lrq", 0.05)
+    dense = n_tokens * 576 * e
+    assert c.fwd.basis_rows(shape, e) == r == min(144, int(0.75 * int(passes * 0.05 * dense) / (2 * 576 + 4)))
+    assert c.fwd.coef_bits(shape, e) >= 1
+    x = _data(3, shape=shape, rank=40)
+    payload = c.encode_forward(x, _ctx(ids=(0, 1, 2, 3)))
+    assert payload.numel() * e == c.fwd.nbytes(shape, e, True) <= passes * 0.05 * dense
+    y = c.decode_forward(payload, _ctx(ids=(0, 1, 2, 3)), shape)
+    assert _rel(y, x) < 1e-2
+
+
 def test_budget_check_counts_passes():
     """At the demo shape rpq:lrq fits 24 forward / 8 backward messages (3 passes) and is
     rejected with 16 forward messages (--kl-coef 0: 2 passes) until passes=2; with a per-step
