@@ -205,8 +205,8 @@ class ParallelConfig:
            "size DP inferred (Megatron's convention)")
     tensor_model_parallel_size: int = option(
         1, "tensor-parallel ranks T inside each stage (Megatron; megatron-core's tensor-parallel layers, TP "
-           "fastest in the rank order); the launch has T x P ranks; at T > 1 with --anchor-ranks 0, one "
-           "replica (DP 1) and --boundary-codec mask or dense in this version (docs/parallelism.md)")
+           "fastest in the rank order); the launch has T x P x DP ranks; at T > 1 with --anchor-ranks 0 and "
+           "--boundary-codec mask or dense in this version (docs/parallelism.md)")
     decoder_first_pipeline_num_layers: Optional[int] = option(
         None, "transformer layers of the first stage for an uneven split (Megatron; default: an even split)")
     decoder_last_pipeline_num_layers: Optional[int] = option(
@@ -800,13 +800,6 @@ class TrainConfig:
             )
         self._validate_codec()
         self._validate_tensor_parallel()
-        tp = p.tensor_model_parallel_size
-        expected = tp * p.pipeline_model_parallel_size + self.anchor.anchor_ranks
-        if world_size is not None and world_size != expected and tp > 1:
-            raise ConfigError(
-                f"world size {world_size} != --tensor-model-parallel-size ({tp}) x --pipeline-model-parallel-size "
-                f"({p.pipeline_model_parallel_size}) + --anchor-ranks ({self.anchor.anchor_ranks}); fix: launch with "
-                f"`deepspeed --num_gpus {expected}` (or `torchrun --nproc-per-node {expected}`)")
         if world_size is not None:
             self._validate_data_parallel(world_size)
         return self
@@ -814,31 +807,36 @@ class TrainConfig:
 
     # --- data parallel (issue 14) ---
     def data_parallel_size(self, world_size: int) -> int:
-        """DP = (world - --anchor-ranks) / (TP x PP), Megatron's convention; 0 when the launch does
-        not divide (``validate`` names the fix). At TP > 1 the launch must be TP x PP + anchors (DP 1)."""
+        """DP = (world - --anchor-ranks) / (TP x PP), Megatron's convention (any TP, PP); 0 when the
+        launch does not divide (``validate`` names the fix). Rank order: ``initialize.data_parallel_size``."""
         p = self.parallel
         trainers = world_size - self.anchor.anchor_ranks
         mp = p.tensor_model_parallel_size * p.pipeline_model_parallel_size
         return trainers // mp if trainers >= mp and trainers % mp == 0 else 0
 
     def _validate_data_parallel(self, world_size: int) -> None:
-        """The launch: world = PP x DP + anchor ranks with DP >= 1; at DP > 1 each replica's share
+        """The launch: world = TP x PP x DP + anchor ranks with DP >= 1; at DP > 1 each replica's share
         of a mini-batch is whole micro-batches, and only the stateless codecs and no gradient
-        probe (their state and dense pass are one replica's). Raises ConfigError."""
+        probe (their state and dense pass are one replica's). Raises ConfigError (one line; at
+        TP = 1 the message names PP alone, at TP > 1 both flags)."""
         p, anchors = self.parallel, self.anchor.anchor_ranks
-        pp, dp = p.pipeline_model_parallel_size, self.data_parallel_size(world_size)
+        pp, tp, dp = p.pipeline_model_parallel_size, p.tensor_model_parallel_size, self.data_parallel_size(world_size)
         if not dp:
-            fit = pp * max(1, (world_size - anchors) // pp) + anchors
+            mp = tp * pp
+            fit = mp * max(1, (world_size - anchors) // mp) + anchors
             alt = ""
             if anchors and world_size == pp:
                 alt = ", or pass --anchor-ranks 0 for the fast circuit alone"
-            elif world_size == 1:
+            elif world_size == 1 and tp == 1:
                 alt = ", or pass --pipeline-model-parallel-size 1 --anchor-ranks 0 for one plain process"
             trainers = world_size - anchors
             raise ConfigError(
                 f"world size {world_size} minus --anchor-ranks ({anchors}) leaves {trainers} trainer rank"
-                f"{'' if trainers == 1 else 's'}, not a multiple of --pipeline-model-parallel-size ({pp}) (world = "
-                f"stages x data-parallel replicas + anchor ranks); fix: launch with `deepspeed --num_gpus {fit}` "
+                f"{'' if trainers == 1 else 's'}, not a multiple of "
+                + (f"--tensor-model-parallel-size ({tp}) x --pipeline-model-parallel-size ({pp}) (world = TP ranks "
+                   "x stages x data-parallel replicas + anchor ranks)" if tp > 1 else
+                   f"--pipeline-model-parallel-size ({pp}) (world = stages x data-parallel replicas + anchor ranks)")
+                + f"; fix: launch with `deepspeed --num_gpus {fit}` "
                 f"(or `torchrun --nproc-per-node {fit}`){alt}")
         if dp == 1:
             return
@@ -861,8 +859,8 @@ class TrainConfig:
     def _validate_tensor_parallel(self) -> None:
         """What the trainer does not run at ``--tensor-model-parallel-size`` > 1 yet (docs/parallelism.md):
         the anchor rank (its dense replica takes whole-stage shipments and returns whole-stage signs)
-        and codecs with state (a basis every TP rank would hold and send whole). TP x DP is refused by
-        the launch check (world = TP x PP + anchor ranks). Raises ConfigError naming the flag."""
+        and codecs with state (a basis every TP rank would hold and send whole). TP x PP x DP runs
+        (``_validate_data_parallel`` checks the launch). Raises ConfigError naming the flag."""
         tp, anchors = self.parallel.tensor_model_parallel_size, self.anchor.anchor_ranks
         if tp == 1:
             return

@@ -37,8 +37,8 @@ PEER_LIFETIME_TIMEOUT = timedelta(days=30)
 @dataclass
 class DistContext:
     """This rank's place and groups. ``tp_rank``/``tp_size``/``tp_group``: its tensor-parallel
-    group inside a stage (``--tensor-model-parallel-size``; Megatron's rank order, TP fastest:
-    global rank = pp_rank * tp_size + tp_rank when DP = 1)."""
+    group inside a stage (``--tensor-model-parallel-size``; Megatron's rank order, TP fastest, then
+    DP, then PP: global rank = (pp_rank * dp_size + dp_rank) * tp_size + tp_rank for a trainer rank)."""
 
     rank: int
     world_size: int

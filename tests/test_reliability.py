@@ -268,8 +268,10 @@ CASES = [
          "over the 2 TP ranks (not in this version); fix: pass --boundary-codec mask or dense, or "
          "--tensor-model-parallel-size 1", env={"WORLD_SIZE": "4"}),
     Case("tp-world-size", "launch", ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"],
-         "world size 2 != --tensor-model-parallel-size (2) x --pipeline-model-parallel-size (2) + --anchor-ranks "
-         "(0); fix: launch with `deepspeed --num_gpus 4` (or `torchrun --nproc-per-node 4`)", env={"WORLD_SIZE": "2"},
+         "world size 2 minus --anchor-ranks (0) leaves 2 trainer ranks, not a multiple of "
+         "--tensor-model-parallel-size (2) x --pipeline-model-parallel-size (2) (world = TP ranks x stages x "
+         "data-parallel replicas + anchor ranks); fix: launch with `deepspeed --num_gpus 4` (or `torchrun "
+         "--nproc-per-node 4`)", env={"WORLD_SIZE": "2"},
          doc_input="2 processes (WORLD_SIZE=2) for --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2"),
     Case("codec-over-budget", "flag", ["--pipeline-model-parallel-size", "2", "--boundary-codec", "dense:lrq"],
          "--boundary-codec dense:lrq exceeds --boundary-keep-ratio 0.05: forward sends 2359296 B per step "

@@ -49,7 +49,8 @@ def broadcast_metered(obj: Any, group, copies: Optional[int] = None) -> Tuple[An
     return obj, broadcast_nbytes(int(n.item()), group.size() if copies is None else int(copies) + 1)
 
 
-def scatter_metered(shards: Optional[Sequence[Any]], replica_of: Callable[[int], int], group) -> Tuple[Any, int]:
+def scatter_metered(shards: Optional[Sequence[Any]], replica_of: Callable[[int], int], group,
+                    counted: Optional[Callable[[int], bool]] = None) -> Tuple[Any, int]:
     """Data parallel (issue 14): each member of ``group`` receives only its replica's share.
 
     The group's rank 0 (the driver) gives ``shards`` (one picklable object per data-parallel
@@ -57,10 +58,15 @@ def scatter_metered(shards: Optional[Sequence[Any]], replica_of: Callable[[int],
     :func:`broadcast_metered` would send it (int64 length, then the pickle bytes), by point-to-point
     sends from rank 0; rank 0 keeps ``shards[replica_of(rank 0)]``.
 
+    ``counted(g)``: whether the send to member ``g`` counts in rank 0's total (default: every
+    send). The trainer at TP > 1 counts only TP rank 0 of each stage and replica (one copy per
+    other pipeline position; a stage's TP ranks share a host, as in :func:`broadcast_metered`'s
+    ``copies``), so ``comm/batch_bytes`` at TP x DP equals TP = 1's at the same DP.
+
     Returns:
-        (this member's share, bytes): on rank 0 the bytes it sent to all members, ``sum (8 +
-        len(pickle))`` over the other members (the ledger's ``comm/batch_bytes``); elsewhere the
-        bytes this member received.
+        (this member's share, bytes): on rank 0 the bytes it sent to the counted members, ``sum (8 +
+        len(pickle))`` over them (the ledger's ``comm/batch_bytes``); elsewhere the bytes this
+        member received.
     Raises:
         RuntimeError: the backend's, when a peer is gone.
     """
@@ -75,7 +81,8 @@ def scatter_metered(shards: Optional[Sequence[Any]], replica_of: Callable[[int],
             data = blobs[replica_of(g)]
             dist.send(torch.tensor([data.numel()], dtype=torch.int64), dst=g, group=group)
             dist.send(data, dst=g, group=group)
-            sent += 8 + data.numel()
+            if counted is None or counted(g):
+                sent += 8 + data.numel()
         return shards[replica_of(src)], sent
     n = torch.zeros(1, dtype=torch.int64)
     dist.recv(n, src=src, group=group)

@@ -174,7 +174,9 @@ class GRPOTrainer:
 
         Data parallel (issue 14): each replica receives only its share
         (``grpo.batch.replica_rows``: the ``dp_rank``-th contiguous slice of every mini-batch,
-        global ``sample_ids`` kept), sent by the driver to each trainer rank.
+        global ``sample_ids`` kept), sent by the driver to each trainer rank (every TP rank of
+        a replica gets the replica's share; ``comm/batch_bytes`` counts one copy per other
+        stage and replica, TP rank 0's, at TP > 1).
 
         Returns:
             (the whole packed batch on the driver, else None; this replica's rows).
@@ -191,7 +193,9 @@ class GRPOTrainer:
                 n = full["tokens"].shape[0]
                 shards = [{k: v[rows] for k, v in full.items()} for rows in
                           (replica_rows(n, self.cfg.global_batch_size, r, ctx.dp_size) for r in range(ctx.dp_size))]
-            batch, self._batch_bytes = scatter_metered(shards, ctx.replica_of, ctx.rollout_group)
+            # at TP > 1 one copy per other (stage, replica): a stage's TP ranks share a host
+            counted = (lambda g: g % ctx.tp_size == 0) if ctx.tp_size > 1 else None
+            batch, self._batch_bytes = scatter_metered(shards, ctx.replica_of, ctx.rollout_group, counted)
         return full, batch
 
     def _metrics(self, batch, stats: Dict[str, float], t: int, seconds: float) -> Optional[Dict]:

@@ -59,12 +59,13 @@ TOP, SPREAD = 32, 32
 
 # ----------------------------------------------------------------------------- a run's numbers
 
-def launch(out_dir, tp: int, *extra: str) -> None:
-    """Run ``tp_train_worker.py`` at TP = ``tp`` x PP = 2 (2 x tp gloo ranks) into ``out_dir``."""
+def launch(out_dir, tp: int, *extra: str, dp: int = 1) -> None:
+    """Run ``tp_train_worker.py`` at TP = ``tp`` x PP = 2 x DP = ``dp`` (2 x tp x dp gloo ranks) into
+    ``out_dir``; ``extra``: the worker's mode (``resume``, or ``dp DP``)."""
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "reward.py"), "w") as f:
         f.write(PARITY_REWARD)
-    run_ranks([WORKER, str(out_dir), str(tp), *extra], 2 * tp, timeout=900)
+    run_ranks([WORKER, str(out_dir), str(tp), *extra], 2 * tp * dp, timeout=1500)
 
 
 def load_metrics(out_dir, run: str):
@@ -107,12 +108,15 @@ def fingerprint(stages):
 
 
 def record(out_dir) -> dict:
-    """Launch the TP = 1 x PP = 2 run and write :data:`REFERENCE` (metrics and weight fingerprints)."""
-    launch(out_dir, 1)
+    """Launch the TP = 1 x PP = 2 runs (``mask``, and ``dense`` for ``test_tensor_data_parallel.py``)
+    and write :data:`REFERENCE` (metrics and weight fingerprints; the dense run's under ``"dense"``)."""
+    launch(out_dir, 1, "dp", "1")
     stages, _ = load_stages(out_dir, "mask", 1)
+    dense, _ = load_stages(out_dir, "dense", 1)
     ref = {"about": "tests/e2e/tp_train_worker.py at TP = 1 x PP = 2 (re-record: python "
                     "tests/e2e/test_tensor_parallel_train.py --record)",
-           "torch": torch.__version__, "metrics": load_metrics(out_dir, "mask"), "weights": fingerprint(stages)}
+           "torch": torch.__version__, "metrics": load_metrics(out_dir, "mask"), "weights": fingerprint(stages),
+           "dense": {"metrics": load_metrics(out_dir, "dense"), "weights": fingerprint(dense)}}
     with open(REFERENCE, "w") as f:
         json.dump(ref, f, indent=1, sort_keys=True)
         f.write("\n")
@@ -228,7 +232,8 @@ def test_tp2_pp2_without_an_anchor_validates():
     (["--anchor-ranks", "0", "--boundary-codec", "lowrank"], 4,
      "--boundary-codec lowrank keeps state (a basis) that every TP rank would hold and send whole"),
     (["--anchor-ranks", "0", "--boundary-codec", "pcaq:lrq"], 4, "--boundary-codec pcaq:lrq keeps state"),
-    (["--anchor-ranks", "0"], 8, "world size 8 != --tensor-model-parallel-size (2) x --pipeline-model-parallel-size"),
+    (["--anchor-ranks", "0"], 6, "world size 6 minus --anchor-ranks (0) leaves 6 trainer ranks, not a multiple of "
+                                 "--tensor-model-parallel-size (2) x --pipeline-model-parallel-size (2)"),
 ])
 def test_what_tp_does_not_run_yet_stops_with_one_line(extra, world, start):
     from megatron_cegrpo.errors import ConfigError

@@ -1,15 +1,18 @@
-"""One rank of ``test_tensor_parallel_train.py``: GRPO training at TP = T x PP = 2 (no anchor).
+"""One rank of ``test_tensor_parallel_train.py``: GRPO training at TP = T x PP = 2 (x DP) (no anchor).
 
-``python tp_train_worker.py OUT TP [resume]`` (RANK, WORLD_SIZE, MASTER_* set by
-``distributed_util.run_ranks``; world = 2 x TP). From the same seeds as every other launch:
+``python tp_train_worker.py OUT TP [resume | dp DP]`` (RANK, WORLD_SIZE, MASTER_* set by
+``distributed_util.run_ranks``; world = 2 x TP x DP, DP = 1 unless given). From the same seeds as
+every other launch:
 
 - ``mask``: ``--boundary-codec mask`` (keep 0.25), 2 iterations, KL to the reference, the drift probe
-  and the gradient-fidelity probe at iteration 2, ``--tied-embedding-sync sparse``, a checkpoint at 2
-  (with ``resume``: at 1 and 2);
-- with ``resume``, ``resumed``: a new trainer loads ``mask``'s checkpoint at 1 and trains iteration 2.
+  and (at DP = 1) the gradient-fidelity probe at iteration 2, ``--tied-embedding-sync sparse``, a
+  checkpoint at 2 (with ``resume``: at 1 and 2); the fidelity probe never changes the run
+  (``training/fidelity.py``), so a DP > 1 run without it still trains like the DP = 1 record;
+- with ``resume``, ``resumed``: a new trainer loads ``mask``'s checkpoint at 1 and trains iteration 2;
+- with ``dp DP``, also ``dense``: the same as ``mask`` with ``--boundary-codec dense``, no checkpoint.
 
-Each trainer rank writes ``OUT/<run>/rank<r>.pt``: its place (pp_rank, tp_rank), its stage's final
-parameters (its TP shards) and theta_0 (the reference it started from).
+Each trainer rank writes ``OUT/<run>/rank<r>.pt``: its place (pp_rank, tp_rank, dp_rank), its stage's
+final parameters (its TP shards) and theta_0 (the reference it started from).
 """
 
 import faulthandler
@@ -33,6 +36,7 @@ faulthandler.register(signal.SIGUSR1, all_threads=True)  # a hung rank's stacks:
 SEED = 1234
 OUT, TP = sys.argv[1], int(sys.argv[2])
 RESUME = len(sys.argv) > 3 and sys.argv[3] == "resume"
+DP = int(sys.argv[4]) if len(sys.argv) > 4 and sys.argv[3] == "dp" else None  # None: the mask run alone
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ARGS = [
     "--model", "tiny-llama", "--train-data", "mawps/singleop", "--pipeline-model-parallel-size", "2",
@@ -40,7 +44,7 @@ ARGS = [
     "--micro-batch-size", "2", "--rollout-batch-size", "2", "--num-generations", "4", "--max-new-tokens", "8",
     "--lr", "1e-3", "--temperature", "1.0", "--kl-coef", "0.01", "--no-tqdm", "--num-threads", "1",
     "--boundary-codec", "mask", "--boundary-keep-ratio", "0.25", "--seed", str(SEED),
-    "--drift-probe-interval", "2", "--grad-fidelity-interval", "2",
+    "--drift-probe-interval", "2", *([] if (DP or 1) > 1 else ["--grad-fidelity-interval", "2"]),
     "--deepspeed_config", os.path.join(REPO, "ds_configs", "cpu_adamw.json"),
     "--custom-reward-function", os.path.join(OUT, "reward.py") + ":parity_reward",
 ]
@@ -57,7 +61,7 @@ def train(run: str, iters: int, *extra: str) -> None:
     trainer = GRPOTrainer(cfg, CTX)
     trainer.train()
     st = trainer.stage
-    out = {"pp_rank": CTX.pp_rank, "tp_rank": CTX.tp_rank,
+    out = {"pp_rank": CTX.pp_rank, "tp_rank": CTX.tp_rank, "dp_rank": CTX.dp_rank,
            "params": {n: p.detach().clone() for n, p in st.model.named_parameters()},
            "theta0": {n: p0.detach().clone() for (n, _), p0 in zip(st.model.named_parameters(), st.theta0)}}
     torch.save(out, os.path.join(OUT, run, f"rank{CTX.rank}.pt"))
@@ -71,5 +75,7 @@ try:
     if RESUME:  # a new trainer from mask's checkpoint at 1 trains iteration 2 again
         train("resumed", 2, "--load", os.path.join(ckpt, "iter_0000001"),
               "--save", os.path.join(OUT, "resumed", "ckpt"), "--save-interval", "1")
+    if DP is not None:  # the same run with the dense codec
+        train("dense", 2, "--boundary-codec", "dense")
 finally:
     shutdown_distributed()

@@ -54,3 +54,28 @@ def test_broadcast_bytes_are_the_pickle_sent(tmp_path):
         line = [x for x in out.splitlines() if x.startswith("BYTES")][0]
         n, payload = map(int, line.split()[1:])
         assert n == broadcast_nbytes(payload, 3) == 2 * (8 + payload)
+
+
+SCATTER_WORKER = r'''
+import pickle
+import torch, torch.distributed as dist
+from megatron_cegrpo.pipeline.broadcast import scatter_metered
+dist.init_process_group("gloo")
+shards = [{"rows": torch.arange(4) + 4 * r} for r in range(2)]
+replica_of = lambda g: (g // 2) % 2  # TP = 2 x DP = 2, one stage: ranks 0, 1 replica 0; 2, 3 replica 1
+got, n = scatter_metered(shards if dist.get_rank() == 0 else None, replica_of, dist.group.WORLD,
+                         counted=lambda g: g % 2 == 0)
+assert torch.equal(got["rows"], shards[replica_of(dist.get_rank())]["rows"])
+print("BYTES", n, len(pickle.dumps(shards[1])))
+dist.destroy_process_group()
+'''
+
+
+def test_scatter_counts_only_the_counted_members(tmp_path):
+    """At TP x DP the driver's sends to TP rank 0 of the other replicas count (rank 2 here), not
+    those to its own TP peer (rank 1) or rank 3; every member still gets its replica's rows."""
+    script = tmp_path / "w.py"
+    script.write_text(SCATTER_WORKER)
+    outs = run_ranks([str(script)], 4, timeout=120)
+    n0, shard = map(int, [x for x in outs[0].splitlines() if x.startswith("BYTES")][0].split()[1:])
+    assert n0 == 8 + shard
