@@ -673,8 +673,8 @@ class CheckpointConfig:
             raise ConfigError(f"--save {self.save} is a file, not a directory; fix: pass a directory path")
 
 
-#: codecs (or halves) that hold no state across micro-batches: the ones data parallelism supports
-DP_CODECS = ("dense", "mask")
+#: codecs (or halves) the tensor-parallel payload split supports (no basis a TP rank would hold whole)
+TP_CODECS = ("dense", "mask")
 
 
 @dataclass
@@ -816,9 +816,10 @@ class TrainConfig:
 
     def _validate_data_parallel(self, world_size: int) -> None:
         """The launch: world = TP x PP x DP + anchor ranks with DP >= 1; at DP > 1 each replica's share
-        of a mini-batch is whole micro-batches, and only the stateless codecs and no gradient
-        probe (their state and dense pass are one replica's). Raises ConfigError (one line; at
-        TP = 1 the message names PP alone, at TP > 1 both flags)."""
+        of a mini-batch is whole micro-batches, and the codec is replica-invariant
+        (``BoundaryCodec.replica_invariant``: its payloads depend on their own micro-batch only, so the
+        replicas send what one replica would). Raises ConfigError (one line; at TP = 1 the message
+        names PP alone, at TP > 1 both flags)."""
         p, anchors = self.parallel, self.anchor.anchor_ranks
         pp, tp, dp = p.pipeline_model_parallel_size, p.tensor_model_parallel_size, self.data_parallel_size(world_size)
         if not dp:
@@ -846,15 +847,14 @@ class TrainConfig:
                 f"--global-batch-size={gbs} is not a multiple of data-parallel size ({dp}, from the world size) x "
                 f"--micro-batch-size ({p.micro_batch_size}): each replica runs whole micro-batches of every "
                 f"mini-batch; fix: pass --micro-batch-size {max(1, gbs // dp)} or a divisor of it")
-        halves = self.codec.boundary_codec.split(":")
-        if any(h.split("/")[0] not in DP_CODECS for h in halves):
+        from megatron_cegrpo.compression import build_codec
+
+        if not build_codec(self.codec.boundary_codec, self.codec.boundary_keep_ratio, warn=False).replica_invariant:
             raise ConfigError(
-                f"--boundary-codec {self.codec.boundary_codec} keeps state per replica, which data parallelism "
-                f"(size {dp}) does not share yet; fix: pass --boundary-codec mask or dense, or launch one replica")
-        if self.logging.grad_fidelity_interval:
-            raise ConfigError(
-                f"--grad-fidelity-interval compares one replica's dense gradient, not supported at data-parallel "
-                f"size {dp}; fix: drop --grad-fidelity-interval, or launch one replica")
+                f"--boundary-codec {self.codec.boundary_codec} keeps a basis across micro-batches (per step or per "
+                f"run), which data-parallel replicas (size {dp}) would each build from their own micro-batches; "
+                "fix: pass a codec whose halves depend on their own micro-batch only (dense, mask, lrq, rpq: e.g. "
+                "rpq:lrq), or launch one replica")
 
     def _validate_tensor_parallel(self) -> None:
         """What the trainer does not run at ``--tensor-model-parallel-size`` > 1 yet (docs/parallelism.md):
@@ -870,7 +870,7 @@ class TrainConfig:
                 "whole-stage weight shipments and returns whole-stage signs, not TP shards (not in this version); "
                 "fix: pass --anchor-ranks 0 (the fast circuit alone) or --tensor-model-parallel-size 1")
         halves = self.codec.boundary_codec.split(":")
-        if any(h.split("/")[0] not in DP_CODECS for h in halves):
+        if any(h.split("/")[0] not in TP_CODECS for h in halves):
             raise ConfigError(
                 f"--boundary-codec {self.codec.boundary_codec} keeps state (a basis) that every TP rank would "
                 f"hold and send whole, not split over the {tp} TP ranks (not in this version); fix: pass "

@@ -397,8 +397,10 @@ CASES = [
          doc_input="5 processes (WORLD_SIZE=5: PP 2 x DP 2 + 1 anchor), --global-batch-size 4 --micro-batch-size 4"),
     Case("dp-stateful-codec", "launch", ["--pipeline-model-parallel-size", "2", "--anchor-ranks", "0",
                                          "--micro-batch-size", "2", "--boundary-codec", "lowrank"],
-         "--boundary-codec lowrank keeps state per replica, which data parallelism (size 2) does not share yet; "
-         "fix: pass --boundary-codec mask or dense, or launch one replica", env={"WORLD_SIZE": "4"},
+         "--boundary-codec lowrank keeps a basis across micro-batches (per step or per run), which data-parallel "
+         "replicas (size 2) would each build from their own micro-batches; fix: pass a codec whose halves depend "
+         "on their own micro-batch only (dense, mask, lrq, rpq: e.g. rpq:lrq), or launch one replica",
+         env={"WORLD_SIZE": "4"},
          doc_input="4 processes (WORLD_SIZE=4: PP 2 x DP 2) with --boundary-codec lowrank"),
     Case("anchor-delay-multiple", "flag", ["--anchor-ranks", "1", "--anchor-interval", "2", "--anchor-delay", "3"],
          "--anchor-delay (K=3) must be a positive multiple of --anchor-interval (c=2): the anchor reads the "

@@ -127,6 +127,11 @@ class BoundaryCodec(abc.ABC):
     """
 
     name: str = "abstract"
+    #: every payload depends only on its micro-batch's data and keys (seed, boundary, step,
+    #: sample ids, positions), not on other micro-batches' traffic: data-parallel replicas that
+    #: split a mini-batch into whole micro-batches then send what one replica would (issue 14;
+    #: ``TrainConfig._validate_data_parallel``). False for a basis kept per step or per run.
+    replica_invariant = False
 
     @abc.abstractmethod
     def payload_shape(self, shape: Tuple[int, int, int]) -> Tuple[int, ...]:
@@ -209,6 +214,8 @@ class DenseCodec(BoundaryCodec):
     bytes on the wire per direction = s * b * d * element_size.
     """
 
+    replica_invariant = True
+
     def payload_shape(self, shape):
         return _check_shape(shape)
 
@@ -265,6 +272,8 @@ class MaskCodec(BoundaryCodec):
         ValueError: keep_ratio outside (0, 1]; tensors not 3-D; sample_ids length
         differs from b; payload shape mismatch.
     """
+
+    replica_invariant = True  # indices keyed by the global sample id
 
     def __init__(self, keep_ratio: float = 0.05, cache_size: int = 64):
         keep_count(1, keep_ratio)  # validates the ratio

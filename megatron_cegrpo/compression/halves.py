@@ -83,6 +83,11 @@ class DirectionCodec(abc.ABC):
     #: the Jacobian of roundtrip is its own transpose and roundtrip is linear given ctx
     #: (mask, dense): as the backward half after the same forward half it is the exact chain rule
     self_adjoint_linear = False
+    #: every payload depends only on its micro-batch's data and keys (seed, boundary, step,
+    #: sample ids, positions), not on other micro-batches' traffic: data-parallel replicas that
+    #: split a mini-batch into whole micro-batches then send what one replica would (issue 14;
+    #: ``TrainConfig._validate_data_parallel``). False for a basis kept per step or per run.
+    replica_invariant = False
 
     @abc.abstractmethod
     def wire_shape(self, shape, ctx: BoundaryContext, dtype: torch.dtype, role: str) -> Tuple[int, ...]:
@@ -125,6 +130,7 @@ class DenseHalf(DirectionCodec):
     """Identity: payload = the tensor, bytes s * b * d * element_size."""
 
     self_adjoint_linear = True
+    replica_invariant = True
 
     def wire_shape(self, shape, ctx, dtype, role):
         return _check_shape(shape)
@@ -148,6 +154,7 @@ class MaskHalf(DirectionCodec):
     Bytes s * b * k * element_size."""
 
     self_adjoint_linear = True
+    replica_invariant = True  # PRF indices keyed by the global sample id
 
     def __init__(self, keep_ratio: float = 0.05):
         self.mask = MaskCodec(keep_ratio=keep_ratio)

@@ -58,6 +58,11 @@ class PairCodec(BoundaryCodec):
         self.name = self.spec
 
     @property
+    def replica_invariant(self) -> bool:
+        """Both halves are (:attr:`BoundaryCodec.replica_invariant`)."""
+        return bool(self.fwd.replica_invariant and self.bwd.replica_invariant)
+
+    @property
     def is_chain_rule(self) -> bool:
         """True when the backward is the exact chain rule of the forward map (module docstring)."""
         return type(self.fwd) is type(self.bwd) and self.fwd.self_adjoint_linear and (

@@ -107,6 +107,13 @@ class SubspaceQuantHalf(DirectionCodec):
         self.outliers = int(outliers)
         self._state = {"send": OrderedDict(), "recv": OrderedDict()}  # (boundary, step) -> (v fp32, lam list)
 
+    @property
+    def replica_invariant(self) -> bool:
+        """A basis of each message's own data (``refresh`` "microbatch": lrq, rpq with own=1)
+        depends on nothing else; a per-step basis (pcaq) comes from the step's first message,
+        which differs between data-parallel replicas."""
+        return self.refresh == "microbatch"
+
     # ---- sizes ---------------------------------------------------------------------------
     def budget(self, shape, elem: int) -> int:
         """floor(keep_ratio * N * d * elem) bytes for one message of ``shape``."""

@@ -31,6 +31,12 @@ the stage's gradients; the dense traffic is billed to the probe's own ByteMeter,
 ``comm/*``. The probe never changes the run: its passes precede the codec pass, every RNG
 is restored after them, and the codec pass starts from ``grad = None`` as without it
 (a run with the probe equals one without it bit for bit; tests/e2e/test_fidelity.py).
+
+Data parallel (issue 14): each replica computes G_dense of its share of the mini-batch and
+sums it over the stage's DP group, as the codec pass sums G_codec, so both gradients are the
+whole mini-batch's and every replica holds the same sums (the reducer keeps replica 0's);
+one more all-reduce of the stage's gradients per probed step, not counted in
+``comm/dp_grad_allreduce_bytes``.
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ import torch
 from megatron_cegrpo.compression import ByteMeter, get_codec
 from megatron_cegrpo.models import allreduce_tied_embedding_grads
 from megatron_cegrpo.rng_state import get_rng_state, set_rng_state
+from megatron_cegrpo.training import data_parallel as dpx
 
 __all__ = ["GradFidelityProbe", "gradient_sums", "fidelity_metrics", "SUM_KEYS"]
 
@@ -177,6 +184,8 @@ class GradFidelityProbe:
         with _rng_preserved(), st.comm.using(self.dense_codec, self.meter):
             st.runner.run(st.model, mb, step=t, forward_only=False, loss_fn=loss_fn)
         allreduce_tied_embedding_grads(st.model, st.ctx.embd_group)
+        # data parallel: the whole mini-batch's G_dense, as the codec pass's (not in dp_bytes: the probe's own)
+        dpx.allreduce_gradients(st.params, st.dp_group)
         self._dense = [p.grad for p in st.params]
         for p in st.params:
             p.grad = None

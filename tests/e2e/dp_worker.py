@@ -5,6 +5,8 @@ world = PP x DP + 1 anchor rank). Each run from the same seeds, the anchor at c 
 at 2 replays theta(0), the same weights in every run, and folds sign(M) into step 2):
 
 - ``dense``: ``--boundary-codec dense``, 2 iterations;
+- ``rpq``: ``--boundary-codec rpq/rank=8:lrq`` (per-micro-batch bases) with ``--grad-fidelity-interval 1``,
+  2 iterations;
 - ``mask``: ``--boundary-codec mask``, 2 iterations (at DP > 1 with checkpoints at 1 and 2);
 - at DP > 1, ``resumed``: a new trainer loads ``mask``'s checkpoint at 1 and trains iteration 2,
   saving at 2 like ``mask`` (see ``tied_sync_worker.py`` on why a resume at 1).
@@ -31,6 +33,7 @@ from worker_common import train_or_anchor  # noqa: E402
 
 faulthandler.register(signal.SIGUSR1, all_threads=True)  # a hung rank's stacks: kill -USR1 <pid>
 SEED = 1234
+RPQ = "rpq/rank=8:lrq"  # rank 8: the tiny model's micro-batches leave room for no more
 OUT, PP, DP = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 ARGS = [
     "--model", "tiny-llama", "--train-data", "mawps/singleop", "--pipeline-model-parallel-size", str(PP),
@@ -58,6 +61,8 @@ def train(run: str, codec: str, iters: int, *extra: str) -> None:
 CTX = initialize_distributed(PP, SEED, 1, anchor_ranks=1)
 try:
     train("dense", "dense", 2)
+    # a replica-invariant codec with per-micro-batch bases (rpq:lrq) and the gradient-fidelity probe
+    train("rpq", RPQ, 2, "--grad-fidelity-interval", "1")
     if DP == 1:
         train("mask", "mask", 2)
     else:  # checkpoints at 1 and 2, and a resume from the one at 1

@@ -87,6 +87,45 @@ def test_dp2_equals_dp1_on_the_same_global_batch(runs, codec):
                    for x, y, z in zip(ref["signs"], replicas[0]["signs"], replicas[1]["signs"]))
 
 
+def test_dp2_equals_dp1_with_per_microbatch_bases_and_the_fidelity_probe(runs):
+    """rpq:lrq builds a basis from each micro-batch's own data (``replica_invariant``): the
+    replicas' micro-batches are DP = 1's (``replica_rows``), so the payloads, hence the boundary
+    bytes, are DP = 1's exactly; the gradient-fidelity probe sums G_dense over the replicas like
+    G_codec, so ``fidelity/*`` agree to the same fp32 tolerance as the losses at step 1.
+
+    Step 2 starts from weights that differ in the last bits (~1e-7, the DP sum's order), and the
+    quantizer turns such a difference into a whole rounding step at the rare coefficient that
+    sits on a rounding boundary (the mask has no rounding): measured relative differences at
+    step 2 up to 6.4e-4 (``codec/error_persistence``), 6.1e-5 (``fidelity/cos/stage_0``), 1.4e-5
+    (mismatch); the bound there is 2e-3 relative, and the weights' 1e-3 absolute."""
+    m1, (s0, s1) = _load(runs[1], "rpq", [0, 1])
+    m2, (r0, r1, r2, r3) = _load(runs[2], "rpq", [0, 1, 2, 3])
+    fid = [k for k in m1[1] if k.startswith("fidelity/")]
+    assert {"fidelity/cos", "fidelity/cos/stage_0", "fidelity/cos/stage_1", "fidelity/sign_agreement",
+            "fidelity/norm_ratio"} <= set(fid)
+    for step in (1, 2):
+        assert 0.0 < m1[step]["comm/bytes_ratio"] < 0.2  # compressed, not dense
+        for k in BOUNDARY_KEYS:
+            assert m1[step][k] == m2[step][k], (step, k)
+        rel = 1e-5 if step == 1 else 2e-3
+        for k in LOSS_KEYS + tuple(fid) + ("codec/error_persistence",):
+            if k in m1[step]:
+                a, b = m1[step][k], m2[step][k]
+                assert math.isclose(a, b, rel_tol=rel, abs_tol=1e-6), (step, k, a, b)
+    assert "codec/error_persistence" in m2[2]
+    # weights after 2 Adam steps at lr 1e-3: within 1e-3 = one Adam step (Adam moves a coordinate by
+    # ~lr sign(g) whatever |g|, so a near-zero coordinate of step 2's gradient whose sign the rounding
+    # flips above moves the other way; measured 2.4e-4; the mask's bound is 1e-5). Step 1's checks
+    # (1e-5) and the exact boundary bytes carry the equivalence; a lost replica fails those.
+    worst = 0.0
+    for ref, replicas, stage in ((s0, (r0, r1), 0), (s1, (r2, r3), 1)):
+        w_ref, w_a, w_b = (_weights(x, stage) for x in (ref, *replicas))
+        for n in w_ref:
+            assert torch.equal(w_a[n], w_b[n]), (stage, n)
+            worst = max(worst, float((w_a[n] - w_ref[n]).abs().max()))
+    assert worst <= 1e-3, worst
+
+
 def test_dp2_byte_counters(runs):
     """The gradient all-reduce and the sign fan-out bytes, from the stages' parameter counts."""
     m2, dumps = _load(runs[2], "mask", [0, 1, 2, 3])
@@ -151,3 +190,21 @@ def test_replica_rows_split_every_mini_batch_contiguously():
     assert replica_rows(8, 8, 0, 1).tolist() == list(range(8))
     with pytest.raises(ValueError):
         replica_rows(12, 6, 0, 4)
+
+
+@pytest.mark.parametrize("spec,ok", [("dense", True), ("mask", True), ("rpq:lrq", True), ("rpq/passes=2:lrq", True),
+                                     ("mask:lrq", True), ("lrq:lrq", True), ("pcaq:lrq", False),
+                                     ("rpq/own=0:lrq", False), ("lowrank", False)])
+def test_data_parallel_takes_the_codecs_whose_payloads_depend_on_their_own_micro_batch(spec, ok):
+    """``replica_invariant`` codecs run at DP = 2 (with the fidelity probe); a basis kept per step
+    (pcaq, rpq/own=0) or per run (lowrank) stops at start-up with one line naming the flag."""
+    cfg = _cfg("--anchor-ranks", "0", "--boundary-codec", spec, "--grad-fidelity-interval", "2")
+    if ok:
+        assert cfg.validate(world_size=4).data_parallel_size(4) == 2
+        return
+    with pytest.raises(ConfigError) as e:
+        cfg.validate(world_size=4)
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith(f"--boundary-codec {spec} keeps a basis across micro-batches")
+    assert "data-parallel replicas (size 2)" in msg and "e.g. rpq:lrq), or launch one replica" in msg
+    cfg.validate(world_size=2)  # one replica: accepted
