@@ -2,27 +2,47 @@
 
     python -m benchmarks.bench_codec [--dims 576,1024,1536,4096] [--seq-len 256 --micro-batch 4]
                                      [--keep-ratio 0.05] [--wire-dtype bf16] [--out codec.json]
+                                     [--codecs mask,pcaq:lrq,rpq/passes=2:lrq] [--passes 3]
+
+Codecs: ``--codecs`` (comma-separated ``--boundary-codec`` specs), by default every registered
+codec (``available_codecs()``) and the pair specs :data:`PAIR_SPECS` (``dense:mask``,
+``mask:mask``, ``pcaq:lrq``, ``rpq:lrq``, ``rpq/passes=2:lrq``), each built by
+``compression.build_codec(spec, --keep-ratio)`` exactly as the trainer's ``--boundary-codec
+SPEC --boundary-keep-ratio R`` builds it; a spec that cannot be built, or cannot code the
+shape (a budget with no coefficient bits), gets an n/a row with the reason. Plus reference
+points a user would otherwise pick (``benchmarks/reference_codecs.py``; bytes always, timing
+unless ``--no-references``): bf16 top-k (same k as the mask) with int32 or int16 indices, and
+per-token int8 quantization.
+
+A micro-batch crosses a boundary forward P times per iteration (``--passes``, default 3: the
+old-logprob, reference and update passes; an ``rpq`` forward half uses its own ``passes``)
+and backward once (the update pass). The FIRST forward crossing of a micro-batch in a step
+and a LATER one differ for stateful halves: ``pcaq`` computes and sends the step's basis on
+the first message of the step, ``rpq`` codes its first crossing with the budget of all P and
+a later one as a coded delta to it. Both are measured (the later crossing sends
+:func:`repeat_tensor`, x plus 1 % noise, as the reference pass does).
 
 1. Bytes: for each hidden size d, a boundary tensor [s, b, d] (s * b tokens of one
    micro-batch) is encoded by every codec and the payload tensors' bytes are summed
    (forward = activations, backward = the gradient of the receiver's input). Nothing is
    computed from a formula: the numbers are ``numel * element_size`` of what the encoders
-   returned. Codecs: every registered one (``available_codecs()``, built as the trainer's
-   ``--boundary-codec NAME --boundary-keep-ratio R`` builds it; a codec that cannot be built
-   that way gets an n/a row), plus reference points a user would otherwise pick
-   (``benchmarks/reference_codecs.py``): bf16 top-k (same k as the mask) with int32 or int16
-   indices, and per-token int8 quantization.
-2. Time (issue 10 item 6): per micro-batch crossing, every repetition with a new context
-   (as every training step has), split into what is on the critical path and what is not,
-   each as a fraction of one transformer layer's forward + backward at the same shape
-   ([s, b, d], llama-style layer of the model family that uses this d; megatron-core's
-   local layer spec), all measured in this process with the same thread count:
-   * off-path: the codec's ``precompute`` (for ``mask`` the PRF index derivation), which the
-     trainer runs on a background thread for every crossing of an iteration as soon as the
-     batch is known (``pipeline/prefetch.py``); charged twice (sender and receiver);
-   * critical path: encode + decode in both directions, timed after that precompute; any
-     work a codec does lazily (no precompute, or a crossing nobody announced) lands here;
-   * "no prefetch": the sum, i.e. the crossing's cost if the precompute ran inline.
+   returned (first and later forward crossing, backward, and the per-iteration ratio).
+2. Time (issue 10 item 6): per micro-batch, every repetition with a new context (as every
+   training step has), split into what is on the critical path and what is not, each as a
+   fraction of one transformer layer's forward + backward at the same shape ([s, b, d],
+   llama-style layer of the model family that uses this d; megatron-core's local layer spec),
+   all measured in this process with the same thread count, the layer timed again after
+   every codec (each codec's share uses the layer runs adjacent to it):
+   * off-path: the codec's ``precompute`` (for ``mask`` and a pair's mask halves the PRF index
+     derivation), which the trainer runs on a background thread for every crossing of an
+     iteration as soon as the batch is known (``pipeline/prefetch.py``); charged twice
+     (sender and receiver);
+   * critical path: encode + decode of the first forward crossing and of the backward
+     ("critical"), of a later forward crossing and the backward ("later"), and
+     first + (P - 1) later + backward ("iter": a micro-batch's codec time per iteration, still
+     against ONE layer f+b), timed after that precompute; any work a codec does lazily (no
+     precompute, a crossing nobody announced, a data-dependent basis) lands here;
+   * "no prefetch": critical + off-path, i.e. the crossing's cost if the precompute ran inline.
 Timing uses ``--compute-dtype`` (fp32 by default: the dtype the CPU trainer runs in); bytes
 use ``--wire-dtype`` (bf16 by default: what a GPU pipeline puts on the wire). The bytes
 ratio mask/dense is k/d in any dtype.
@@ -303,8 +323,10 @@ def measure_time(d: int, s: int, b: int, keep_ratio: float = 0.05, dtype: torch.
                  passes: int = DEFAULT_PASSES, references: bool = True):
     """One layer's forward+backward and each codec's per-crossing time (ms) at [s, b, d], same process.
 
-    The layer is timed before and after the codecs (the machine may be shared: ``layer_fwd_bwd_ms``
-    is the median of both runs' samples; ``layer_before_ms`` / ``layer_after_ms`` the two medians).
+    The layer is timed before the first codec and again after each codec (the machine may be
+    shared): a row's ``layer_fwd_bwd_ms`` is the median of the layer runs just before and just
+    after that codec, so that its shares are side-by-side ratios; ``layer_before_ms`` /
+    ``layer_after_ms``: medians of the first and the last layer run.
     Row keys (ms per micro-batch; ``time_codec`` for what each call is):
 
     * ``critical_ms`` = first forward crossing (encode + decode) + backward (encode + decode),
@@ -333,19 +355,22 @@ def measure_time(d: int, s: int, b: int, keep_ratio: float = 0.05, dtype: torch.
         out = out[0] if isinstance(out, tuple) else out
         out.backward(grad)
 
-    before = _timeit(fwd_bwd, min_time, min_reps=layer_min_reps, samples=True)
     adapters, missing = build_adapters(d, s, b, keep_ratio, specs, references)
     timed = []
+    layer_runs = [_timeit(fwd_bwd, min_time, min_reps=layer_min_reps, samples=True)]
     for a in adapters:
         try:
-            timed.append((a, time_codec(a, x, grad, min_time / 2, x_rep=x_rep)))
+            t = time_codec(a, x, grad, min_time / 2, x_rep=x_rep)
         except ValueError as e:  # e.g. a budget that leaves no coefficient bits at this shape
             missing[a.name] = f"n/a at [{s}, {b}, {d}] {dtype}: {e}"
-    after = _timeit(fwd_bwd, min_time, min_reps=layer_min_reps, samples=True)
+            continue
+        # the layer again right after this codec: its share uses the layer runs adjacent to it
+        layer_runs.append(_timeit(fwd_bwd, min_time / 2, min_reps=layer_min_reps, samples=True))
+        timed.append((a, t, statistics.median(layer_runs[-2] + layer_runs[-1]) * 1e3))
     layer = None
-    layer_ms = statistics.median(before + after) * 1e3
+    before, after = layer_runs[0], layer_runs[-1]
     rows = []
-    for a, t in timed:
+    for a, t, layer_ms in timed:
         fwd, bwd = t["encode_fwd_ms"] + t["decode_fwd_ms"], t["encode_bwd_ms"] + t["decode_bwd_ms"]
         rep = t["repeat_encode_fwd_ms"] + t["repeat_decode_fwd_ms"]
         p = _passes(a, passes)
