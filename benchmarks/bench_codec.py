@@ -31,8 +31,8 @@ a later one as a coded delta to it. Both are measured (the later crossing sends
    training step has), split into what is on the critical path and what is not, each as a
    fraction of one transformer layer's forward + backward at the same shape ([s, b, d],
    llama-style layer of the model family that uses this d; megatron-core's local layer spec),
-   all measured in this process with the same thread count, the layer timed again after
-   every codec (each codec's share uses the layer runs adjacent to it):
+   all measured in this process with the same thread count, the layer run interleaved with
+   every codec's repetitions (each codec's share uses the layer runs interleaved with it):
    * off-path: the codec's ``precompute`` (for ``mask`` and a pair's mask halves the PRF index
      derivation), which the trainer runs on a background thread for every crossing of an
      iteration as soon as the batch is known (``pipeline/prefetch.py``); charged twice
@@ -263,7 +263,8 @@ def build_layer(d: int, dtype: torch.dtype):
 
 
 def time_codec(a: _Adapter, x: torch.Tensor, grad: torch.Tensor, min_time: float, min_reps: int = 5,
-               max_reps: int = 200, x_rep: Optional[torch.Tensor] = None) -> dict:
+               max_reps: int = 200, x_rep: Optional[torch.Tensor] = None,
+               layer: Optional[Callable[[], object]] = None) -> dict:
     """Median ms of each codec call for one micro-batch's crossings, every repetition a new step.
 
     Repetition i uses a context never seen before (step i), as every training step does: the
@@ -276,11 +277,13 @@ def time_codec(a: _Adapter, x: torch.Tensor, grad: torch.Tensor, min_time: float
     basis, the mask's cached indices); then the backward message (encode, decode of ``grad``).
     All of these are on the critical path: anything a codec derives lazily inside them (no
     precompute, or a crossing not prefetched) is timed there. One untimed warm-up first.
+    ``layer``: a callable (one layer's forward + backward) run and timed at the start of every
+    repetition, so that codec and layer see the same machine load (interleaved).
 
     Returns:
         {"precompute_ms", "encode_fwd_ms", "decode_fwd_ms", "repeat_encode_fwd_ms",
-        "repeat_decode_fwd_ms", "encode_bwd_ms", "decode_bwd_ms", "reps"}: medians in ms over
-        the repetitions (precompute_ms 0.0 when there is none).
+        "repeat_decode_fwd_ms", "encode_bwd_ms", "decode_bwd_ms", "reps"} and, with ``layer``,
+        "layer_ms": medians in ms over the repetitions (precompute_ms 0.0 when there is none).
     """
     x_rep = x if x_rep is None else x_rep
     keys = ("precompute_ms", "encode_fwd_ms", "decode_fwd_ms", "repeat_encode_fwd_ms", "repeat_decode_fwd_ms",
@@ -291,6 +294,10 @@ def time_codec(a: _Adapter, x: torch.Tensor, grad: torch.Tensor, min_time: float
     while step - 1_000_000 < min_reps + 1 or (time.perf_counter() - t_start < min_time
                                               and step - 1_000_000 < max_reps + 1):
         ctx = _ctx(step, b)
+        if layer is not None:
+            t_layer = time.perf_counter()
+            layer()
+            t_layer = time.perf_counter() - t_layer
         t = [time.perf_counter()]
         if a.precompute is not None:
             a.precompute(ctx)
@@ -310,6 +317,8 @@ def time_codec(a: _Adapter, x: torch.Tensor, grad: torch.Tensor, min_time: float
         if step > 1_000_000:  # the first repetition is the warm-up
             for i, k in enumerate(keys):
                 samples[k].append((t[i + 1] - t[i]) * 1e3)
+            if layer is not None:
+                samples.setdefault("layer_ms", []).append(t_layer * 1e3)
         step += 1
     out = {k: statistics.median(v) for k, v in samples.items()}
     if a.precompute is None:
@@ -323,10 +332,11 @@ def measure_time(d: int, s: int, b: int, keep_ratio: float = 0.05, dtype: torch.
                  passes: int = DEFAULT_PASSES, references: bool = True):
     """One layer's forward+backward and each codec's per-crossing time (ms) at [s, b, d], same process.
 
-    The layer is timed before the first codec and again after each codec (the machine may be
-    shared): a row's ``layer_fwd_bwd_ms`` is the median of the layer runs just before and just
-    after that codec, so that its shares are side-by-side ratios; ``layer_before_ms`` /
-    ``layer_after_ms``: medians of the first and the last layer run.
+    The layer runs interleaved with each codec's repetitions (one layer forward+backward, then
+    the codec's crossings, repeated; the machine may be shared): a row's ``layer_fwd_bwd_ms`` is
+    the median of the layer runs interleaved with that codec, so that its shares are
+    side-by-side ratios; ``layer_before_ms`` / ``layer_after_ms``: medians of a layer-only run
+    before the first and after the last codec.
     Row keys (ms per micro-batch; ``time_codec`` for what each call is):
 
     * ``critical_ms`` = first forward crossing (encode + decode) + backward (encode + decode),
@@ -357,18 +367,16 @@ def measure_time(d: int, s: int, b: int, keep_ratio: float = 0.05, dtype: torch.
 
     adapters, missing = build_adapters(d, s, b, keep_ratio, specs, references)
     timed = []
-    layer_runs = [_timeit(fwd_bwd, min_time, min_reps=layer_min_reps, samples=True)]
+    before = _timeit(fwd_bwd, min_time, min_reps=layer_min_reps, samples=True)
     for a in adapters:
-        try:
-            t = time_codec(a, x, grad, min_time / 2, x_rep=x_rep)
+        try:  # the layer runs interleaved with the codec's repetitions: its share is a side-by-side ratio
+            t = time_codec(a, x, grad, min_time / 2, x_rep=x_rep, layer=fwd_bwd)
         except ValueError as e:  # e.g. a budget that leaves no coefficient bits at this shape
             missing[a.name] = f"n/a at [{s}, {b}, {d}] {dtype}: {e}"
             continue
-        # the layer again right after this codec: its share uses the layer runs adjacent to it
-        layer_runs.append(_timeit(fwd_bwd, min_time / 2, min_reps=layer_min_reps, samples=True))
-        timed.append((a, t, statistics.median(layer_runs[-2] + layer_runs[-1]) * 1e3))
+        timed.append((a, t, t.pop("layer_ms")))
+    after = _timeit(fwd_bwd, min_time, min_reps=layer_min_reps, samples=True)
     layer = None
-    before, after = layer_runs[0], layer_runs[-1]
     rows = []
     for a, t, layer_ms in timed:
         fwd, bwd = t["encode_fwd_ms"] + t["decode_fwd_ms"], t["encode_bwd_ms"] + t["decode_bwd_ms"]
