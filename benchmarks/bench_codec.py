@@ -2,27 +2,47 @@
 
     python -m benchmarks.bench_codec [--dims 576,1024,1536,4096] [--seq-len 256 --micro-batch 4]
                                      [--keep-ratio 0.05] [--wire-dtype bf16] [--out codec.json]
+                                     [--codecs mask,pcaq:lrq,rpq/passes=2:lrq] [--passes 3]
+
+Codecs: ``--codecs`` (comma-separated ``--boundary-codec`` specs), by default every registered
+codec (``available_codecs()``) and the pair specs :data:`PAIR_SPECS` (``dense:mask``,
+``mask:mask``, ``pcaq:lrq``, ``rpq:lrq``, ``rpq/passes=2:lrq``), each built by
+``compression.build_codec(spec, --keep-ratio)`` exactly as the trainer's ``--boundary-codec
+SPEC --boundary-keep-ratio R`` builds it; a spec that cannot be built, or cannot code the
+shape (a budget with no coefficient bits), gets an n/a row with the reason. Plus reference
+points a user would otherwise pick (``benchmarks/reference_codecs.py``; bytes always, timing
+unless ``--no-references``): bf16 top-k (same k as the mask) with int32 or int16 indices, and
+per-token int8 quantization.
+
+A micro-batch crosses a boundary forward P times per iteration (``--passes``, default 3: the
+old-logprob, reference and update passes; an ``rpq`` forward half uses its own ``passes``)
+and backward once (the update pass). The FIRST forward crossing of a micro-batch in a step
+and a LATER one differ for stateful halves: ``pcaq`` computes and sends the step's basis on
+the first message of the step, ``rpq`` codes its first crossing with the budget of all P and
+a later one as a coded delta to it. Both are measured (the later crossing sends
+:func:`repeat_tensor`, x plus 1 % noise, as the reference pass does).
 
 1. Bytes: for each hidden size d, a boundary tensor [s, b, d] (s * b tokens of one
    micro-batch) is encoded by every codec and the payload tensors' bytes are summed
    (forward = activations, backward = the gradient of the receiver's input). Nothing is
    computed from a formula: the numbers are ``numel * element_size`` of what the encoders
-   returned. Codecs: every registered one (``available_codecs()``, built as the trainer's
-   ``--boundary-codec NAME --boundary-keep-ratio R`` builds it; a codec that cannot be built
-   that way gets an n/a row), plus reference points a user would otherwise pick
-   (``benchmarks/reference_codecs.py``): bf16 top-k (same k as the mask) with int32 or int16
-   indices, and per-token int8 quantization.
-2. Time (issue 10 item 6): per micro-batch crossing, every repetition with a new context
-   (as every training step has), split into what is on the critical path and what is not,
-   each as a fraction of one transformer layer's forward + backward at the same shape
-   ([s, b, d], llama-style layer of the model family that uses this d; megatron-core's
-   local layer spec), all measured in this process with the same thread count:
-   * off-path: the codec's ``precompute`` (for ``mask`` the PRF index derivation), which the
-     trainer runs on a background thread for every crossing of an iteration as soon as the
-     batch is known (``pipeline/prefetch.py``); charged twice (sender and receiver);
-   * critical path: encode + decode in both directions, timed after that precompute; any
-     work a codec does lazily (no precompute, or a crossing nobody announced) lands here;
-   * "no prefetch": the sum, i.e. the crossing's cost if the precompute ran inline.
+   returned (first and later forward crossing, backward, and the per-iteration ratio).
+2. Time (issue 10 item 6): per micro-batch, every repetition with a new context (as every
+   training step has), split into what is on the critical path and what is not, each as a
+   fraction of one transformer layer's forward + backward at the same shape ([s, b, d],
+   llama-style layer of the model family that uses this d; megatron-core's local layer spec),
+   all measured in this process with the same thread count, the layer run interleaved with
+   every codec's repetitions (each codec's share uses the layer runs interleaved with it):
+   * off-path: the codec's ``precompute`` (for ``mask`` and a pair's mask halves the PRF index
+     derivation), which the trainer runs on a background thread for every crossing of an
+     iteration as soon as the batch is known (``pipeline/prefetch.py``); charged twice
+     (sender and receiver);
+   * critical path: encode + decode of the first forward crossing and of the backward
+     ("critical"), of a later forward crossing and the backward ("later"), and
+     first + (P - 1) later + backward ("iter": a micro-batch's codec time per iteration, still
+     against ONE layer f+b), timed after that precompute; any work a codec does lazily (no
+     precompute, a crossing nobody announced, a data-dependent basis) lands here;
+   * "no prefetch": critical + off-path, i.e. the crossing's cost if the precompute ran inline.
 Timing uses ``--compute-dtype`` (fp32 by default: the dtype the CPU trainer runs in); bytes
 use ``--wire-dtype`` (bf16 by default: what a GPU pipeline puts on the wire). The bytes
 ratio mask/dense is k/d in any dtype.
@@ -55,6 +75,9 @@ LAYER_SHAPES = {
     1536: (12, 2, 8960, "Qwen2.5-1.5B"),
     4096: (32, 8, 14336, "Llama-3-8B"),
 }
+# the pair specs (``FWD:BWD``, compression/spec.py) that matter: the trainer's candidates of issue 10
+PAIR_SPECS = ("dense:mask", "mask:mask", "pcaq:lrq", "rpq:lrq", "rpq/passes=2:lrq")
+DEFAULT_PASSES = 3  # forward crossings of a micro-batch per iteration in the demo: old-logprob, reference, update
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 SEED = 20260731
 
@@ -80,12 +103,14 @@ class _Adapter:
     ``precompute(ctx)`` is None for codecs with nothing to derive ahead of the crossing.
     """
 
-    def __init__(self, name: str, enc_f, dec_f, enc_b, dec_b, precompute: Optional[Callable] = None, k=None):
-        self.name, self.k = name, k
+    def __init__(self, name: str, enc_f, dec_f, enc_b, dec_b, precompute: Optional[Callable] = None, k=None,
+                 passes: Optional[int] = None):
+        self.name, self.k, self.passes = name, k, passes
         self.enc_f, self.dec_f, self.enc_b, self.dec_b, self.precompute = enc_f, dec_f, enc_b, dec_b, precompute
 
 
 def _library_adapter(name: str, codec, shape) -> _Adapter:
+    fwd = getattr(codec, "fwd", None)  # a PairCodec's forward half (rpq plans its budget for `passes`)
     return _Adapter(
         name,
         enc_f=lambda x, ctx: codec.encode_forward(x, ctx),
@@ -93,7 +118,7 @@ def _library_adapter(name: str, codec, shape) -> _Adapter:
         enc_b=lambda g, ctx, fp: codec.encode_backward(g, ctx),
         dec_b=lambda p, ctx, fp: codec.decode_backward(p, ctx, shape),
         precompute=(lambda ctx: codec.precompute(ctx, shape, "cpu")) if has_precompute(codec) else None,
-        k=codec.k(shape[2]) if hasattr(codec, "k") else None)
+        k=codec.k(shape[2]) if hasattr(codec, "k") else None, passes=getattr(fwd, "passes", None))
 
 
 def _reference_adapter(ref, shape) -> _Adapter:
@@ -102,19 +127,27 @@ def _reference_adapter(ref, shape) -> _Adapter:
                     k=getattr(ref, "k", None))
 
 
-def build_adapters(d: int, s: int, b: int, keep_ratio: float):
-    """(adapters, n/a rows) for hidden size d: every registered codec (``available_codecs()``,
-    built as ``--boundary-codec NAME --boundary-keep-ratio keep_ratio`` would build it), then
-    the reference encodings; ``n/a`` maps codecs that cannot be built to the reason."""
+def default_specs() -> List[str]:
+    """Every registered codec name (``available_codecs()``), then :data:`PAIR_SPECS`."""
+    return list(available_codecs()) + [p for p in PAIR_SPECS if p not in available_codecs()]
+
+
+def build_adapters(d: int, s: int, b: int, keep_ratio: float, specs: Optional[List[str]] = None,
+                   references: bool = True):
+    """(adapters, n/a rows) for hidden size d: each of ``specs`` (default :func:`default_specs`:
+    every registered codec and the pair specs), built by ``build_codec`` as
+    ``--boundary-codec SPEC --boundary-keep-ratio keep_ratio`` builds it in the trainer, then
+    (``references``) the reference encodings; ``n/a`` maps specs that cannot be built to the
+    reason."""
     shape = (s, b, d)
     adapters, missing = [], {}
-    for name in available_codecs():
+    for name in (default_specs() if specs is None else specs):
         try:
-            adapters.append(_library_adapter(name, build_codec(name, keep_ratio), shape))
+            adapters.append(_library_adapter(name, build_codec(name, keep_ratio, warn=False), shape))
         except Exception as e:  # a constructor that needs arguments this benchmark does not know
             missing[name] = f"n/a (registered, but build_codec({name!r}) failed: {e})"
     k = keep_count(d, keep_ratio)
-    for ref in (TopKReference(k, torch.int32), TopKReference(k, torch.int16), Int8Reference()):
+    for ref in (TopKReference(k, torch.int32), TopKReference(k, torch.int16), Int8Reference()) if references else ():
         adapters.append(_reference_adapter(ref, shape))
     return adapters, missing
 
@@ -129,30 +162,68 @@ def boundary_tensors(s: int, b: int, d: int, dtype: torch.dtype, seed: int = SEE
     return x.to(dtype), grad.to(dtype)
 
 
+def repeat_tensor(x: torch.Tensor, rel: float = 0.01, seed: int = SEED) -> torch.Tensor:
+    """What a later crossing of the same micro-batch sends: ``x`` [s, b, d] plus Gaussian noise
+    of ``rel`` times x's RMS (the reference model's or a later epoch's activations; the update
+    pass of a one-step iteration resends x itself), in x's dtype."""
+    g = torch.Generator().manual_seed(seed + 1)
+    noise = torch.randn(x.shape, generator=g) * (rel * float(x.float().pow(2).mean().sqrt()))
+    return (x.float() + noise).to(x.dtype)
+
+
 # --------------------------------------------------------------------------- bytes
 
 
-def measure_bytes(d: int, s: int, b: int, keep_ratio: float = 0.05, wire_dtype: torch.dtype = torch.bfloat16):
+def _passes(a: _Adapter, passes: int) -> int:
+    """Forward crossings per micro-batch and iteration for codec ``a``: its forward half's own
+    plan (``rpq/passes=P``) when it has one, else ``passes``."""
+    return int(a.passes) if a.passes else int(passes)
+
+
+def measure_bytes(d: int, s: int, b: int, keep_ratio: float = 0.05, wire_dtype: torch.dtype = torch.bfloat16,
+                  specs: Optional[List[str]] = None, passes: int = DEFAULT_PASSES):
     """Encode one micro-batch [s, b, d] with every codec; bytes are summed from the payloads.
 
-    Returns a list of dict rows: codec, d, k, tokens, fwd_bytes, bwd_bytes (per micro-batch),
-    fwd/bwd_bytes_per_token, ratio_vs_dense ((fwd + bwd) / dense (fwd + bwd)), or
-    ``{"codec": name, "note": "n/a ..."}`` for codecs that do not exist.
+    Per codec (a fresh instance) and crossing context: the FIRST forward crossing of the
+    micro-batch in its step (for ``pcaq``/``rpq`` it carries the step's basis; ``rpq`` codes it
+    with the budget of all ``passes`` crossings), one LATER forward crossing of the same
+    micro-batch (same context; ``rpq``: the coded delta to the first, here of a changed tensor,
+    :func:`repeat_tensor`) and the backward message.
+
+    Returns:
+        list of dict rows: codec, d, k, tokens, fwd_bytes, bwd_bytes (per micro-batch, first
+        crossing), fwd/bwd_bytes_per_token, ratio_vs_dense ((fwd + bwd) / dense (fwd + bwd)),
+        fwd_bytes_repeat (the later crossing), passes (P: the codec's own ``rpq/passes``, else
+        ``passes``), iter_ratio_vs_dense ((fwd + (P - 1) fwd_repeat + bwd) / ((P + 1) dense)),
+        the bytes of one micro-batch's iteration; or ``{"codec": name, "note": "n/a ..."}``
+        for codecs that cannot be built.
     """
-    adapters, missing = build_adapters(d, s, b, keep_ratio)
+    adapters, missing = build_adapters(d, s, b, keep_ratio, specs)
     x, grad = boundary_tensors(s, b, d, wire_dtype)
+    x_rep = repeat_tensor(x)
     tokens = s * b
+    dense_b = tokens * d * torch.empty((), dtype=wire_dtype).element_size()
     rows = []
     for a in adapters:
         ctx = _ctx(1, b)
-        fp = a.enc_f(x, ctx)
-        bp = a.enc_b(grad, ctx, fp)
+        try:
+            fp = a.enc_f(x, ctx)
+            a.dec_f(fp, ctx)  # the receiver's state of a first crossing (rpq, pcaq)
+            fr = a.enc_f(x_rep, ctx)
+            bp = a.enc_b(grad, ctx, fp)
+        except ValueError as e:  # e.g. a budget that leaves no coefficient bits at this shape
+            missing[a.name] = f"n/a at [{s}, {b}, {d}] {wire_dtype}: {e}"
+            continue
+        p = _passes(a, passes)
+        f, fr, bw = wire_bytes(fp), wire_bytes(fr), wire_bytes(bp)
         rows.append({"codec": a.name, "d": d, "k": a.k, "tokens": tokens, "wire_dtype": str(wire_dtype),
-                     "fwd_bytes": wire_bytes(fp), "bwd_bytes": wire_bytes(bp),
-                     "fwd_bytes_per_token": wire_bytes(fp) / tokens, "bwd_bytes_per_token": wire_bytes(bp) / tokens})
-    dense = next(r for r in rows if r["codec"] == "dense")
+                     "fwd_bytes": f, "bwd_bytes": bw, "fwd_bytes_per_token": f / tokens,
+                     "bwd_bytes_per_token": bw / tokens, "fwd_bytes_repeat": fr, "passes": p,
+                     "iter_ratio_vs_dense": (f + (p - 1) * fr + bw) / ((p + 1) * dense_b)})
+    dense = next((r for r in rows if r["codec"] == "dense"), None)
     for r in rows:
-        r["ratio_vs_dense"] = (r["fwd_bytes"] + r["bwd_bytes"]) / (dense["fwd_bytes"] + dense["bwd_bytes"])
+        r["ratio_vs_dense"] = (r["fwd_bytes"] + r["bwd_bytes"]) / (2 * dense_b)
+    assert dense is None or dense["fwd_bytes"] == dense["bwd_bytes"] == dense_b
     for name, note in missing.items():
         rows.append({"codec": name, "d": d, "note": note})
     return rows
@@ -161,8 +232,10 @@ def measure_bytes(d: int, s: int, b: int, keep_ratio: float = 0.05, wire_dtype: 
 # --------------------------------------------------------------------------- time
 
 
-def _timeit(fn: Callable[[], object], min_time: float, min_reps: int = 3, max_reps: int = 200) -> float:
-    """Median seconds of ``fn()`` after one warm-up call (at least min_reps calls, ~min_time s)."""
+def _timeit(fn: Callable[[], object], min_time: float, min_reps: int = 3, max_reps: int = 200,
+            samples: bool = False):
+    """Median seconds of ``fn()`` after one warm-up call (at least min_reps calls, ~min_time s);
+    ``samples``: the list of every timed call's seconds instead."""
     fn()
     times: List[float] = []
     t_start = time.perf_counter()
@@ -170,7 +243,7 @@ def _timeit(fn: Callable[[], object], min_time: float, min_reps: int = 3, max_re
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return times if samples else statistics.median(times)
 
 
 def build_layer(d: int, dtype: torch.dtype):
@@ -190,43 +263,62 @@ def build_layer(d: int, dtype: torch.dtype):
 
 
 def time_codec(a: _Adapter, x: torch.Tensor, grad: torch.Tensor, min_time: float, min_reps: int = 5,
-               max_reps: int = 200) -> dict:
-    """Median ms of each codec call for one micro-batch crossing, every repetition a new crossing.
+               max_reps: int = 200, x_rep: Optional[torch.Tensor] = None,
+               layer: Optional[Callable[[], object]] = None) -> dict:
+    """Median ms of each codec call for one micro-batch's crossings, every repetition a new step.
 
     Repetition i uses a context never seen before (step i), as every training step does: the
     codec cannot reuse anything but what it derives per context. Per repetition, in order:
     ``precompute(ctx)`` (off the critical path: in training a background thread runs it for
-    every crossing of the iteration when the batch is known, ``pipeline/prefetch.py``), then
-    the four calls on the critical path: encode/decode forward, encode/decode backward.
-    Anything a codec derives lazily inside them (a codec without precompute, or a crossing
-    not prefetched) is therefore timed as critical-path work. One untimed warm-up first.
+    every crossing of the iteration when the batch is known, ``pipeline/prefetch.py``); the
+    FIRST forward crossing of the micro-batch (encode, decode of ``x``: for ``pcaq``/``rpq`` the
+    step's basis is computed here); one LATER forward crossing of the same micro-batch (same
+    context, tensor ``x_rep``, default ``x``: ``rpq``'s delta path, ``pcaq``'s reuse of the step
+    basis, the mask's cached indices); then the backward message (encode, decode of ``grad``).
+    All of these are on the critical path: anything a codec derives lazily inside them (no
+    precompute, or a crossing not prefetched) is timed there. One untimed warm-up first.
+    ``layer``: a callable (one layer's forward + backward) run and timed at the start of every
+    repetition, so that codec and layer see the same machine load (interleaved).
 
     Returns:
-        {"encode_fwd_ms", "decode_fwd_ms", "encode_bwd_ms", "decode_bwd_ms", "precompute_ms",
-        "reps"}: medians over the repetitions (precompute_ms 0.0 when there is none).
+        {"precompute_ms", "encode_fwd_ms", "decode_fwd_ms", "repeat_encode_fwd_ms",
+        "repeat_decode_fwd_ms", "encode_bwd_ms", "decode_bwd_ms", "reps"} and, with ``layer``,
+        "layer_ms": medians in ms over the repetitions (precompute_ms 0.0 when there is none).
     """
-    keys = ("precompute_ms", "encode_fwd_ms", "decode_fwd_ms", "encode_bwd_ms", "decode_bwd_ms")
+    x_rep = x if x_rep is None else x_rep
+    keys = ("precompute_ms", "encode_fwd_ms", "decode_fwd_ms", "repeat_encode_fwd_ms", "repeat_decode_fwd_ms",
+            "encode_bwd_ms", "decode_bwd_ms")
     samples = {k: [] for k in keys}
     b = x.shape[1]
     t_start, step = time.perf_counter(), 1_000_000  # far from the steps of measure_bytes
     while step - 1_000_000 < min_reps + 1 or (time.perf_counter() - t_start < min_time
                                               and step - 1_000_000 < max_reps + 1):
         ctx = _ctx(step, b)
-        t0 = time.perf_counter()
+        if layer is not None:
+            t_layer = time.perf_counter()
+            layer()
+            t_layer = time.perf_counter() - t_layer
+        t = [time.perf_counter()]
         if a.precompute is not None:
             a.precompute(ctx)
-        t1 = time.perf_counter()
+        t.append(time.perf_counter())
         fp = a.enc_f(x, ctx)
-        t2 = time.perf_counter()
+        t.append(time.perf_counter())
         a.dec_f(fp, ctx)
-        t3 = time.perf_counter()
+        t.append(time.perf_counter())
+        fr = a.enc_f(x_rep, ctx)
+        t.append(time.perf_counter())
+        a.dec_f(fr, ctx)
+        t.append(time.perf_counter())
         bp = a.enc_b(grad, ctx, fp)
-        t4 = time.perf_counter()
+        t.append(time.perf_counter())
         a.dec_b(bp, ctx, fp)
-        t5 = time.perf_counter()
+        t.append(time.perf_counter())
         if step > 1_000_000:  # the first repetition is the warm-up
-            for k, v in zip(keys, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4)):
-                samples[k].append(v * 1e3)
+            for i, k in enumerate(keys):
+                samples[k].append((t[i + 1] - t[i]) * 1e3)
+            if layer is not None:
+                samples.setdefault("layer_ms", []).append(t_layer * 1e3)
         step += 1
     out = {k: statistics.median(v) for k, v in samples.items()}
     if a.precompute is None:
@@ -236,19 +328,35 @@ def time_codec(a: _Adapter, x: torch.Tensor, grad: torch.Tensor, min_time: float
 
 
 def measure_time(d: int, s: int, b: int, keep_ratio: float = 0.05, dtype: torch.dtype = torch.float32,
-                 min_time: float = 1.0, layer_min_reps: int = 2):
+                 min_time: float = 1.0, layer_min_reps: int = 2, specs: Optional[List[str]] = None,
+                 passes: int = DEFAULT_PASSES, references: bool = True):
     """One layer's forward+backward and each codec's per-crossing time (ms) at [s, b, d], same process.
 
-    Row keys: ``critical_ms`` = encode + decode, forward and backward (``time_codec``: with
-    the crossing's precompute already done); ``precompute_ms`` = the codec's work ahead of
-    the crossing at one end (both ends do it); ``share_of_layer_fwd_bwd`` = critical_ms /
-    layer f+b (the critical-path share); ``offpath_share`` = 2 x precompute_ms / layer f+b;
-    ``share_without_prefetch`` = (critical_ms + 2 x precompute_ms) / layer f+b, what the
-    crossing costs when nothing is prefetched (masks derived on demand at both ends).
+    The layer runs interleaved with each codec's repetitions (one layer forward+backward, then
+    the codec's crossings, repeated; the machine may be shared): a row's ``layer_fwd_bwd_ms`` is
+    the median of the layer runs interleaved with that codec, so that its shares are
+    side-by-side ratios; ``layer_before_ms`` / ``layer_after_ms``: medians of a layer-only run
+    before the first and after the last codec.
+    Row keys (ms per micro-batch; ``time_codec`` for what each call is):
+
+    * ``critical_ms`` = first forward crossing (encode + decode) + backward (encode + decode),
+      with the crossing's precompute already done; ``share_of_layer_fwd_bwd`` = critical_ms /
+      layer f+b: THE critical-path share (issue 10 item 6);
+    * ``repeat_critical_ms`` = a later forward crossing + backward; ``repeat_share`` likewise;
+    * ``iteration_critical_ms`` = first fwd + (P - 1) later fwd + one backward: a micro-batch's
+      critical-path codec time in one iteration of P forward crossings (``passes``: the codec's
+      own ``rpq/passes``, else ``passes``; the backward crosses once, in the update pass);
+      ``iteration_share`` = that / ONE layer f+b (conservative: the layer itself also runs
+      P - 1 extra forwards per iteration);
+    * ``precompute_ms`` = the codec's work ahead of the crossing at one end (both ends do it);
+      ``offpath_share`` = 2 x precompute_ms / layer f+b; ``share_without_prefetch`` =
+      (critical_ms + 2 x precompute_ms) / layer f+b, what the crossing costs when nothing is
+      prefetched (masks derived on demand at both ends).
     """
     layer, rope, family = build_layer(d, dtype)
     emb = rope(s)
     x, grad = boundary_tensors(s, b, d, dtype)
+    x_rep = repeat_tensor(x)
     inp = x.detach().clone().requires_grad_(True)
 
     def fwd_bwd():
@@ -257,17 +365,31 @@ def measure_time(d: int, s: int, b: int, keep_ratio: float = 0.05, dtype: torch.
         out = out[0] if isinstance(out, tuple) else out
         out.backward(grad)
 
-    layer_ms = _timeit(fwd_bwd, min_time, min_reps=layer_min_reps) * 1e3
-    layer = None  # free the weights (and grads) before timing the codecs
-
-    adapters, missing = build_adapters(d, s, b, keep_ratio)
-    rows = []
+    adapters, missing = build_adapters(d, s, b, keep_ratio, specs, references)
+    timed = []
+    before = _timeit(fwd_bwd, min_time, min_reps=layer_min_reps, samples=True)
     for a in adapters:
-        t = time_codec(a, x, grad, min_time / 2)
-        crit = t["encode_fwd_ms"] + t["decode_fwd_ms"] + t["encode_bwd_ms"] + t["decode_bwd_ms"]
+        try:  # the layer runs interleaved with the codec's repetitions: its share is a side-by-side ratio
+            t = time_codec(a, x, grad, min_time / 2, x_rep=x_rep, layer=fwd_bwd)
+        except ValueError as e:  # e.g. a budget that leaves no coefficient bits at this shape
+            missing[a.name] = f"n/a at [{s}, {b}, {d}] {dtype}: {e}"
+            continue
+        timed.append((a, t, t.pop("layer_ms")))
+    after = _timeit(fwd_bwd, min_time, min_reps=layer_min_reps, samples=True)
+    layer = None
+    rows = []
+    for a, t, layer_ms in timed:
+        fwd, bwd = t["encode_fwd_ms"] + t["decode_fwd_ms"], t["encode_bwd_ms"] + t["decode_bwd_ms"]
+        rep = t["repeat_encode_fwd_ms"] + t["repeat_decode_fwd_ms"]
+        p = _passes(a, passes)
+        crit, rcrit, icrit = fwd + bwd, rep + bwd, fwd + (p - 1) * rep + bwd
         rows.append({"codec": a.name, "d": d, "tokens": s * b, "dtype": str(dtype), "layer": family,
-                     "layer_fwd_bwd_ms": layer_ms, **t, "has_precompute": a.precompute is not None,
+                     "layer_fwd_bwd_ms": layer_ms, "layer_before_ms": statistics.median(before) * 1e3,
+                     "layer_after_ms": statistics.median(after) * 1e3, **t,
+                     "has_precompute": a.precompute is not None, "passes": p,
                      "critical_ms": crit, "share_of_layer_fwd_bwd": crit / layer_ms,
+                     "repeat_critical_ms": rcrit, "repeat_share": rcrit / layer_ms,
+                     "iteration_critical_ms": icrit, "iteration_share": icrit / layer_ms,
                      "offpath_share": 2 * t["precompute_ms"] / layer_ms,
                      "share_without_prefetch": (crit + 2 * t["precompute_ms"]) / layer_ms})
     for name, note in missing.items():
@@ -278,28 +400,35 @@ def measure_time(d: int, s: int, b: int, keep_ratio: float = 0.05, dtype: torch.
 # --------------------------------------------------------------------------- report
 
 
+W = 18  # codec column width (pair specs such as rpq/passes=2:lrq)
+
+
 def _fmt_bytes_table(rows) -> str:
-    out = [f"{'d':>5} {'codec':<9} {'k':>5} {'fwd B/tok':>10} {'bwd B/tok':>10} {'vs dense':>9}"]
+    out = [f"{'d':>5} {'codec':<{W}} {'k':>5} {'fwd B/tok':>10} {'bwd B/tok':>10} {'vs dense':>9} "
+           f"{'later fwd B/tok':>15} {'P':>2} {'iter vs dense':>13}"]
     for r in rows:
         if "note" in r:
-            out.append(f"{r['d']:>5} {r['codec']:<9} {'':>5} {r['note']}")
+            out.append(f"{r['d']:>5} {r['codec']:<{W}} {'':>5} {r['note']}")
             continue
-        out.append(f"{r['d']:>5} {r['codec']:<9} {r['k'] if r['k'] else '':>5} {r['fwd_bytes_per_token']:>10.1f} "
-                   f"{r['bwd_bytes_per_token']:>10.1f} {r['ratio_vs_dense']:>9.4f}")
+        out.append(f"{r['d']:>5} {r['codec']:<{W}} {r['k'] if r['k'] else '':>5} {r['fwd_bytes_per_token']:>10.1f} "
+                   f"{r['bwd_bytes_per_token']:>10.1f} {r['ratio_vs_dense']:>9.4f} "
+                   f"{r['fwd_bytes_repeat'] / r['tokens']:>15.1f} {r['passes']:>2} {r['iter_ratio_vs_dense']:>13.4f}")
     return "\n".join(out)
 
 
 def _fmt_time_table(rows) -> str:
-    out = [f"{'d':>5} {'codec':<9} {'critical ms':>11} {'precompute ms':>13} {'layer f+b ms':>12} "
-           f"{'critical':>9} {'off-path':>9} {'no prefetch':>11}   layer"]
+    out = [f"{'d':>5} {'codec':<{W}} {'first ms':>9} {'later ms':>9} {'P':>2} {'iter ms':>9} {'precomp ms':>10} "
+           f"{'layer ms':>9} {'critical':>9} {'later':>8} {'iter':>8} {'off-path':>9} {'no prefetch':>11}   layer"]
     for r in rows:
         if "note" in r:
-            out.append(f"{r['d']:>5} {r['codec']:<9} {r['note']}")
+            out.append(f"{r['d']:>5} {r['codec']:<{W}} {r['note']}")
             continue
-        pre = f"{r['precompute_ms']:>13.3f}" if r["has_precompute"] else f"{'-':>13}"
+        pre = f"{r['precompute_ms']:>10.3f}" if r["has_precompute"] else f"{'-':>10}"
         off = f"{100 * r['offpath_share']:>8.2f}%" if r["has_precompute"] else f"{'-':>9}"
-        out.append(f"{r['d']:>5} {r['codec']:<9} {r['critical_ms']:>11.3f} {pre} {r['layer_fwd_bwd_ms']:>12.1f} "
-                   f"{100 * r['share_of_layer_fwd_bwd']:>8.3f}% {off} {100 * r['share_without_prefetch']:>10.2f}%"
+        out.append(f"{r['d']:>5} {r['codec']:<{W}} {r['critical_ms']:>9.3f} {r['repeat_critical_ms']:>9.3f} "
+                   f"{r['passes']:>2} {r['iteration_critical_ms']:>9.3f} {pre} {r['layer_fwd_bwd_ms']:>9.1f} "
+                   f"{100 * r['share_of_layer_fwd_bwd']:>8.3f}% {100 * r['repeat_share']:>7.3f}% "
+                   f"{100 * r['iteration_share']:>7.3f}% {off} {100 * r['share_without_prefetch']:>10.2f}%"
                    f"   {r['layer']}")
     return "\n".join(out)
 
@@ -322,19 +451,31 @@ def main(argv=None) -> dict:
     ap.add_argument("--min-time", type=float, default=1.0, help="seconds per timed quantity (approx.)")
     ap.add_argument("--bytes-only", action="store_true", help="skip the timing")
     ap.add_argument("--time-dims", default=None, help="hidden sizes to time (default: --dims)")
+    ap.add_argument("--codecs", default=None,
+                    help="comma-separated --boundary-codec specs, built by build_codec (default: every registered "
+                         f"codec, then {', '.join(PAIR_SPECS)})")
+    ap.add_argument("--passes", type=int, default=DEFAULT_PASSES,
+                    help="forward crossings per micro-batch and iteration for the per-iteration total (default 3: "
+                         "old-logprob, reference, update); an rpq forward half uses its own passes")
+    ap.add_argument("--no-references", action="store_true", help="time only the --codecs (bytes keep the references)")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args(argv)
     bootstrap(num_threads=args.threads)  # first thing after parsing the flags (it needs --threads)
     dims = [int(v) for v in args.dims.split(",") if v]
     time_dims = dims if args.time_dims is None else [int(v) for v in args.time_dims.split(",") if v]
     s, b = args.seq_len, args.micro_batch
+    specs = None if args.codecs is None else [c.strip() for c in args.codecs.split(",") if c.strip()]
+    if specs is not None and not specs:
+        ap.error("--codecs: no spec given")
     result = {"config": vars(args), "machine": _machine_info(args.threads), "bytes": [], "time": []}
 
     print(f"bench_codec: boundary tensor [s={s}, b={b}, d] = {s * b} tokens per micro-batch, "
           f"keep ratio {args.keep_ratio}, bytes in {args.wire_dtype}")
     for d in dims:
-        result["bytes"].extend(measure_bytes(d, s, b, args.keep_ratio, DTYPES[args.wire_dtype]))
-    print("\nBytes per token per boundary per direction (measured from the encoded payloads):")
+        result["bytes"].extend(measure_bytes(d, s, b, args.keep_ratio, DTYPES[args.wire_dtype], specs, args.passes))
+    print("\nBytes per token per boundary per direction (measured from the encoded payloads; fwd = the first\n"
+          "crossing of the micro-batch in its step, later fwd = a later crossing of it, P = forward crossings per\n"
+          "iteration, iter = (fwd + (P-1) later + bwd) / ((P+1) dense)):")
     print(_fmt_bytes_table(result["bytes"]))
 
     if not args.bytes_only and time_dims:
@@ -343,15 +484,18 @@ def main(argv=None) -> dict:
         try:
             for d in time_dims:
                 t0 = time.perf_counter()
-                rows = measure_time(d, s, b, args.keep_ratio, DTYPES[args.compute_dtype], args.min_time)
+                rows = measure_time(d, s, b, args.keep_ratio, DTYPES[args.compute_dtype], args.min_time,
+                                    specs=specs, passes=args.passes, references=not args.no_references)
                 result["time"].extend(rows)
                 print(f"  timed d={d} in {time.perf_counter() - t0:.0f} s", flush=True)
         finally:
             destroy_single_process_megatron(destroy_process_group=created)
         print(f"\nCodec time per micro-batch crossing ({args.compute_dtype}, {args.threads} thread(s)) vs one "
               "transformer layer forward+backward at the same shape; every repetition is a new crossing context.\n"
-              "critical = encode+decode, forward and backward, / layer f+b (with the crossing's precompute done,\n"
-              "as the trainer's background prefetch leaves it); off-path = 2 x precompute (one per end: the mask's\n"
+              "critical = encode+decode of the micro-batch's first forward crossing and of the backward, / layer f+b\n"
+              "(with the crossing's precompute done, as the trainer's background prefetch leaves it); later = the same\n"
+              "with a later forward crossing (rpq: the coded delta); iter = (first fwd + (P-1) later fwd + bwd) / ONE\n"
+              "layer f+b, a micro-batch's codec time per iteration of P forward crossings; off-path = 2 x precompute (one per end: the mask's\n"
               "PRF indices, derived on a background thread when the batch is known) / layer f+b; no prefetch =\n"
               "(critical + 2 x precompute) / layer f+b, the cost with masks derived on demand. '-': no precompute.")
         print(_fmt_time_table(result["time"]))

@@ -109,8 +109,10 @@ def get_codec(name: str, **kwargs) -> "BoundaryCodec":
 
 
 def has_precompute(codec: "BoundaryCodec") -> bool:
-    """Whether ``codec`` overrides :meth:`BoundaryCodec.precompute` (has work to do ahead of a crossing)."""
-    return type(codec).precompute is not BoundaryCodec.precompute
+    """Whether ``codec`` overrides :meth:`BoundaryCodec.precompute` (has work to do ahead of a
+    crossing) and does not say otherwise (``codec.precomputes`` False: a ``PairCodec`` of
+    halves without precompute, e.g. ``pcaq:lrq``)."""
+    return type(codec).precompute is not BoundaryCodec.precompute and bool(getattr(codec, "precomputes", True))
 
 
 def _check_shape(shape) -> Tuple[int, int, int]:

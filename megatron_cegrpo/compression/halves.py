@@ -108,6 +108,26 @@ class DirectionCodec(abc.ABC):
         ``first_of_step``: the first message of its (boundary, step), which carries any
         per-step basis."""
 
+    def precompute(self, ctx: BoundaryContext, shape, device="cpu") -> bool:
+        """Derive ahead of the crossing whatever ``ctx`` and the dense ``shape`` (s, b, d)
+        alone determine (``BoundaryCodec.precompute``; called by :meth:`PairCodec.precompute`
+        off the critical path). Default: nothing, returns False (halves whose work depends on
+        the data, e.g. ``pcaq``, ``lrq``, ``rpq``). Must be thread-safe and give the same bits
+        as deriving on demand."""
+        return False
+
+    def step_nbytes(self, shape, elem: int, messages: int, keys: int) -> int:
+        """Documented wire bytes of one step's ``messages`` messages of ``shape`` (s, b, d) in
+        this direction, ``keys`` of them distinct micro-batches (the rest are later crossings of
+        those; halves that code a later crossing differently, ``rpq``, override this).
+        ``elem``: the wire dtype's element size in bytes. Default: the first message with any
+        per-step basis (``nbytes(first_of_step=True)``), the other ``messages - 1`` without;
+        0 when ``messages <= 0``."""
+        messages = int(messages)
+        if messages <= 0:
+            return 0
+        return self.nbytes(shape, elem, True) + (messages - 1) * self.nbytes(shape, elem, False)
+
     def decode_sent(self, payload: torch.Tensor, ctx: BoundaryContext, shape) -> torch.Tensor:
         """Sender: what the receiver will decode from the payload it has just encoded
         (``codec/error_persistence``), from the sender's own state and without changing the
@@ -172,6 +192,16 @@ class MaskHalf(DirectionCodec):
     def nbytes(self, shape, elem, first_of_step):
         s, b, d = _check_shape(shape)
         return s * b * self.mask.k(d) * elem
+
+    def precompute(self, ctx, shape, device="cpu") -> bool:
+        """The PRF indices of ``ctx`` for dense ``shape`` (s, b, d), into the mask's plan
+        (:meth:`MaskCodec.precompute`; ValueError on a bad shape or sample_ids). Returns True."""
+        return self.mask.precompute(ctx, shape, device)
+
+    @property
+    def derivations(self) -> dict:
+        """The mask's index derivation counters ({"precomputed": n, "on_demand": m})."""
+        return self.mask.derivations
 
     def reset(self):
         self.mask.clear_cache()

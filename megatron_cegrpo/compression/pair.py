@@ -56,6 +56,26 @@ class PairCodec(BoundaryCodec):
     def __init__(self, fwd: DirectionCodec, bwd: DirectionCodec, spec: str = ""):
         self.fwd, self.bwd, self.spec = fwd, bwd, spec or f"{fwd.name}:{bwd.name}"
         self.name = self.spec
+        #: whether a half has context-only work to do ahead of a crossing (``has_precompute``)
+        self.precomputes = any(type(h).precompute is not DirectionCodec.precompute for h in (fwd, bwd))
+
+    def precompute(self, ctx: BoundaryContext, shape, device="cpu") -> bool:
+        """Both halves' :meth:`DirectionCodec.precompute` for the crossing ``ctx`` of dense
+        ``shape`` (s, b, d) (issue 10 item 6: a ``mask`` half's PRF indices leave the critical
+        path as the single ``mask`` codec's do). Returns True if either derived something."""
+        f = self.fwd.precompute(ctx, shape, device)
+        b = self.bwd.precompute(ctx, shape, device)
+        return bool(f or b)
+
+    @property
+    def derivations(self) -> dict:
+        """Index derivation counters summed over the halves that keep them (``mask``):
+        {"precomputed": n, "on_demand": m}; {} when neither does."""
+        out: dict = {}
+        for h in (self.fwd, self.bwd):
+            for k, v in getattr(h, "derivations", {}).items():
+                out[k] = out.get(k, 0) + v
+        return out
 
     @property
     def replica_invariant(self) -> bool:

@@ -116,22 +116,19 @@ def build_codec(spec: str, keep_ratio: float, *, warn: bool = True, **options) -
 
 
 def spec_bytes(codec: BoundaryCodec, shape, elem: int, fwd_messages: int, bwd_messages: int) -> Tuple[int, int]:
-    """Documented wire bytes (fwd, bwd) of one step's messages of ``shape``: the first
-    message of a direction carries any per-step basis; a half with ``step_nbytes`` (``rpq``)
-    counts ``bwd_messages`` (or, without a backward, ``fwd_messages``) distinct micro-batches
-    whose first crossing is a full one and the other crossings repeats; a single-name codec
-    sends payload_shape elements per message."""
+    """Documented wire bytes (fwd, bwd) of one step's messages of ``shape`` (s, b, d), ``elem``
+    bytes per wire element.
+
+    A pair asks each half's :meth:`~megatron_cegrpo.compression.halves.DirectionCodec.step_nbytes`
+    with the direction's message count and ``bwd_messages`` (or, without a backward,
+    ``fwd_messages``) distinct micro-batches: by default the first message carries any per-step
+    basis; ``rpq`` counts each micro-batch's first crossing as a full one and the others as
+    repeats. A single-name codec sends ``payload_shape`` elements per message."""
     counts = {"fwd": int(fwd_messages), "bwd": int(bwd_messages)}
     if isinstance(codec, PairCodec):
         keys = counts["bwd"] or counts["fwd"]  # distinct micro-batches: those of the update pass(es)
-
-        def direction(dr):
-            half = codec.fwd if dr == "fwd" else codec.bwd
-            if hasattr(half, "step_nbytes"):  # rpq: first crossings and repeats (repeat.py)
-                return half.step_nbytes(shape, elem, counts[dr], keys)
-            return 0 if counts[dr] == 0 else (codec.bytes_per_message(dr, shape, elem, True)
-                                              + (counts[dr] - 1) * codec.bytes_per_message(dr, shape, elem, False))
-        return direction("fwd"), direction("bwd")
+        return (codec.fwd.step_nbytes(shape, elem, counts["fwd"], keys),
+                codec.bwd.step_nbytes(shape, elem, counts["bwd"], keys))
     n = 1
     for v in codec.payload_shape(tuple(shape)):
         n *= int(v)

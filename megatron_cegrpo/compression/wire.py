@@ -26,39 +26,48 @@ def packed_nbytes(count: int, bits: int) -> int:
     return (int(count) * int(bits) + 7) // 8
 
 
+# Issue 10 item 6 (the bit packing is on the critical path of pcaq / rpq / lrq): bits travel as
+# uint8 0/1 (not int64), byte <-> bits through a 256-row table, and bits -> integers through an
+# fp32 matrix product with powers of two (exact: every partial sum is an integer < 2**24).
+_BITS_OF_BYTE = ((torch.arange(256)[:, None] >> torch.arange(8)) & 1).to(torch.uint8)  # [256, 8]
+_POW2 = 2.0 ** torch.arange(24, dtype=torch.float32)
+
+
 def bit_stream(q: torch.Tensor, bits: int) -> torch.Tensor:
-    """The bits of unsigned ints ``q`` (any shape, values in [0, 2**bits)), each value
-    little-endian, values in row-major order: int64 0/1 tensor [q.numel() * bits]."""
-    shifts = torch.arange(int(bits), device=q.device, dtype=torch.int64)
-    return ((q.reshape(-1).to(torch.int64)[:, None] >> shifts) & 1).reshape(-1)
+    """The bits of unsigned ints ``q`` (any shape, values in [0, 2**bits), 1 <= bits <= 24),
+    each value little-endian, values in row-major order: uint8 0/1 tensor [q.numel() * bits]."""
+    bits = int(bits)
+    q = q.reshape(-1)
+    if bits <= 8:
+        return _BITS_OF_BYTE.to(q.device)[q.to(torch.int64), :bits].reshape(-1)
+    shifts = torch.arange(bits, device=q.device, dtype=torch.int32)
+    return ((q.to(torch.int32)[:, None] >> shifts) & 1).to(torch.uint8).reshape(-1)
 
 
 def pack_stream(stream: torch.Tensor) -> torch.Tensor:
-    """Pack a 0/1 int64 stream into uint8 [packed_nbytes(len, 1)], bit i of byte j = stream[8j + i]
-    (the last byte zero-padded)."""
+    """Pack a 0/1 stream (any integer dtype) into uint8 [packed_nbytes(len, 1)], bit i of byte
+    j = stream[8j + i] (the last byte zero-padded)."""
     pad = (-stream.numel()) % 8
     if pad:
         stream = torch.cat([stream, stream.new_zeros(pad)])
-    weights = 1 << torch.arange(8, device=stream.device, dtype=torch.int64)
-    return (stream.view(-1, 8) * weights).sum(-1).to(torch.uint8)
+    return (stream.view(-1, 8).to(torch.float32) @ _POW2[:8].to(stream.device)).to(torch.uint8)
 
 
 def unpack_stream(data: torch.Tensor, nbits: int) -> torch.Tensor:
-    """Inverse of :func:`pack_stream`: the first ``nbits`` bits of uint8 ``data`` as int64 0/1.
+    """Inverse of :func:`pack_stream`: the first ``nbits`` bits of uint8 ``data`` as uint8 0/1.
 
     Raises:
         ValueError: ``data`` holds fewer than ``nbits`` bits.
     """
     if data.numel() * 8 < nbits:
         raise ValueError(f"need {nbits} bits, got {data.numel() * 8}")
-    shifts = torch.arange(8, device=data.device, dtype=torch.int64)
-    return ((data.to(torch.int64)[:, None] >> shifts) & 1).reshape(-1)[:nbits]
+    return _BITS_OF_BYTE.to(data.device)[data.reshape(-1).to(torch.int64)].reshape(-1)[:nbits]
 
 
 def stream_values(stream: torch.Tensor, bits: int) -> torch.Tensor:
-    """Inverse of :func:`bit_stream`: int64 values [len(stream) // bits]."""
-    weights = 1 << torch.arange(int(bits), device=stream.device, dtype=torch.int64)
-    return (stream.view(-1, int(bits)) * weights).sum(-1)
+    """Inverse of :func:`bit_stream` (1 <= bits <= 24): int64 values [len(stream) // bits]."""
+    bits = int(bits)
+    return (stream.reshape(-1, bits).to(torch.float32) @ _POW2[:bits].to(stream.device)).to(torch.int64)
 
 
 def tensor_bytes(t: torch.Tensor) -> torch.Tensor:

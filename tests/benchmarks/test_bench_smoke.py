@@ -30,9 +30,10 @@ def test_bench_codec_bytes_match_encodings(tmp_path):
     assert not timed["dense"]["has_precompute"] and timed["dense"]["precompute_ms"] == 0.0
     for r in timed.values():
         if "note" not in r:
-            crit = sum(r[k] for k in ("encode_fwd_ms", "decode_fwd_ms", "encode_bwd_ms", "decode_bwd_ms"))
-            assert r["critical_ms"] == crit and r["share_of_layer_fwd_bwd"] == crit / r["layer_fwd_bwd_ms"]
-            assert r["share_without_prefetch"] == (crit + 2 * r["precompute_ms"]) / r["layer_fwd_bwd_ms"]
+            _check_time_row(r)
+    # the default codec list also has the pair specs (too small a shape here for the subspace ones: n/a rows)
+    assert {"dense:mask", "pcaq:lrq", "rpq:lrq", "rpq/passes=2:lrq"} <= {r["codec"] for r in res["time"]}
+    assert timed["dense:mask"]["has_precompute"] and "note" in timed["rpq:lrq"]
     for d in DIMS:
         rows = {r["codec"]: r for r in res["bytes"] if r["d"] == d}
         k = keep_count(d, 0.05)
@@ -61,6 +62,45 @@ def test_bench_codec_bytes_match_encodings(tmp_path):
         assert rows["int8"]["fwd_bytes"] == wire_bytes(fp) == S * B * (d + 2)
         assert rows["int8"]["bwd_bytes"] == wire_bytes(bp) == S * B * (d + 2)
         assert dense["fwd_bytes"] == S * B * d * 2
+
+
+def _check_time_row(r):
+    layer = r["layer_fwd_bwd_ms"]
+    fwd, bwd = r["encode_fwd_ms"] + r["decode_fwd_ms"], r["encode_bwd_ms"] + r["decode_bwd_ms"]
+    rep = r["repeat_encode_fwd_ms"] + r["repeat_decode_fwd_ms"]
+    assert r["critical_ms"] == fwd + bwd and r["share_of_layer_fwd_bwd"] == r["critical_ms"] / layer
+    assert r["repeat_critical_ms"] == rep + bwd and r["repeat_share"] == r["repeat_critical_ms"] / layer
+    assert r["iteration_critical_ms"] == fwd + (r["passes"] - 1) * rep + bwd
+    assert r["iteration_share"] == r["iteration_critical_ms"] / layer
+    assert r["share_without_prefetch"] == (r["critical_ms"] + 2 * r["precompute_ms"]) / layer
+
+
+def test_bench_codec_pair_specs(tmp_path):
+    """--codecs with pair specs (built by build_codec, small ranks so that d = 64 leaves coefficient bits)."""
+    out = tmp_path / "pairs.json"
+    specs = ["mask", "dense:mask", "pcaq/rank=8:lrq", "rpq/rank=8:lrq", "rpq/rank=8/passes=2:lrq"]
+    run_single(["-m", "benchmarks.bench_codec", "--dims", "64", "--seq-len", "32", "--micro-batch", str(B),
+                "--min-time", "0.01", "--wire-dtype", "fp32", "--codecs", ",".join(specs), "--no-references",
+                "--out", str(out)], timeout=120)
+    res = json.loads(out.read_text())
+    timed = {r["codec"]: r for r in res["time"]}
+    assert list(timed) == specs  # exactly the specs asked for, no references
+    for r in timed.values():
+        assert "note" not in r, r
+        _check_time_row(r)
+    assert timed["rpq/rank=8:lrq"]["passes"] == 3 and timed["rpq/rank=8/passes=2:lrq"]["passes"] == 2
+    assert timed["pcaq/rank=8:lrq"]["passes"] == 3  # --passes default
+    assert timed["dense:mask"]["has_precompute"] and not timed["rpq/rank=8:lrq"]["has_precompute"]
+    rows = {r["codec"]: r for r in res["bytes"]}
+    assert set(specs) <= set(rows) and {"topk-i32", "int8"} <= set(rows)  # bytes keep the references
+    tok_dense = 64 * 4  # fp32
+    # dense:mask: the dense forward and the mask backward, measured from the payloads
+    assert rows["dense:mask"]["fwd_bytes_per_token"] == tok_dense
+    assert rows["dense:mask"]["bwd_bytes_per_token"] == rows["mask"]["bwd_bytes_per_token"]
+    # rpq: the first crossing carries the budget of all passes, a later one (the coded delta) far less
+    for spec in ("rpq/rank=8:lrq", "rpq/rank=8/passes=2:lrq"):
+        assert rows[spec]["fwd_bytes_repeat"] < rows[spec]["fwd_bytes"] / 10
+        assert rows[spec]["iter_ratio_vs_dense"] <= 0.05
 
 
 def test_reference_codecs_roundtrip():

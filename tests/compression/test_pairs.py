@@ -71,6 +71,25 @@ def test_mask_pair_is_bit_identical_to_mask_and_is_the_chain_rule():
     assert torch.equal(ga, gb)
 
 
+def test_pair_mask_halves_precompute_off_the_critical_path():
+    """issue 10 item 6: a pair's mask halves derive their PRF indices in precompute (as the single
+    mask codec does), with the same bits; pairs of data-dependent halves have nothing to precompute."""
+    from megatron_cegrpo.compression import has_precompute
+    x = torch.randn(7, 2, 40)
+    assert not has_precompute(build_codec("pcaq:lrq", 0.1)) and not has_precompute(build_codec("dense:dense", 0.1))
+    m = build_codec("mask", 0.1)
+    for spec in ("mask:mask", "dense:mask"):
+        c, ctx = build_codec(spec, 0.1), _ctx()
+        assert has_precompute(c) and c.precompute(ctx, tuple(x.shape))
+        pb = c.encode_backward(x, ctx)
+        assert torch.equal(pb, m.encode_backward(x, ctx))
+        assert torch.equal(c.decode_backward(pb, ctx, x.shape), m.decode_backward(pb, ctx, x.shape))
+        if spec == "mask:mask":
+            pf = c.encode_forward(x, ctx)
+            assert torch.equal(c.decode_forward(pf, ctx, x.shape), m.decode_forward(pf, ctx, x.shape))
+        assert c.derivations == {"precomputed": 2 if spec == "mask:mask" else 1, "on_demand": 0}
+
+
 def test_pair_backward_is_the_straight_through_compressed_gradient():
     """pcaq:lrq is NOT the chain rule (pair.py says why): dL/dx = lrq.roundtrip(dL/dx_hat)."""
     shape = (24, 2, 48)
