@@ -205,7 +205,7 @@ class ParallelConfig:
            "size DP inferred (Megatron's convention)")
     tensor_model_parallel_size: int = option(
         1, "tensor-parallel ranks T inside each stage (Megatron; megatron-core's tensor-parallel layers, TP "
-           "fastest in the rank order); the launch has T x P ranks; at T > 1 with --anchor-ranks 0, one "
+           "fastest in the rank order); the launch has T x P + --anchor-ranks ranks; at T > 1 one "
            "replica (DP 1) and --boundary-codec mask or dense in this version (docs/parallelism.md)")
     decoder_first_pipeline_num_layers: Optional[int] = option(
         None, "transformer layers of the first stage for an uneven split (Megatron; default: an even split)")
@@ -860,17 +860,13 @@ class TrainConfig:
 
     def _validate_tensor_parallel(self) -> None:
         """What the trainer does not run at ``--tensor-model-parallel-size`` > 1 yet (docs/parallelism.md):
-        the anchor rank (its dense replica takes whole-stage shipments and returns whole-stage signs)
-        and codecs with state (a basis every TP rank would hold and send whole). TP x DP is refused by
-        the launch check (world = TP x PP + anchor ranks). Raises ConfigError naming the flag."""
-        tp, anchors = self.parallel.tensor_model_parallel_size, self.anchor.anchor_ranks
+        codecs with state (a basis every TP rank would hold and send whole). The anchor rank runs at TP > 1
+        (each stage's TP rank 0 ships the gathered stage and splits the signs, ``anchor/tp_split.py``).
+        TP x DP is refused by the launch check (world = TP x PP + anchor ranks). Raises ConfigError naming
+        the flag."""
+        tp = self.parallel.tensor_model_parallel_size
         if tp == 1:
             return
-        if anchors:
-            raise ConfigError(
-                f"--tensor-model-parallel-size {tp} with --anchor-ranks {anchors}: the anchor's dense replica takes "
-                "whole-stage weight shipments and returns whole-stage signs, not TP shards (not in this version); "
-                "fix: pass --anchor-ranks 0 (the fast circuit alone) or --tensor-model-parallel-size 1")
         halves = self.codec.boundary_codec.split(":")
         if any(h.split("/")[0] not in DP_CODECS for h in halves):
             raise ConfigError(
