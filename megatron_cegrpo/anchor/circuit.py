@@ -51,7 +51,8 @@ class AnchorCircuit:
         tp = int(getattr(ctx, "tp_size", 1))
         if tp > 1 and self.fanout is not None:
             raise NotImplementedError("the anchor at tensor x data parallel (TrainConfig.validate refuses the launch)")
-        self.tp_split = TPSignSplit(ctx.tp_group, [n for n, _ in stage.named_owned], self.correction) if tp > 1 else None
+        self.tp_split = (TPSignSplit(ctx.tp_group, [n for n, _ in stage.named_owned], self.correction)
+                         if tp > 1 else None)
         if ctx.is_replica_leader and ctx.tp_rank == 0:
             named = stage.named_owned if self.tp_split is None else _whole_owned(stage)
             self.client = AnchorClient(named, stage.layer_offset, tied_copy, ctx.anchor_rank,

@@ -124,7 +124,8 @@ class TPSignSplit:
         if code in (NEW, PARTIAL):
             for r in range(1, self.tp_size):
                 shard = shard_signs(self.names, after, r, self.tp_size)
-                packed, _ = pack_sign_list([s if s is not None else torch.ones(sh) for s, sh in zip(shard, self.shapes)])
+                packed, _ = pack_sign_list([s if s is not None else torch.ones(sh)
+                                            for s, sh in zip(shard, self.shapes)])
                 dist.send(packed, dst=self.ranks[r], group=self.group)
                 self.sent_bytes += packed.numel()
 
