@@ -2,8 +2,8 @@
 
 ``python tp_anchor_worker.py OUT TP [FLAG ...]`` (extra flags appended; RANK, WORLD_SIZE, MASTER_* set
 by ``distributed_util.run_ranks``; world = 2 x TP + 1, the anchor last). From the same seeds at every
-TP size: tiny-llama, the mask codec at keep 0.25, KL to the reference, ``--tied-embedding-sync sparse``, 3 iterations of 8
-sequences, the anchor firing every iteration (c = K = 1: fire 1 falls back to theta(0), fires 2 and 3
+TP size: tiny-llama, the mask codec at keep 0.25, KL to the reference, ``--tied-embedding-sync sparse``,
+3 iterations of 8 sequences, the anchor firing every iteration (c = K = 1: fire 1 falls back to theta(0), fires 2 and 3
 are secant forecasts), signs applied on the fire step, ``--anchor-debug-dir OUT/run/dump``.
 
 Each trainer rank writes ``OUT/run/rank<r>.pt``: its place (pp_rank, tp_rank), its stage's final
