@@ -205,8 +205,9 @@ class ParallelConfig:
            "size DP inferred (Megatron's convention)")
     tensor_model_parallel_size: int = option(
         1, "tensor-parallel ranks T inside each stage (Megatron; megatron-core's tensor-parallel layers, TP "
-           "fastest in the rank order); the launch has T x P x DP ranks; at T > 1 with --anchor-ranks 0 and "
-           "--boundary-codec mask or dense in this version (docs/parallelism.md)")
+           "fastest in the rank order); the launch has T x P x DP + --anchor-ranks ranks; at T > 1 "
+           "--boundary-codec mask or dense, and the anchor rank with one replica (DP 1), in this version "
+           "(docs/parallelism.md)")
     decoder_first_pipeline_num_layers: Optional[int] = option(
         None, "transformer layers of the first stage for an uneven split (Megatron; default: an even split)")
     decoder_last_pipeline_num_layers: Optional[int] = option(
@@ -841,6 +842,12 @@ class TrainConfig:
                 f"(or `torchrun --nproc-per-node {fit}`){alt}")
         if dp == 1:
             return
+        if tp > 1 and anchors:
+            raise ConfigError(
+                f"--tensor-model-parallel-size {tp} x data-parallel size {dp} (from the world size) with --anchor-ranks "
+                f"{anchors}: the anchor's sign fan-out over TP ranks and over replicas are not combined in this version; "
+                f"fix: launch {tp * pp + anchors} ranks (one replica), or pass --anchor-ranks 0 or "
+                "--tensor-model-parallel-size 1")
         gbs = self.global_batch_size
         if gbs % (dp * p.micro_batch_size):
             raise ConfigError(
@@ -858,17 +865,13 @@ class TrainConfig:
 
     def _validate_tensor_parallel(self) -> None:
         """What the trainer does not run at ``--tensor-model-parallel-size`` > 1 yet (docs/parallelism.md):
-        the anchor rank (its dense replica takes whole-stage shipments and returns whole-stage signs)
-        and codecs with state (a basis every TP rank would hold and send whole). TP x PP x DP runs
-        (``_validate_data_parallel`` checks the launch). Raises ConfigError naming the flag."""
-        tp, anchors = self.parallel.tensor_model_parallel_size, self.anchor.anchor_ranks
+        codecs with state (a basis every TP rank would hold and send whole). The anchor rank runs at TP > 1
+        (each stage's TP rank 0 ships the gathered stage and splits the signs, ``anchor/tp_split.py``);
+        TP x PP x DP runs without it (``_validate_data_parallel`` checks the launch). Raises ConfigError
+        naming the flag."""
+        tp = self.parallel.tensor_model_parallel_size
         if tp == 1:
             return
-        if anchors:
-            raise ConfigError(
-                f"--tensor-model-parallel-size {tp} with --anchor-ranks {anchors}: the anchor's dense replica takes "
-                "whole-stage weight shipments and returns whole-stage signs, not TP shards (not in this version); "
-                "fix: pass --anchor-ranks 0 (the fast circuit alone) or --tensor-model-parallel-size 1")
         halves = self.codec.boundary_codec.split(":")
         if any(h.split("/")[0] not in TP_CODECS for h in halves):
             raise ConfigError(

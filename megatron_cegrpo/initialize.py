@@ -124,8 +124,8 @@ def initialize_distributed(pipeline_model_parallel_size: int, seed: int,
     ``pg_collection`` like in the plain case.
 
     ``tensor_model_parallel_size`` (``--tensor-model-parallel-size``, TP): megatron's TP groups
-    (TP fastest); TP > 1 with an anchor rank is refused. Data parallel (issue 14): DP from
-    :func:`data_parallel_size`; the stage's megatron ``dp`` group is ``DistContext.dp_group``.
+    (TP fastest); with an anchor rank the trainer grid holds them too (``_initialize_with_anchor``).
+    Data parallel (issue 14): DP from :func:`data_parallel_size`; the stage's megatron ``dp`` group is ``DistContext.dp_group``.
 
     ``timeout_minutes`` (``--distributed-timeout-minutes``) bounds the trainer's collectives
     and pipeline transfers; the waits the schedule sizes (driver-only phases, the anchor
@@ -162,7 +162,8 @@ def initialize_distributed(pipeline_model_parallel_size: int, seed: int,
 
     device = torch.device("cpu") if cpu else torch.device("cuda", local_rank)
     if anchor_ranks:
-        return _initialize_with_anchor(pipeline_model_parallel_size, dp, seed, world, local_rank, local_world, device)
+        return _initialize_with_anchor(pipeline_model_parallel_size, dp, seed, world, local_rank, local_world, device,
+                                       tp=tp)
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=tp, pipeline_model_parallel_size=pipeline_model_parallel_size
@@ -196,9 +197,6 @@ def _check_layout(world: int, pp: int, tp: int, anchor_ranks: int) -> int:
     """The launch fits TP x PP x DP + anchor ranks; returns DP. Raises ConfigError naming the flags."""
     if anchor_ranks not in (0, 1):
         raise ConfigError(f"--anchor-ranks must be 0 or 1 in this version, got {anchor_ranks}; fix: pass 0 or 1")
-    if tp > 1 and anchor_ranks:
-        raise ConfigError(f"--tensor-model-parallel-size {tp} with --anchor-ranks {anchor_ranks}: the anchor's "
-                          "dense replica takes unsharded shipments (not in this version); fix: pass --anchor-ranks 0")
     return data_parallel_size(world, pp, anchor_ranks, tp)
 
 
@@ -273,39 +271,44 @@ def _grid_collection(grid) -> Any:
 
 
 def _initialize_with_anchor(pp: int, dp: int, seed: int, world: int, local_rank: int, local_world: int,
-                            device: torch.device) -> DistContext:
-    """Trainer grid on ranks 0..pp*dp-1 (stage-major: rank = stage x DP + replica), anchor grid on
-    the last rank (every rank joins every new_group, in the same order)."""
+                            device: torch.device, tp: int = 1) -> DistContext:
+    """Trainer grid on ranks 0..tp*dp*pp-1 (megatron's order, TP fastest: rank = stage x DP x TP +
+    replica x TP + TP rank), anchor grid on the last rank (every rank joins every new_group, in the
+    same order). The embedding groups join the first and last stage of each (replica, TP rank), as
+    ``parallel_state`` does; the RNG tracker is seeded with this rank's TP rank."""
     from megatron.core import parallel_state
     from megatron.core.hyper_comm_grid import HyperCommGrid
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     dims = ["tp", "cp", "dp", "pp"]
-    trainers = pp * dp
-    trainer = _grid_collection(HyperCommGrid([1, 1, dp, pp], dims, rank_offset=0))
+    per_stage = tp * dp
+    trainers = pp * per_stage
+    trainer = _grid_collection(HyperCommGrid([tp, 1, dp, pp], dims, rank_offset=0))
     anchor = _grid_collection(HyperCommGrid([1, 1, 1, 1], dims, rank_offset=trainers))
     rank = dist.get_rank()
     embd = None
-    for replica in range(dp):  # one {first, last} embedding group per pipeline
-        g = dist.new_group([replica, (pp - 1) * dp + replica]) if pp > 1 else None
-        if rank < trainers and rank % dp == replica:
+    for first in range(per_stage):  # one {first, last} embedding group per pipeline (replica, TP rank)
+        g = dist.new_group([first, (pp - 1) * per_stage + first]) if pp > 1 else None
+        if rank < trainers and rank % per_stage == first:
             embd = g
     rollout_group = dist.new_group(list(range(trainers)), timeout=PEER_LIFETIME_TIMEOUT)
     anchor_group = dist.new_group(list(range(world)), timeout=PEER_LIFETIME_TIMEOUT)
     is_anchor = rank >= trainers
     pgc = anchor if is_anchor else trainer
     pgc.embd = None if is_anchor else embd
+    tp_rank = 0 if is_anchor else rank % tp
     # what megatron otherwise gets from parallel_state.initialize_model_parallel
     parallel_state._set_global_memory_buffer()
     set_seed(seed)
-    model_parallel_cuda_manual_seed(seed, tp_rank=0, ep_rank=0, etp_rank=0)
+    model_parallel_cuda_manual_seed(seed, tp_rank=tp_rank, ep_rank=0, etp_rank=0)
     return DistContext(
         rank=rank, world_size=world, local_rank=local_rank, local_world_size=local_world,
-        pp_rank=0 if is_anchor else rank // dp, pp_size=1 if is_anchor else pp, pp_group=pgc.pp,
+        pp_rank=0 if is_anchor else rank // per_stage, pp_size=1 if is_anchor else pp, pp_group=pgc.pp,
         embd_group=pgc.embd, pg_collection=pgc, device=device, anchor_rank=trainers, is_anchor=is_anchor,
         rollout_group=None if is_anchor else rollout_group, anchor_group=anchor_group,
-        dp_rank=0 if is_anchor else rank % dp, dp_size=1 if is_anchor else dp,
-        dp_group=pgc.dp if dp > 1 and not is_anchor else None, stage_ranks=[i * dp for i in range(pp)],
+        tp_rank=tp_rank, tp_size=1 if is_anchor else tp, tp_group=None if is_anchor or tp == 1 else pgc.tp,
+        dp_rank=0 if is_anchor else (rank // tp) % dp, dp_size=1 if is_anchor else dp,
+        dp_group=pgc.dp if dp > 1 and not is_anchor else None, stage_ranks=[i * per_stage for i in range(pp)],
     )
 
 

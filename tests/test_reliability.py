@@ -258,10 +258,20 @@ CASES = [
          "--tensor-model-parallel-size=3 does not divide the model's 4 attention heads and 2 KV heads "
          "(num_attention_heads, num_key_value_heads: each TP rank holds whole heads); fix: choose one of 1, 2",
          env={"WORLD_SIZE": "3"}),
-    Case("tp-anchor", "flag", ["--tensor-model-parallel-size", "2", "--anchor-ranks", "1"],
-         "--tensor-model-parallel-size 2 with --anchor-ranks 1: the anchor's dense replica takes whole-stage weight "
-         "shipments and returns whole-stage signs, not TP shards (not in this version); fix: pass --anchor-ranks 0 "
-         "(the fast circuit alone) or --tensor-model-parallel-size 1", env={"WORLD_SIZE": "3"}),
+    Case("tp-anchor-world-size", "launch", ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                                            "--anchor-ranks", "1"],
+         "world size 3 minus --anchor-ranks (1) leaves 2 trainer ranks, not a multiple of "
+         "--tensor-model-parallel-size (2) x --pipeline-model-parallel-size (2) (world = TP ranks x stages x "
+         "data-parallel replicas + anchor ranks); fix: launch with `deepspeed --num_gpus 5` (or `torchrun "
+         "--nproc-per-node 5`)", env={"WORLD_SIZE": "3"},
+         doc_input="3 processes (WORLD_SIZE=3) for --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 "
+                   "--anchor-ranks 1 (TP 2 x PP 2 + the anchor: 5)"),
+    Case("tp-dp-anchor", "launch", ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                                    "--anchor-ranks", "1", "--micro-batch-size", "2"],
+         "--tensor-model-parallel-size 2 x data-parallel size 2 (from the world size) with --anchor-ranks 1: the "
+         "anchor's sign fan-out over TP ranks and over replicas are not combined in this version; fix: launch 5 "
+         "ranks (one replica), or pass --anchor-ranks 0 or --tensor-model-parallel-size 1", env={"WORLD_SIZE": "9"},
+         doc_input="9 processes (WORLD_SIZE=9: TP 2 x PP 2 x DP 2 + 1 anchor)"),
     Case("tp-stateful-codec", "flag", ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
                                        "--boundary-codec", "lowrank"],
          "--boundary-codec lowrank keeps state (a basis) that every TP rank would hold and send whole, not split "

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from megatron_cegrpo.anchor.basis import stage_boundaries
 from megatron_cegrpo.anchor.client import AnchorClient
 from megatron_cegrpo.anchor.dp_fanout import FollowerClient, SignFanout, sign_deviation
+from megatron_cegrpo.anchor.tp_split import TPFollowerClient, TPSignSplit
 from megatron_cegrpo.checkpointing import ANCHOR_DIR
 from megatron_cegrpo.optim.hooks import SignCorrectionHook
 
@@ -45,10 +46,21 @@ class AnchorCircuit:
         tied_copy = any(stage.is_duplicate_tied_weight(p) for p in owned)
         # data parallel (anchor/dp_fanout.py): replica 0 talks to the anchor, the others take its signs
         self.fanout = SignFanout(ctx.dp_group, [tuple(p.shape) for p in owned]) if ctx.dp_group is not None else None
-        if ctx.is_replica_leader:
-            self.client = AnchorClient(stage.named_owned, stage.layer_offset, tied_copy, ctx.anchor_rank,
-                                       ctx.is_driver, cfg.anchor, self.correction, group=ctx.anchor_group,
-                                       rank=ctx.rank, bases=_anchor_bases(cfg, ctx, stage), fanout=self.fanout)
+        # tensor parallel (anchor/tp_split.py): TP rank 0 ships the gathered stage, holds the whole
+        # signs and sends each other TP rank its shard of them
+        tp = int(getattr(ctx, "tp_size", 1))
+        if tp > 1 and self.fanout is not None:
+            raise NotImplementedError("the anchor at tensor x data parallel (TrainConfig.validate refuses the launch)")
+        self.tp_split = (TPSignSplit(ctx.tp_group, [n for n, _ in stage.named_owned], self.correction)
+                         if tp > 1 else None)
+        if ctx.is_replica_leader and ctx.tp_rank == 0:
+            named = stage.named_owned if self.tp_split is None else _whole_owned(stage)
+            self.client = AnchorClient(named, stage.layer_offset, tied_copy, ctx.anchor_rank,
+                                       ctx.is_driver, cfg.anchor, self.tp_split or self.correction,
+                                       group=ctx.anchor_group, rank=ctx.rank, bases=_anchor_bases(cfg, ctx, stage),
+                                       fanout=self.tp_split or self.fanout)
+        elif self.tp_split is not None:
+            self.client = TPFollowerClient(cfg.anchor, self.correction, self.tp_split, rank=ctx.rank)
         else:
             self.client = FollowerClient(cfg.anchor, self.correction, self.fanout, rank=ctx.rank)
         self._dump = cfg.anchor.anchor_debug_dir
@@ -63,7 +75,8 @@ class AnchorCircuit:
     def before_optimizer_step(self, t: int, timers) -> None:
         self.client.before_optimizer_step(t, timers)
         if self._dump:
-            self.correction.dump_path = os.path.join(self._dump, f"stage{self.ctx.pp_rank}_step{t:05d}.pt")
+            tp = f"_tp{self.ctx.tp_rank:02d}" if self.tp_split is not None else ""
+            self.correction.dump_path = os.path.join(self._dump, f"stage{self.ctx.pp_rank}{tp}_step{t:05d}.pt")
         self._applied_before = self.correction.num_applied
 
     @staticmethod
@@ -83,6 +96,8 @@ class AnchorCircuit:
         out.update({"_anchor/applied": applied, "_anchor/agree": agree, "_anchor/total": total})
         if self.fanout is not None:
             out.update(self._replica_metrics(applied))
+        if self.tp_split is not None:  # TP rank 0's sends of the shards' signs (0 on the other TP ranks)
+            out["anchor/bytes_tp_fanout"] = self.tp_split.take_bytes()
         return out
 
     def _replica_metrics(self, applied: int) -> Dict[str, float]:
@@ -114,6 +129,16 @@ class AnchorCircuit:
 
     def load_state_dict(self, state: Dict) -> None:
         self.client.load_state_dict(state)
+
+
+def _whole_owned(stage):
+    """``[(name, whole tensor)]`` of the stage's owned parameters at TP > 1: the tensors of the
+    stage's ``TPGatheredStage`` (``stage.whole``), gathered from the TP shards and refreshed in place
+    by every iteration's sampler sync (``StageWorker.gather_weights``; after a resume by the
+    trainer's first gather), so a shipment at iteration t reads theta(t - 1) whole, without a
+    collective of its own. Only TP rank 0 ships them."""
+    whole = dict(stage.whole.named_parameters())
+    return [(n, whole[n]) for n, _ in stage.named_owned]
 
 
 def _anchor_bases(cfg, ctx, stage):

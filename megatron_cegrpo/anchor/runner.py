@@ -38,7 +38,7 @@ def run_anchor(cfg, ctx) -> None:
         if f"{ANCHOR_BLOB}.pt" in ck.stage_file_names(meta, ck.ANCHOR):
             state = ck.read_stage_blob(ckpt_dir, ck.ANCHOR, ANCHOR_BLOB, meta=meta)
             start = it
-        elif "trainer_state.pt" in ck.stage_file_names(meta, 0):
+        elif ck.continues_run(meta):  # trainer_state.pt, or trainer_state_tp00.pt at TP > 1
             start = it  # saved without an anchor: the anchor starts empty at the trainer's iteration
             print(f"[cegrpo anchor] {ckpt_dir} has no anchor state; M and the ring start empty", flush=True)
     try:

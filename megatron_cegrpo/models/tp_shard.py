@@ -37,7 +37,7 @@ import torch
 
 from megatron_cegrpo.models.name_map import is_ignored_key
 
-__all__ = ["partition_dim", "shard_stage_state_dict", "merge_tp_shards", "gather_tp_stage_state_dict",
+__all__ = ["partition_dim", "shard_tensor", "shard_stage_state_dict", "merge_tp_shards", "gather_tp_stage_state_dict",
            "is_tp_split", "TPGatheredStage"]
 
 #: stage-local parameter name suffix -> the dimension megatron splits over the TP ranks
@@ -81,6 +81,24 @@ def _split(name: str, t: torch.Tensor, dim: int, tp_size: int) -> List[torch.Ten
         raise ValueError(f"{name}: dimension {dim} of shape {tuple(t.shape)} is not divisible by "
                          f"--tensor-model-parallel-size {tp_size}")
     return list(torch.chunk(t, tp_size, dim=dim))
+
+
+def shard_tensor(name: str, t: torch.Tensor, tp_rank: int, tp_size: int) -> torch.Tensor:
+    """TP rank ``tp_rank``'s shard of one whole stage tensor ``t`` (stage-local megatron name
+    ``name``): its chunk along :func:`partition_dim` (the GLU fc1 as ``cat[gate_r, up_r]``), or ``t``
+    itself for a replicated parameter. Any dtype and device (the anchor's {-1, +1} signs of a
+    whole parameter as well as weights).
+
+    Returns:
+        a contiguous tensor of the TP rank's parameter shape (split) or ``t`` (replicated).
+    Raises:
+        ValueError: ``tp_rank`` out of range, or a split dimension ``tp_size`` does not divide.
+    """
+    if not 0 <= tp_rank < tp_size:
+        raise ValueError(f"tp_rank {tp_rank} out of range for tensor-model-parallel size {tp_size}")
+    if tp_size == 1 or partition_dim(name) is None:
+        return t
+    return _chunks(name, t, tp_size)[tp_rank].contiguous()
 
 
 def shard_stage_state_dict(stage_sd: Dict[str, torch.Tensor], tp_rank: int, tp_size: int) -> Dict[str, torch.Tensor]:

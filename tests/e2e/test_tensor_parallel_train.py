@@ -227,8 +227,18 @@ def test_tp2_pp2_without_an_anchor_validates():
     _cfg("--anchor-ranks", "0").validate(world_size=4)
 
 
+def test_tp2_pp2_with_an_anchor_rank_validates():
+    """5 ranks: TP 2 x PP 2 + the anchor (test_tensor_parallel_anchor.py trains it)."""
+    _cfg("--anchor-ranks", "1").validate(world_size=5)
+
+
 @pytest.mark.parametrize("extra,world,start", [
-    (["--anchor-ranks", "1"], 5, "--tensor-model-parallel-size 2 with --anchor-ranks 1: the anchor's dense replica"),
+    (["--anchor-ranks", "1"], 4, "world size 4 minus --anchor-ranks (1) leaves 3 trainer ranks, not a multiple of "
+                                 "--tensor-model-parallel-size (2) x --pipeline-model-parallel-size (2)"),
+    (["--anchor-ranks", "1", "--micro-batch-size", "2"], 9,
+     "--tensor-model-parallel-size 2 x data-parallel size 2 (from the world size) with --anchor-ranks 1"),
+    (["--anchor-ranks", "1", "--boundary-codec", "lowrank", "--lowrank-q-owner", "anchor"], 5,
+     "--boundary-codec lowrank keeps state (a basis)"),
     (["--anchor-ranks", "0", "--boundary-codec", "lowrank"], 4,
      "--boundary-codec lowrank keeps state (a basis) that every TP rank would hold and send whole"),
     (["--anchor-ranks", "0", "--boundary-codec", "pcaq:lrq"], 4, "--boundary-codec pcaq:lrq keeps state"),
