@@ -162,8 +162,7 @@ def initialize_distributed(pipeline_model_parallel_size: int, seed: int,
 
     device = torch.device("cpu") if cpu else torch.device("cuda", local_rank)
     if anchor_ranks:
-        return _initialize_with_anchor(pipeline_model_parallel_size, dp, seed, world, local_rank, local_world, device,
-                                       tp=tp)
+        return _initialize_with_anchor(pp, dp, seed, world, local_rank, local_world, device, tp=tp)
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=tp, pipeline_model_parallel_size=pipeline_model_parallel_size
