@@ -21,7 +21,7 @@ ENTRY_POINTS = {
     "megatron_cegrpo/train.py", "tools/evaluate.py", "tools/plot_runs.py", "tools/checkpoint/convert.py",
     "tools/codec_fidelity.py", "tools/codec_emulation.py", "tools/codec_frontier.py",
     "tools/study_report.py", "tools/study_baseline.py",
-    "benchmarks/bench_codec.py", "benchmarks/bench_link.py", "benchmarks/_link_worker.py",
+    "benchmarks/bench_codec.py", "benchmarks/bench_basis.py", "benchmarks/bench_link.py", "benchmarks/_link_worker.py",
     "benchmarks/projection.py",
 }
 #: top-level modules that emit the known warnings while they are imported
