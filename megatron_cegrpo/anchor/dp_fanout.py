@@ -111,6 +111,7 @@ class FollowerClient:
         self.alive = True
         self.stats: Dict = {}
         self._state: Dict = {}
+        self._lost_line = "replica 0 lost the anchor"  # who told us (the TP follower says TP rank 0)
 
     def connect(self) -> None:
         """Nothing: the anchor knows only replica 0's stages."""
@@ -128,7 +129,7 @@ class FollowerClient:
             self.correction.set_signs(None)
         if self.alive and not alive:
             self.alive = False
-            print(f"[cegrpo] rank {self.rank}: replica 0 lost the anchor; training goes on without the sign "
+            print(f"[cegrpo] rank {self.rank}: {self._lost_line}; training goes on without the sign "
                   f"correction (anchor/alive = 0)", flush=True)
 
     def finish(self, t_last: int, timers) -> None:

@@ -169,19 +169,6 @@ class TPFollowerClient(FollowerClient):
         super().__init__(anchor, correction, split, rank=rank)
         self._lost_line = "TP rank 0 of its stage lost the anchor"
 
-    def before_optimizer_step(self, t: int, timers) -> None:
-        """Take TP rank 0's slice for this rank (the same call point on every TP rank)."""
-        with timers.phase("anchor_wait"):
-            alive, code, signs = self.fanout.follow()
-        if code in (NEW, PARTIAL):
-            self.correction.set_signs(signs)
-        elif code == CLEARED:
-            self.correction.set_signs(None)
-        if self.alive and not alive:
-            self.alive = False
-            print(f"[cegrpo] rank {self.rank}: {self._lost_line}; training goes on without the sign correction "
-                  f"(anchor/alive = 0)", flush=True)
-
     def state_dict(self) -> Dict:
         """This TP rank's held shard signs (int8, None entries kept; a resumed run reconnects to the
         anchor, as TP rank 0's ``AnchorClient`` does)."""

@@ -40,7 +40,6 @@ fire 1, whose weights theta(0) are bit-identical). A flipped coordinate's update
   of the output layer).
 """
 
-import json
 import math
 import os
 import sys
@@ -53,7 +52,8 @@ sys.path.insert(0, os.path.dirname(HERE))  # distributed_util
 sys.path.insert(0, HERE)  # the TP = 1 comparison helpers
 
 from distributed_util import PARITY_REWARD, run_ranks  # noqa: E402
-from test_tensor_parallel_train import fingerprint, load_metrics, load_stages  # noqa: E402
+from test_tensor_parallel_train import (fingerprint, load_metrics, load_stages, read_reference,  # noqa: E402
+                                       write_reference)
 
 pytestmark = pytest.mark.slow
 WORKER = os.path.join(HERE, "tp_anchor_worker.py")
@@ -85,10 +85,7 @@ def record(out_dir) -> dict:
     ref = {"about": "tests/e2e/tp_anchor_worker.py at TP = 1 x PP = 2 + 1 anchor rank (re-record: python "
                     "tests/e2e/test_tensor_parallel_anchor.py --record)",
            "torch": torch.__version__, "metrics": load_metrics(out_dir, "run"), "weights": fingerprint(stages)}
-    with open(REFERENCE, "w") as f:
-        json.dump(ref, f, indent=1, sort_keys=True)
-        f.write("\n")
-    return ref
+    return write_reference(REFERENCE, ref)
 
 
 @pytest.fixture(scope="module")
@@ -100,10 +97,7 @@ def tp2(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference():
-    with open(REFERENCE) as f:
-        ref = json.load(f)
-    ref["metrics"] = {int(k): v for k, v in ref["metrics"].items()}
-    return ref
+    return read_reference(REFERENCE)
 
 
 def _close(key, a, b) -> bool:

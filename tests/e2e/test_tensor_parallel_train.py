@@ -90,6 +90,22 @@ def load_stages(out_dir, run: str, tp: int):
     return stages, dumps
 
 
+def write_reference(path, ref: dict) -> dict:
+    """Write a recorded reference as sorted, indented JSON (one place for both TP records)."""
+    with open(path, "w") as f:
+        json.dump(ref, f, indent=1, sort_keys=True)
+        f.write("\n")
+    return ref
+
+
+def read_reference(path) -> dict:
+    """A recorded reference with its ``metrics`` keyed by int step."""
+    with open(path) as f:
+        ref = json.load(f)
+    ref["metrics"] = {int(k): v for k, v in ref["metrics"].items()}
+    return ref
+
+
 def fingerprint(stages):
     """Per trained parameter ``stage/name``: ``||theta - theta_0||`` (fp64) and the values of
     theta at its 32 most-moved and 32 evenly spaced coordinates (flat indices)."""
@@ -117,10 +133,7 @@ def record(out_dir) -> dict:
                     "tests/e2e/test_tensor_parallel_train.py --record)",
            "torch": torch.__version__, "metrics": load_metrics(out_dir, "mask"), "weights": fingerprint(stages),
            "dense": {"metrics": load_metrics(out_dir, "dense"), "weights": fingerprint(dense)}}
-    with open(REFERENCE, "w") as f:
-        json.dump(ref, f, indent=1, sort_keys=True)
-        f.write("\n")
-    return ref
+    return write_reference(REFERENCE, ref)
 
 
 # ----------------------------------------------------------------------------- the default suite
@@ -134,10 +147,7 @@ def tp2(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference():
-    with open(REFERENCE) as f:
-        ref = json.load(f)
-    ref["metrics"] = {int(k): v for k, v in ref["metrics"].items()}
-    return ref
+    return read_reference(REFERENCE)
 
 
 def _close(a, b) -> bool:
