@@ -13,7 +13,10 @@ default bf16-delta shipments. The default suite launches TP = 2 once and compare
 record of the same run at TP = 1 (``reference/tp_anchor_tp1_pp2.json``; re-record it with
 ``PYTHONPATH=$PWD python tests/e2e/test_tensor_parallel_anchor.py --record``: 3 ranks, ~30 s), and
 checks from the run's ``--anchor-debug-dir`` dumps that every TP rank's hook applied exactly its
-slice of the anchor's whole-stage sign(M) (``anchor/tp_split.py``).
+slice of the anchor's whole-stage sign(M) (``anchor/tp_split.py``). The resume test: checkpoints every
+iteration, new processes resume from the one at 1 and train 2 and 3 bit for bit like the straight run
+(metrics, applied signs, weights); only the anchor-link bytes a restart adds differ (the hello, the fp32
+keyframe of the first shipment, the straight run's save answer), each asserted exactly or bounded.
 
 Tolerance. The TP ranks reduce in another fp32 order (row-parallel partial sums, the norm terms), so
 the weights the anchor receives differ from TP = 1's by fp32 rounding, amplified where Adam divides
@@ -231,10 +234,22 @@ def test_resume_at_tp2_with_the_anchor_is_bit_exact(tmp_path):
     launch(tmp_path, 2, "--save", ckpt, "--save-interval", "1")
     launch(tmp_path, 2, "--load", os.path.join(ckpt, "iter_0000001"), "--save", str(tmp_path / "resumed" / "ckpt"),
            "--save-interval", "1", run="resumed")
-    a, b = load_metrics(tmp_path, "run"), load_metrics(tmp_path, "resumed")
+    check_resume(tmp_path)
+
+
+def check_resume(out_dir) -> None:
+    """The comparisons of :func:`test_resume_at_tp2_with_the_anchor_is_bit_exact` on its two runs."""
+    a, b = load_metrics(out_dir, "run"), load_metrics(out_dir, "resumed")
     assert sorted(b) == [2, 3] and [b[t]["anchor/correction_applied"] for t in (2, 3)] == [1, 1]
-    assert b[2]["anchor/bytes_in"] > a[2]["anchor/bytes_in"]  # the hello and the fp32 keyframe
+    # the first shipment after the restart is an fp32 keyframe (of the values the straight run's anchor
+    # holds): twice the bf16 delta; the anchor's running count keeps the extra bytes
+    keyframe = a[2]["anchor/bytes_ship_fp32"] // 2
+    assert b[2]["anchor/bytes_ship"] == 2 * a[2]["anchor/bytes_ship"] == a[2]["anchor/bytes_ship_fp32"]
+    assert 0 < b[2]["anchor/bytes_in"] - a[2]["anchor/bytes_in"] - keyframe < 4096  # + the hello (names)
+    # the straight run's step 2 also counts the anchor's answer to the save at 1 (a few hundred bytes)
+    assert 0 < a[2]["anchor/bytes_out"] - b[2]["anchor/bytes_out"] < 2048
     for t in (2, 3):
+        assert b[t]["anchor/received_bytes_total"] - a[t]["anchor/received_bytes_total"] == keyframe, t
         diff = {k: (a[t].get(k), b[t].get(k)) for k in set(a[t]) | set(b[t])
                 if k not in RESUME_BYTES and a[t].get(k) != b[t].get(k)}
         assert not diff, (t, diff)
@@ -242,10 +257,10 @@ def test_resume_at_tp2_with_the_anchor_is_bit_exact(tmp_path):
         for pp in (0, 1):
             for r in (0, 1):
                 name = f"stage{pp}_tp{r:02d}_step{t:05d}.pt"
-                h1, h2 = (torch.load(tmp_path / run / "dump" / name) for run in ("run", "resumed"))
+                h1, h2 = (torch.load(os.path.join(out_dir, run, "dump", name)) for run in ("run", "resumed"))
                 assert all(torch.equal(x, y) for x, y in zip(h1["signs"], h2["signs"])), (t, pp, r)
-    _, straight = load_stages(tmp_path, "run", 2)
-    _, resumed = load_stages(tmp_path, "resumed", 2)
+    _, straight = load_stages(out_dir, "run", 2)
+    _, resumed = load_stages(out_dir, "resumed", 2)
     for p, q in zip(straight, resumed):
         assert all(torch.equal(p["params"][n], q["params"][n]) for n in p["params"]), (p["pp_rank"], p["tp_rank"])
 
