@@ -3,6 +3,11 @@
 Per stage: the sign correction ``G = alpha G_comp + beta |G_comp| sign(M)`` (registered as
 the stage's correction, before clipping) and the :class:`AnchorClient` that ships weights,
 sends batches and receives sign(M) (``anchor/client.py``). Metrics: ``anchor/*``.
+
+Who talks to the anchor: (data-parallel replica 0, TP rank 0) of each stage. The other ranks of a stage
+take its signs: over the DP group at TP = 1 (``anchor/dp_fanout.py``), over the TP group at DP = 1
+(``anchor/tp_split.py``), over the DP group of the TP-rank-0s and then each replica's TP group at
+TP x DP (``anchor/tp_dp.py``).
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
 """The anchor at TP x PP x DP (issue 14): TP = 2 x PP = 2 x DP = 2 + 1 anchor rank (9 real gloo ranks)
 trains like the recorded TP = 1 x PP = 2 + 1 anchor rank run.
 
-``@slow`` (one 9-rank launch, a few minutes on the loaded 2-core machine); the default suite's fast checks
+``@slow`` (one 9-rank launch: 800 s on the 2-core machine beside the study, niced); the default suite's fast checks
 are ``tests/anchor/test_tp_split.py``, ``tests/anchor/test_dp_fanout.py``, ``tests/anchor/test_tp_dp.py``
-(the composition on 4 gloo processes) and the layout check at the end of this file.
+(the composition on 4 gloo processes) and ``test_tp2_pp2_x_dp_with_an_anchor_rank_validates`` in
+``test_tensor_parallel_train.py`` (the layout passes the start-up checks).
 
 ``tp_anchor_worker.py`` unchanged (tiny-llama, mask codec, KL, 3 iterations of 8 sequences, the anchor
 firing every iteration: c = K = 1, fire 1 falls back to theta(0), fires 2 and 3 are secant forecasts),
