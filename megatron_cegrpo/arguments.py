@@ -206,8 +206,7 @@ class ParallelConfig:
     tensor_model_parallel_size: int = option(
         1, "tensor-parallel ranks T inside each stage (Megatron; megatron-core's tensor-parallel layers, TP "
            "fastest in the rank order); the launch has T x P x DP + --anchor-ranks ranks; at T > 1 "
-           "--boundary-codec mask or dense, and the anchor rank with one replica (DP 1), in this version "
-           "(docs/parallelism.md)")
+           "--boundary-codec mask or dense in this version (docs/parallelism.md)")
     decoder_first_pipeline_num_layers: Optional[int] = option(
         None, "transformer layers of the first stage for an uneven split (Megatron; default: an even split)")
     decoder_last_pipeline_num_layers: Optional[int] = option(
@@ -842,12 +841,6 @@ class TrainConfig:
                 f"(or `torchrun --nproc-per-node {fit}`){alt}")
         if dp == 1:
             return
-        if tp > 1 and anchors:
-            raise ConfigError(
-                f"--tensor-model-parallel-size {tp} x data-parallel size {dp} (from the world size) with --anchor-ranks "
-                f"{anchors}: the anchor's sign fan-out over TP ranks and over replicas are not combined in this version; "
-                f"fix: launch {tp * pp + anchors} ranks (one replica), or pass --anchor-ranks 0 or "
-                "--tensor-model-parallel-size 1")
         gbs = self.global_batch_size
         if gbs % (dp * p.micro_batch_size):
             raise ConfigError(
@@ -866,8 +859,8 @@ class TrainConfig:
     def _validate_tensor_parallel(self) -> None:
         """What the trainer does not run at ``--tensor-model-parallel-size`` > 1 yet (docs/parallelism.md):
         codecs with state (a basis every TP rank would hold and send whole). The anchor rank runs at TP > 1
-        (each stage's TP rank 0 ships the gathered stage and splits the signs, ``anchor/tp_split.py``);
-        TP x PP x DP runs without it (``_validate_data_parallel`` checks the launch). Raises ConfigError
+        (each stage's TP rank 0 ships the gathered stage and splits the signs, ``anchor/tp_split.py``), at
+        any data-parallel size (``anchor/tp_dp.py``; ``_validate_data_parallel`` checks the launch). Raises ConfigError
         naming the flag."""
         tp = self.parallel.tensor_model_parallel_size
         if tp == 1:

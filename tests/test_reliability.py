@@ -266,12 +266,13 @@ CASES = [
          "--nproc-per-node 5`)", env={"WORLD_SIZE": "3"},
          doc_input="3 processes (WORLD_SIZE=3) for --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 "
                    "--anchor-ranks 1 (TP 2 x PP 2 + the anchor: 5)"),
-    Case("tp-dp-anchor", "launch", ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
-                                    "--anchor-ranks", "1", "--micro-batch-size", "2"],
-         "--tensor-model-parallel-size 2 x data-parallel size 2 (from the world size) with --anchor-ranks 1: the "
-         "anchor's sign fan-out over TP ranks and over replicas are not combined in this version; fix: launch 5 "
-         "ranks (one replica), or pass --anchor-ranks 0 or --tensor-model-parallel-size 1", env={"WORLD_SIZE": "9"},
-         doc_input="9 processes (WORLD_SIZE=9: TP 2 x PP 2 x DP 2 + 1 anchor)"),
+    Case("tp-dp-anchor-batch", "launch", ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                                          "--anchor-ranks", "1", "--global-batch-size", "4"],
+         "--global-batch-size=4 is not a multiple of data-parallel size (2, from the world size) x "
+         "--micro-batch-size (4): each replica runs whole micro-batches of every mini-batch; fix: pass "
+         "--micro-batch-size 2 or a divisor of it", env={"WORLD_SIZE": "9"},
+         doc_input="9 processes (WORLD_SIZE=9: TP 2 x PP 2 x DP 2 + 1 anchor), --global-batch-size 4 "
+                   "--micro-batch-size 4"),
     Case("tp-stateful-codec", "flag", ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
                                        "--boundary-codec", "lowrank"],
          "--boundary-codec lowrank keeps state (a basis) that every TP rank would hold and send whole, not split "

@@ -242,11 +242,18 @@ def test_tp2_pp2_with_an_anchor_rank_validates():
     _cfg("--anchor-ranks", "1").validate(world_size=5)
 
 
+@pytest.mark.parametrize("world,dp", [(9, 2), (17, 4)])
+def test_tp2_pp2_x_dp_with_an_anchor_rank_validates(world, dp):
+    """TP 2 x PP 2 x DP + the anchor (test_tensor_data_parallel_anchor.py trains DP = 2)."""
+    cfg = _cfg("--anchor-ranks", "1").validate(world_size=world)
+    assert cfg.data_parallel_size(world) == dp
+
+
 @pytest.mark.parametrize("extra,world,start", [
     (["--anchor-ranks", "1"], 4, "world size 4 minus --anchor-ranks (1) leaves 3 trainer ranks, not a multiple of "
                                  "--tensor-model-parallel-size (2) x --pipeline-model-parallel-size (2)"),
-    (["--anchor-ranks", "1", "--micro-batch-size", "2"], 9,
-     "--tensor-model-parallel-size 2 x data-parallel size 2 (from the world size) with --anchor-ranks 1"),
+    (["--anchor-ranks", "1", "--micro-batch-size", "8"], 9,  # TP x DP + anchor runs; whole micro-batches
+     "--global-batch-size=8 is not a multiple of data-parallel size (2, from the world size) x --micro-batch-size (8)"),
     (["--anchor-ranks", "1", "--boundary-codec", "lowrank", "--lowrank-q-owner", "anchor"], 5,
      "--boundary-codec lowrank keeps state (a basis)"),
     (["--anchor-ranks", "0", "--boundary-codec", "lowrank"], 4,
