@@ -274,10 +274,11 @@ CASES = [
          doc_input="9 processes (WORLD_SIZE=9: TP 2 x PP 2 x DP 2 + 1 anchor), --global-batch-size 4 "
                    "--micro-batch-size 4"),
     Case("tp-stateful-codec", "flag", ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
-                                       "--boundary-codec", "lowrank"],
-         "--boundary-codec lowrank keeps state (a basis) that every TP rank would hold and send whole, not split "
-         "over the 2 TP ranks (not in this version); fix: pass --boundary-codec mask or dense, or "
-         "--tensor-model-parallel-size 1", env={"WORLD_SIZE": "4"}),
+                                       "--anchor-ranks", "1", "--boundary-codec", "lowrank",
+                                       "--lowrank-q-owner", "anchor"],
+         "--boundary-codec lowrank --lowrank-q-owner anchor: the anchor sends the basis to each stage's TP rank 0 "
+         "only, so the other 1 TP rank(s) could not decode; fix: pass --lowrank-q-owner fast, or "
+         "--tensor-model-parallel-size 1", env={"WORLD_SIZE": "5"}),
     Case("tp-world-size", "launch", ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"],
          "world size 2 minus --anchor-ranks (0) leaves 2 trainer ranks, not a multiple of "
          "--tensor-model-parallel-size (2) x --pipeline-model-parallel-size (2) (world = TP ranks x stages x "
