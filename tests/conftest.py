@@ -34,3 +34,16 @@ def pytest_sessionstart(session):
         check_build_locks()
     except ConfigError as e:
         pytest.exit(f"[cegrpo] error: {e}", returncode=3)
+
+
+def pytest_collection_finish(session):
+    """No test module may install the CPU compatibility layer when it is imported (a worker's
+    module-level ``bootstrap(cpu_compat=True)`` imported by a test did, and every test after it
+    in the process ran with megatron's CUDA calls patched: the HF models of
+    ``tests/checkpointing/test_ckpt_convert.py`` then gave other logits)."""
+    from megatron_cegrpo.compat import cpu
+
+    if cpu.is_active():
+        pytest.exit("a test module installed the CPU compatibility layer at import (bootstrap(cpu_compat=True) "
+                    "at module level, or an import of a *_worker.py script): move it into a fixture or main()",
+                    returncode=3)

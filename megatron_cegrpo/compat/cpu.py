@@ -16,6 +16,14 @@ random op draws from, exactly as CUDA ops draw from the CUDA default generator).
 The layer is a no-op (returns ``False``) when ``torch.cuda.is_available()``; it never
 changes behaviour on a machine with a GPU.  It is idempotent.
 
+Known side effect (measured 2026-12-02, transformers 5.24): in a process where the layer is
+active, ``AutoModelForCausalLM.from_pretrained`` leaves the rotary embedding's non-persistent
+``inv_freq`` buffers uninitialised (garbage values, logits off by ~1 % on tiny-llama, NaN on
+SmolLM2). This package never keeps buffers of ``from_pretrained`` in such a process
+(``models/loader._load_gguf`` keeps the state dict only; sampler and reference models come from
+``build_hf_model``, which is exact under the layer); ``tests/conftest.py`` stops a test session
+whose collection installed it (a test module had imported a worker script that bootstraps).
+
 Patch list (each: what megatron calls -> why it fails on CPU -> what it now does)
 -------------------------------------------------------------------------------
 1. ``torch.cuda.current_device()``

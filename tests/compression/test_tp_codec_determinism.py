@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 from distributed_util import run_ranks  # noqa: E402
 
 sys.path.insert(0, HERE)
-from tp_codec_worker import B, D, OPTIONS, S, SPECS  # noqa: E402
+from tp_codec_specs import B, D, OPTIONS, S, SPECS  # noqa: E402  (not the worker: it bootstraps on import)
 
 TP = 2
 

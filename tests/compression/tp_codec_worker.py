@@ -27,13 +27,7 @@ from megatron.core.tensor_parallel.utils import gather_split_1d_tensor  # noqa: 
 
 from megatron_cegrpo.compression import BoundaryContext, build_codec  # noqa: E402
 from megatron_cegrpo.pipeline.communicator import tp_payload_piece, tp_payload_whole  # noqa: E402
-
-#: (spec, keep ratio): the codecs the TP split now runs, with the mask as the stateless control
-SPECS = (("lowrank", 0.25), ("pcaq:lrq", 0.25), ("rpq:lrq", 0.25), ("rpq/own=0:lrq", 0.25),
-         ("pcaq:pcaq", 0.25), ("mask", 0.25))
-S, B, D, SEED = 16, 2, 64, 1234
-PASSES = ("old", "ref", "upd")
-OPTIONS = {"q_owner": "fast", "tokens_per_iteration": 8 * S * 4, "anchor_interval": 4}
+from tp_codec_specs import B, D, OPTIONS, PASSES, S, SEED, SPECS  # noqa: E402  (this script's folder)
 
 
 def sha(t: torch.Tensor) -> str:
