@@ -51,9 +51,12 @@ def _env():
 
 
 def _metrics(path):
+    """The complete records of a metrics.jsonl the trainer may be writing right now: a last line
+    without its newline is a record half written (read mid-write, it failed json.loads once)."""
     if not os.path.exists(path):
         return []
-    return [json.loads(x) for x in open(path).read().splitlines() if x.strip()]
+    lines = open(path).read().split("\n")[:-1]  # the piece after the last newline is incomplete
+    return [json.loads(x) for x in lines if x.strip()]
 
 
 def _worker_of_rank(launcher_pid: int, rank: int) -> psutil.Process:

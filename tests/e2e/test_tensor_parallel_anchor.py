@@ -9,7 +9,7 @@ start-up checks in ``test_tensor_parallel_train.py``.
 ``tp_anchor_worker.py``: tiny-llama, the mask codec, KL, ``--tied-embedding-sync sparse``, 3
 iterations with the anchor firing every iteration (c = K = 1: fire 1 falls back to theta(0), fires 2
 and 3 are secant forecasts), the signs applied on the fire step and folded on every step, the
-default bf16-delta shipments. The default suite launches TP = 2 once and compares it with a committed
+default bf16-delta shipments. `make test-slow` launches TP = 2 once and compares it with a committed
 record of the same run at TP = 1 (``reference/tp_anchor_tp1_pp2.json``; re-record it with
 ``PYTHONPATH=$PWD python tests/e2e/test_tensor_parallel_anchor.py --record``: 3 ranks, ~30 s), and
 checks from the run's ``--anchor-debug-dir`` dumps that every TP rank's hook applied exactly its
