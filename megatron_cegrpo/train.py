@@ -64,7 +64,9 @@ def preflight(cfg) -> None:
       (``checkpointing.find_resume_checkpoint``); it fits the model, split and codec
       (``check_compatible``), its files have their recorded sizes, and, when it continues a
       run, it was written at this ``--tensor-model-parallel-size`` and the trajectory options
-      equal this run's (``check_resume``).
+      equal this run's (``check_resume``);
+    * no killed build left a lock on a DeepSpeed op this rank loads (``optim.jit_ops``), on
+      which the optimizer would wait forever.
 
     Raises:
         ConfigError: (or its subclasses DatasetError, CheckpointError) naming the flag and the fix.
@@ -126,6 +128,10 @@ def preflight(cfg) -> None:
             if ck.continues_run(meta):  # trainer state: continues a run (not weights only)
                 _check_resume_tensor_parallel(meta, cfg, ckpt_dir)
                 ck.check_resume(meta, cfg.resume_options(), train_iters=cfg.optim.train_iters)
+
+    from megatron_cegrpo.optim.jit_ops import check_build_locks
+
+    check_build_locks()
 
 
 def _check_resume_tensor_parallel(meta: dict, cfg, ckpt_dir: str) -> None:

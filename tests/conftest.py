@@ -21,3 +21,16 @@ def megatron_single_process(tmp_path):
         yield
     finally:
         destroy_single_process_megatron(destroy_process_group=created)
+
+
+def pytest_sessionstart(session):
+    """Stop the whole run at once, with the one line and its fix, when a killed build left a
+    lock on a DeepSpeed op (every training test would otherwise wait on it until its own
+    timeout: CI of stop 22 spent 90 minutes that way)."""
+    from megatron_cegrpo.errors import ConfigError
+    from megatron_cegrpo.optim.jit_ops import check_build_locks
+
+    try:
+        check_build_locks()
+    except ConfigError as e:
+        pytest.exit(f"[cegrpo] error: {e}", returncode=3)

@@ -19,6 +19,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional
 
@@ -36,7 +37,8 @@ BASE = ["--model", "tiny-llama", "--pipeline-model-parallel-size", "1", "--ancho
 @dataclass
 class Case:
     """One bad input. ``argv`` is added to :data:`BASE`; ``setup(tmp)`` writes files and
-    returns more flags; ``env`` is set for the run (``WORLD_SIZE`` for launch mistakes);
+    returns more flags; ``env`` is set for the run (``WORLD_SIZE`` for launch mistakes; ``{tmp}``
+    filled in);
     ``launch`` runs it through ``deepspeed --num_gpus N`` instead of in-process."""
 
     id: str
@@ -147,6 +149,16 @@ def _reward(spec):
 
 
 _ROW0 = "row 0 of the batch (question 'Harry is inviting 3 friends to a party. He has 12 cookies...')"
+
+
+def _stale_build_lock(tmp):
+    """A lock a killed JIT build of cpu_adam left two hours ago in TORCH_EXTENSIONS_DIR={tmp}/ext."""
+    lock = os.path.join(tmp, "ext", "cpu_adam", "lock")
+    os.makedirs(os.path.dirname(lock))
+    open(lock, "w").close()
+    old = time.time() - 7210
+    os.utime(lock, (old, old))
+    return []
 
 
 def _mkdir(name):
@@ -266,17 +278,19 @@ CASES = [
          "--nproc-per-node 5`)", env={"WORLD_SIZE": "3"},
          doc_input="3 processes (WORLD_SIZE=3) for --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 "
                    "--anchor-ranks 1 (TP 2 x PP 2 + the anchor: 5)"),
-    Case("tp-dp-anchor", "launch", ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
-                                    "--anchor-ranks", "1", "--micro-batch-size", "2"],
-         "--tensor-model-parallel-size 2 x data-parallel size 2 (from the world size) with --anchor-ranks 1: the "
-         "anchor's sign fan-out over TP ranks and over replicas are not combined in this version; fix: launch 5 "
-         "ranks (one replica), or pass --anchor-ranks 0 or --tensor-model-parallel-size 1", env={"WORLD_SIZE": "9"},
-         doc_input="9 processes (WORLD_SIZE=9: TP 2 x PP 2 x DP 2 + 1 anchor)"),
+    Case("tp-dp-anchor-batch", "launch", ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                                          "--anchor-ranks", "1", "--global-batch-size", "4"],
+         "--global-batch-size=4 is not a multiple of data-parallel size (2, from the world size) x "
+         "--micro-batch-size (4): each replica runs whole micro-batches of every mini-batch; fix: pass "
+         "--micro-batch-size 2 or a divisor of it", env={"WORLD_SIZE": "9"},
+         doc_input="9 processes (WORLD_SIZE=9: TP 2 x PP 2 x DP 2 + 1 anchor), --global-batch-size 4 "
+                   "--micro-batch-size 4"),
     Case("tp-stateful-codec", "flag", ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
-                                       "--boundary-codec", "lowrank"],
-         "--boundary-codec lowrank keeps state (a basis) that every TP rank would hold and send whole, not split "
-         "over the 2 TP ranks (not in this version); fix: pass --boundary-codec mask or dense, or "
-         "--tensor-model-parallel-size 1", env={"WORLD_SIZE": "4"}),
+                                       "--anchor-ranks", "1", "--boundary-codec", "lowrank",
+                                       "--lowrank-q-owner", "anchor"],
+         "--boundary-codec lowrank --lowrank-q-owner anchor: the anchor sends the basis to each stage's TP rank 0 "
+         "only, so the other 1 TP rank(s) could not decode; fix: pass --lowrank-q-owner fast, or "
+         "--tensor-model-parallel-size 1", env={"WORLD_SIZE": "5"}),
     Case("tp-world-size", "launch", ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"],
          "world size 2 minus --anchor-ranks (0) leaves 2 trainer ranks, not a multiple of "
          "--tensor-model-parallel-size (2) x --pipeline-model-parallel-size (2) (world = TP ranks x stages x "
@@ -421,6 +435,12 @@ CASES = [
     Case("distributed-timeout", "flag", ["--distributed-timeout-minutes", "0"],
          "--distributed-timeout-minutes must be a finite number > 0, got 0.0; fix: e.g. "
          "--distributed-timeout-minutes 10"),
+    Case("stale-build-lock", "launch", [],
+         "torch extension build lock {tmp}/ext/cpu_adam/lock is 120 min old: a build of DeepSpeed's cpu_adam op "
+         "was killed and every load of it would wait forever; fix: delete {tmp}/ext/cpu_adam (it is rebuilt on "
+         "next use) or set TORCH_EXTENSIONS_DIR to another folder", setup=_stale_build_lock,
+         env={"TORCH_EXTENSIONS_DIR": "{tmp}/ext"},
+         doc_input="TORCH_EXTENSIONS_DIR=<tmp>/ext, whose cpu_adam/lock a build killed 2 hours ago left"),
     Case("reward-file-missing", "reward", [], "--custom-reward-function '{tmp}/missing.py:f': '{tmp}/missing.py' "
          "does not exist (working directory '{repo}'); give the path of a .py file", setup=_reward("missing.py:f"),
          doc_input="--custom-reward-function <tmp>/missing.py:f"),
@@ -509,7 +529,7 @@ def test_bad_input_gives_one_line_and_exit_2(case, clean_env, tmp_path, capsys):
     from megatron_cegrpo.train import main
 
     for k, v in case.env.items():
-        clean_env.setenv(k, v)
+        clean_env.setenv(k, _fill(v, tmp_path))
     argv = _argv(case, tmp_path) + ["--log-dir", str(tmp_path / "run")]
     capsys.readouterr()
     assert main(argv) == 2

@@ -3,6 +3,11 @@
 Per stage: the sign correction ``G = alpha G_comp + beta |G_comp| sign(M)`` (registered as
 the stage's correction, before clipping) and the :class:`AnchorClient` that ships weights,
 sends batches and receives sign(M) (``anchor/client.py``). Metrics: ``anchor/*``.
+
+Who talks to the anchor: (data-parallel replica 0, TP rank 0) of each stage. The other ranks of a stage
+take its signs: over the DP group at TP = 1 (``anchor/dp_fanout.py``), over the TP group at DP = 1
+(``anchor/tp_split.py``), over the DP group of the TP-rank-0s and then each replica's TP group at
+TP x DP (``anchor/tp_dp.py``).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import torch.distributed as dist
 from megatron_cegrpo.anchor.basis import stage_boundaries
 from megatron_cegrpo.anchor.client import AnchorClient
 from megatron_cegrpo.anchor.dp_fanout import FollowerClient, SignFanout, sign_deviation
+from megatron_cegrpo.anchor.tp_dp import TPDPFanout, TPDPFollowerClient
 from megatron_cegrpo.anchor.tp_split import TPFollowerClient, TPSignSplit
 from megatron_cegrpo.checkpointing import ANCHOR_DIR
 from megatron_cegrpo.optim.hooks import SignCorrectionHook
@@ -44,21 +50,28 @@ class AnchorCircuit:
                                              counted=[p for p in owned if stage.counted_here(p)])
         stage.register_correction(self.correction)
         tied_copy = any(stage.is_duplicate_tied_weight(p) for p in owned)
-        # data parallel (anchor/dp_fanout.py): replica 0 talks to the anchor, the others take its signs
-        self.fanout = SignFanout(ctx.dp_group, [tuple(p.shape) for p in owned]) if ctx.dp_group is not None else None
+        tp = int(getattr(ctx, "tp_size", 1))
         # tensor parallel (anchor/tp_split.py): TP rank 0 ships the gathered stage, holds the whole
         # signs and sends each other TP rank its shard of them
-        tp = int(getattr(ctx, "tp_size", 1))
-        if tp > 1 and self.fanout is not None:
-            raise NotImplementedError("the anchor at tensor x data parallel (TrainConfig.validate refuses the launch)")
         self.tp_split = (TPSignSplit(ctx.tp_group, [n for n, _ in stage.named_owned], self.correction)
                          if tp > 1 else None)
+        # data parallel (anchor/dp_fanout.py): replica 0 talks to the anchor, the others take its signs;
+        # at TP > 1 over the DP group of the TP-rank-0s, whole-stage signs (anchor/tp_dp.py)
+        whole = _whole_owned(stage) if self.tp_split is not None else stage.named_owned
+        self.fanout = (SignFanout(ctx.dp_group, [tuple(p.shape) for _, p in whole])
+                       if ctx.dp_group is not None and ctx.tp_rank == 0 else None)
+        # anchor/sign_dev_across_dp: on every rank, over its own DP group, from the signs its hook holds
+        self._dev_shapes = [tuple(p.shape) for p in owned]
+        held = self.tp_split or self.correction  # what the client sets: the whole signs at TP > 1
         if ctx.is_replica_leader and ctx.tp_rank == 0:
-            named = stage.named_owned if self.tp_split is None else _whole_owned(stage)
-            self.client = AnchorClient(named, stage.layer_offset, tied_copy, ctx.anchor_rank,
-                                       ctx.is_driver, cfg.anchor, self.tp_split or self.correction,
+            fanout = (TPDPFanout(self.fanout, self.tp_split) if self.tp_split is not None and self.fanout is not None
+                      else self.tp_split or self.fanout)
+            self.client = AnchorClient(whole, stage.layer_offset, tied_copy, ctx.anchor_rank,
+                                       ctx.is_driver, cfg.anchor, held,
                                        group=ctx.anchor_group, rank=ctx.rank, bases=_anchor_bases(cfg, ctx, stage),
-                                       fanout=self.tp_split or self.fanout)
+                                       fanout=fanout)
+        elif self.tp_split is not None and ctx.tp_rank == 0:  # TP rank 0 of replica > 0: DP in, TP out
+            self.client = TPDPFollowerClient(cfg.anchor, self.tp_split, self.fanout, rank=ctx.rank)
         elif self.tp_split is not None:
             self.client = TPFollowerClient(cfg.anchor, self.correction, self.tp_split, rank=ctx.rank)
         else:
@@ -76,6 +89,7 @@ class AnchorCircuit:
         self.client.before_optimizer_step(t, timers)
         if self._dump:
             tp = f"_tp{self.ctx.tp_rank:02d}" if self.tp_split is not None else ""
+            tp += f"_dp{self.ctx.dp_rank:02d}" if self.ctx.dp_group is not None else ""
             self.correction.dump_path = os.path.join(self._dump, f"stage{self.ctx.pp_rank}{tp}_step{t:05d}.pt")
         self._applied_before = self.correction.num_applied
 
@@ -94,22 +108,24 @@ class AnchorCircuit:
         agree, total = self.correction.last_agreement if applied else (0, 0)
         out = self.client.metrics(t)
         out.update({"_anchor/applied": applied, "_anchor/agree": agree, "_anchor/total": total})
-        if self.fanout is not None:
+        if self.ctx.dp_group is not None:
             out.update(self._replica_metrics(applied))
         if self.tp_split is not None:  # TP rank 0's sends of the shards' signs (0 on the other TP ranks)
             out["anchor/bytes_tp_fanout"] = self.tp_split.take_bytes()
         return out
 
     def _replica_metrics(self, applied: int) -> Dict[str, float]:
-        """Data parallel: the fan-out's bytes (replica 0's) and, when any replica applied a
-        correction this iteration, ``anchor/sign_dev_across_dp`` from the signs each holds
-        (collectives over the DP group, every replica in the same order)."""
-        out = {"anchor/bytes_dp_fanout": self.fanout.take_bytes()}
+        """Data parallel: the fan-out's bytes (replica 0's TP rank 0 sends them; 0 elsewhere) and, when
+        any replica applied a correction this iteration, ``anchor/sign_dev_across_dp`` from the signs
+        each replica's hook holds (at TP > 1 each TP rank's shard, over its own DP group: collectives
+        over the DP group, every replica in the same order)."""
+        group = self.ctx.dp_group
+        out = {"anchor/bytes_dp_fanout": self.fanout.take_bytes() if self.fanout is not None else 0}
         flag = torch.tensor([int(applied > 0)], dtype=torch.int64)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.fanout.group)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
         if int(flag.item()):
-            out["anchor/sign_dev_across_dp"] = sign_deviation(self.correction.signs, self.fanout.numel,
-                                                              self.fanout.group, self.fanout.shapes)
+            numel = sum(int(torch.Size(s).numel()) for s in self._dev_shapes)
+            out["anchor/sign_dev_across_dp"] = sign_deviation(self.correction.signs, numel, group, self._dev_shapes)
         return out
 
     def driver_metrics(self) -> Dict:

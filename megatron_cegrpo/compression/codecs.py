@@ -134,6 +134,14 @@ class BoundaryCodec(abc.ABC):
     #: split a mini-batch into whole micro-batches then send what one replica would (issue 14;
     #: ``TrainConfig._validate_data_parallel``). False for a basis kept per step or per run.
     replica_invariant = False
+    #: the TP ranks of a stage can split this codec's traffic (issue 14, docs/parallelism.md): with
+    #: sequence parallelism off they hold bit-identical boundary tensors, and every payload, every
+    #: ``basis_to_send`` tensor and all codec state is a deterministic function of those tensors, the
+    #: context and what arrived over the boundary (decoded whole on every TP rank), with no side
+    #: channel that reaches one TP rank only (an anchor-owned basis does). Each TP rank then encodes
+    #: the same bits and sends 1/T of each payload and basis (``pipeline/communicator.py``);
+    #: ``TrainConfig._validate_tensor_parallel`` refuses the codecs where this is False.
+    tp_splittable = False
 
     @abc.abstractmethod
     def payload_shape(self, shape: Tuple[int, int, int]) -> Tuple[int, ...]:
@@ -217,6 +225,7 @@ class DenseCodec(BoundaryCodec):
     """
 
     replica_invariant = True
+    tp_splittable = True
 
     def payload_shape(self, shape):
         return _check_shape(shape)
@@ -276,6 +285,7 @@ class MaskCodec(BoundaryCodec):
     """
 
     replica_invariant = True  # indices keyed by the global sample id
+    tp_splittable = True  # no state but the PRF indices of ctx
 
     def __init__(self, keep_ratio: float = 0.05, cache_size: int = 64):
         keep_count(1, keep_ratio)  # validates the ratio

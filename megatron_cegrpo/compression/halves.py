@@ -88,6 +88,10 @@ class DirectionCodec(abc.ABC):
     #: split a mini-batch into whole micro-batches then send what one replica would (issue 14;
     #: ``TrainConfig._validate_data_parallel``). False for a basis kept per step or per run.
     replica_invariant = False
+    #: what :attr:`BoundaryCodec.tp_splittable` says, for one direction: every payload and all state
+    #: of both roles follow deterministically from the dense tensor, ctx and the payloads received
+    #: (no side channel), so a stage's TP ranks, holding identical tensors, encode identical bits
+    tp_splittable = False
 
     @abc.abstractmethod
     def wire_shape(self, shape, ctx: BoundaryContext, dtype: torch.dtype, role: str) -> Tuple[int, ...]:
@@ -164,6 +168,7 @@ class DenseHalf(DirectionCodec):
 
     self_adjoint_linear = True
     replica_invariant = True
+    tp_splittable = True
 
     def wire_shape(self, shape, ctx, dtype, role):
         return _check_shape(shape)
@@ -188,6 +193,7 @@ class MaskHalf(DirectionCodec):
 
     self_adjoint_linear = True
     replica_invariant = True  # PRF indices keyed by the global sample id
+    tp_splittable = True
 
     def __init__(self, keep_ratio: float = 0.05):
         self.mask = MaskCodec(keep_ratio=keep_ratio)

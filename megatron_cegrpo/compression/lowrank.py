@@ -150,6 +150,15 @@ class LowRankCodec(BoundaryCodec):
         self._pending: Dict[int, Tuple[torch.Tensor, int]] = {}  # anchor-sent basis, first iteration
         self._outgoing: Dict[int, torch.Tensor] = {}  # fast owner: refreshed basis not yet shipped
 
+    @property
+    def tp_splittable(self) -> bool:
+        """Fast-owned: the sender's power step ``orth(X^T (X Q))`` runs on bit-identical X and Q on
+        every TP rank (QR is deterministic on identical inputs), so every TP rank encodes the same
+        coefficients and the same Q, and the communicator splits both over the TP ranks (Q crosses
+        once in total). Anchor-owned: the anchor sends Q to each stage's TP rank 0 only
+        (``anchor/basis.py``), so the other TP ranks would decode with the initial basis: False."""
+        return self.q_owner == "fast"
+
     # -- the basis -----------------------------------------------------------------
     def rank(self, d: int) -> int:
         """r at hidden size d (:func:`lowrank_rank`)."""

@@ -83,6 +83,11 @@ class PairCodec(BoundaryCodec):
         return bool(self.fwd.replica_invariant and self.bwd.replica_invariant)
 
     @property
+    def tp_splittable(self) -> bool:
+        """Both halves are (:attr:`BoundaryCodec.tp_splittable`)."""
+        return bool(self.fwd.tp_splittable and self.bwd.tp_splittable)
+
+    @property
     def is_chain_rule(self) -> bool:
         """True when the backward is the exact chain rule of the forward map (module docstring)."""
         return type(self.fwd) is type(self.bwd) and self.fwd.self_adjoint_linear and (

@@ -176,6 +176,9 @@ class SubspaceQuantHalf(DirectionCodec):
     """
 
     refresh = "step"
+    #: the basis rides inside the payload (split over the TP ranks with it); eigh, topk and the
+    #: quantiser are deterministic on bit-identical inputs (tests/compression/test_tp_codec_determinism.py)
+    tp_splittable = True
 
     def __init__(self, keep_ratio: float = 0.05, rank: int = 128, share: float = 0.12, max_bits: int = 8,
                  outliers: int = 1, warm: int = 0):

@@ -40,7 +40,11 @@ receiving TP ranks all-gather the pieces inside their stage (megatron-core's
 ``split_tensor_into_1d_equal_chunks`` / ``gather_split_1d_tensor``, the scatter-gather of
 Megatron-LM's pipeline) and decode the whole payload. A boundary thus carries the TP = 1 bytes
 (plus at most T - 1 padding elements per message), and each TP rank's meter counts its piece
-against ``ceil(numel / T)`` dense elements.
+against ``ceil(numel / T)`` dense elements. A codec's separate basis message (``lowrank``,
+fast-owned) is split the same way: each TP rank sends 1/T of the basis, the receivers all-gather
+it, so the basis too crosses once in total. This needs every TP rank to encode bit-identical
+payloads and bases from its identical tensor (``BoundaryCodec.tp_splittable``; the start-up check
+refuses the codecs where that does not hold).
 """
 
 from __future__ import annotations
@@ -232,14 +236,23 @@ class CompressedP2PCommunicator(P2PCommunicator):
         )
 
     def _send_basis(self, ctx: BoundaryContext) -> list:
-        """Ship the basis the codec refreshed for this payload (lowrank, fast-owned), metered."""
+        """Ship the basis the codec refreshed for this payload (lowrank, fast-owned), metered. At
+        TP > 1 every TP rank holds the same basis (``BoundaryCodec.tp_splittable``) and sends only
+        its piece (:func:`tp_payload_piece`), so the basis crosses the boundary once in total."""
         basis = self.codec.basis_to_send(ctx)
         if basis is None:
             return []
-        basis = basis.contiguous()
+        basis = self._piece(basis.contiguous())
         self.meter.add_basis(self.pp_rank, basis)
         self._basis_keep = basis
         return [dist.isend(basis, dst=self.next_rank, group=self.pp_group, tag=BASIS_TAG)]
+
+    def _recv_basis(self, buf: torch.Tensor) -> torch.Tensor:
+        """Receive the basis announced by ``basis_to_receive`` (``buf``: an empty tensor of its shape
+        and dtype): whole without TP, else this TP rank's piece, all-gathered inside the stage."""
+        piece = buf if self.tp_group is None else buf.new_empty(self._piece_shape(tuple(buf.shape)))
+        dist.irecv(piece, src=self.prev_rank, group=self.pp_group, tag=BASIS_TAG).wait()
+        return self._whole(piece, tuple(buf.shape))
 
     # ---- tensor parallelism: 1/T of each payload per TP rank ---------------
     def _tp(self) -> int:
@@ -329,8 +342,7 @@ class CompressedP2PCommunicator(P2PCommunicator):
                 self.prefetcher.wait(self.codec, ctx_prev, shape)
                 basis = self.codec.basis_to_receive(ctx_prev, shape, self.config.pipeline_dtype)
                 if basis is not None:
-                    dist.irecv(basis, src=self.prev_rank, group=self.pp_group, tag=BASIS_TAG).wait()
-                    self.codec.accept_basis(ctx_prev, basis)
+                    self.codec.accept_basis(ctx_prev, self._recv_basis(basis))
                 x = self.codec.decode_forward(self._whole(recv_prev_t.detach(), payload_shape), ctx_prev, shape)
             if recv_next:
                 self.prefetcher.wait(self.codec, ctx_next, shape)

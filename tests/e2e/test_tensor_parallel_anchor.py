@@ -13,7 +13,10 @@ default bf16-delta shipments. The default suite launches TP = 2 once and compare
 record of the same run at TP = 1 (``reference/tp_anchor_tp1_pp2.json``; re-record it with
 ``PYTHONPATH=$PWD python tests/e2e/test_tensor_parallel_anchor.py --record``: 3 ranks, ~30 s), and
 checks from the run's ``--anchor-debug-dir`` dumps that every TP rank's hook applied exactly its
-slice of the anchor's whole-stage sign(M) (``anchor/tp_split.py``).
+slice of the anchor's whole-stage sign(M) (``anchor/tp_split.py``). The resume test: checkpoints every
+iteration, new processes resume from the one at 1 and train 2 and 3 bit for bit like the straight run
+(metrics, applied signs, weights); only the anchor-link bytes a restart adds differ (the hello, the fp32
+keyframe of the first shipment, the straight run's save answer), each asserted exactly or bounded.
 
 Tolerance. The TP ranks reduce in another fp32 order (row-parallel partial sums, the norm terms), so
 the weights the anchor receives differ from TP = 1's by fp32 rounding, amplified where Adam divides
@@ -70,12 +73,13 @@ EQUAL_KEYS = ("anchor/fire", "anchor/alive", "anchor/branch", "anchor/staleness"
               "sync/bytes", "actor/num_optimizer_steps", "actor/skipped_steps")
 
 
-def launch(out_dir, tp: int) -> None:
-    """Run ``tp_anchor_worker.py`` at TP = ``tp`` x PP = 2 + 1 anchor (2 x tp + 1 gloo ranks)."""
-    os.makedirs(os.path.join(out_dir, "run", "dump"), exist_ok=True)
+def launch(out_dir, tp: int, *flags: str, run: str = "run") -> None:
+    """Run ``tp_anchor_worker.py`` at TP = ``tp`` x PP = 2 + 1 anchor (2 x tp + 1 gloo ranks) into
+    ``out_dir/run``, ``flags`` appended to the worker's."""
+    os.makedirs(os.path.join(out_dir, run, "dump"), exist_ok=True)
     with open(os.path.join(out_dir, "reward.py"), "w") as f:
         f.write(PARITY_REWARD)
-    run_ranks([WORKER, str(out_dir), str(tp)], 2 * tp + 1, timeout=900)
+    run_ranks([WORKER, str(out_dir), str(tp), *flags], 2 * tp + 1, timeout=900, env={"CEGRPO_TEST_RUN": run})
 
 
 def record(out_dir) -> dict:
@@ -212,6 +216,53 @@ def test_tp2_anchor_signs_and_every_weight_against_a_live_tp1_run(tp2, tmp_path)
             keep = ~flipped[global_param_name(name, meta["layer_offset"], meta["tied_output"])]
             diff = (one[pp][0][name].double() - two[pp][0][name].double()).abs()[keep]
             assert float(diff.max()) <= W_ALL_ABS, (pp, name, float(diff.max()))
+
+
+#: what a resumed run's anchor link carries differently (docs/parallelism.md, "The anchor at TP > 1"):
+#: the stages' hello (parameter names, once), the fp32 keyframe of the first shipment after a restart,
+#: the anchor's answer to the straight run's save, and the totals that sum them
+RESUME_BYTES = ("anchor/bytes_in", "anchor/bytes_out", "anchor/bytes_ship", "anchor/received_bytes_total",
+                "comm/total_bytes", "comm/total_dense_bytes", "comm/total_ratio")
+
+
+def test_resume_at_tp2_with_the_anchor_is_bit_exact(tmp_path):
+    """TP = 2 x PP = 2 + anchor, checkpoints every iteration; new processes resume from the checkpoint
+    at 1 (the anchor's M, ring and shipment reference, TP rank 0's whole signs, TP rank 1's shard) and
+    train 2 and 3 (two more fires): every metric but the anchor-link bytes a restart adds equals the
+    straight run's, every TP rank's applied signs and final weights bit for bit."""
+    ckpt = str(tmp_path / "run" / "ckpt")
+    launch(tmp_path, 2, "--save", ckpt, "--save-interval", "1")
+    launch(tmp_path, 2, "--load", os.path.join(ckpt, "iter_0000001"), "--save", str(tmp_path / "resumed" / "ckpt"),
+           "--save-interval", "1", run="resumed")
+    check_resume(tmp_path)
+
+
+def check_resume(out_dir) -> None:
+    """The comparisons of :func:`test_resume_at_tp2_with_the_anchor_is_bit_exact` on its two runs."""
+    a, b = load_metrics(out_dir, "run"), load_metrics(out_dir, "resumed")
+    assert sorted(b) == [2, 3] and [b[t]["anchor/correction_applied"] for t in (2, 3)] == [1, 1]
+    # the first shipment after the restart is an fp32 keyframe (of the values the straight run's anchor
+    # holds): twice the bf16 delta; the anchor's running count keeps the extra bytes
+    keyframe = a[2]["anchor/bytes_ship_fp32"] // 2
+    assert b[2]["anchor/bytes_ship"] == 2 * a[2]["anchor/bytes_ship"] == a[2]["anchor/bytes_ship_fp32"]
+    assert 0 < b[2]["anchor/bytes_in"] - a[2]["anchor/bytes_in"] - keyframe < 4096  # + the hello (names)
+    # the straight run's step 2 also counts the anchor's answer to the save at 1 (a few hundred bytes)
+    assert 0 < a[2]["anchor/bytes_out"] - b[2]["anchor/bytes_out"] < 2048
+    for t in (2, 3):
+        assert b[t]["anchor/received_bytes_total"] - a[t]["anchor/received_bytes_total"] == keyframe, t
+        diff = {k: (a[t].get(k), b[t].get(k)) for k in set(a[t]) | set(b[t])
+                if k not in RESUME_BYTES and a[t].get(k) != b[t].get(k)}
+        assert not diff, (t, diff)
+    for t in (2, 3):
+        for pp in (0, 1):
+            for r in (0, 1):
+                name = f"stage{pp}_tp{r:02d}_step{t:05d}.pt"
+                h1, h2 = (torch.load(os.path.join(out_dir, run, "dump", name)) for run in ("run", "resumed"))
+                assert all(torch.equal(x, y) for x, y in zip(h1["signs"], h2["signs"])), (t, pp, r)
+    _, straight = load_stages(out_dir, "run", 2)
+    _, resumed = load_stages(out_dir, "resumed", 2)
+    for p, q in zip(straight, resumed):
+        assert all(torch.equal(p["params"][n], q["params"][n]) for n in p["params"]), (p["pp_rank"], p["tp_rank"])
 
 
 if __name__ == "__main__":

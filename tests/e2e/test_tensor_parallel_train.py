@@ -39,6 +39,12 @@ from distributed_util import PARITY_REWARD, run_ranks  # noqa: E402
 
 WORKER = os.path.join(HERE, "tp_train_worker.py")
 REFERENCE = os.path.join(HERE, "reference", "tp_train_tp1_pp2.json")
+#: the stateful codecs' TP = 1 x PP = 2 record (re-record: ... --record-stateful)
+STATEFUL_REFERENCE = os.path.join(HERE, "reference", "tp_stateful_tp1_pp2.json")
+STATEFUL = ("lowrank", "rpq:lrq")
+#: the boundary byte counters of a stateful codec (the lowrank basis is part of comm/fwd_bytes)
+STATEFUL_EQUAL_KEYS = ("comm/fwd_bytes", "comm/bwd_bytes", "comm/basis_bytes", "comm/dense_equiv_bytes",
+                       "comm/bytes_ratio", "comm/batch_bytes", "sync/bytes", "actor/num_optimizer_steps")
 CACHE = "embedding.word_embeddings.weight"  # the first stage's row cache of the tied W (not trained there)
 STEPS = (1, 2)
 REL, ABS, W_ABS, NORM_REL = 1e-5, 1e-6, 1e-5, 1e-5
@@ -136,6 +142,36 @@ def record(out_dir) -> dict:
     return write_reference(REFERENCE, ref)
 
 
+def _run_name(spec: str) -> str:
+    return spec.replace(":", "_").replace("/", "_")
+
+
+def record_stateful(out_dir) -> dict:
+    """Launch the TP = 1 x PP = 2 runs of :data:`STATEFUL` and write :data:`STATEFUL_REFERENCE`."""
+    launch(out_dir, 1, "codecs", ",".join(STATEFUL))
+    ref = {"about": "tests/e2e/tp_train_worker.py codecs at TP = 1 x PP = 2 (re-record: python "
+                    "tests/e2e/test_tensor_parallel_train.py --record-stateful)", "torch": torch.__version__}
+    for spec in STATEFUL:
+        stages, _ = load_stages(out_dir, _run_name(spec), 1)
+        ref[spec] = {"metrics": load_metrics(out_dir, _run_name(spec)), "weights": fingerprint(stages)}
+    return write_reference(STATEFUL_REFERENCE, ref)
+
+
+def read_stateful_reference() -> dict:
+    """:data:`STATEFUL_REFERENCE` with each codec's ``metrics`` keyed by int step (``read_reference``)."""
+    import tempfile
+
+    with open(STATEFUL_REFERENCE) as f:
+        raw = json.load(f)
+    out = {}
+    for spec in STATEFUL:
+        with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as t:
+            json.dump(raw[spec], t)
+        out[spec] = read_reference(t.name)
+        os.unlink(t.name)
+    return out
+
+
 # ----------------------------------------------------------------------------- the default suite
 
 @pytest.fixture(scope="module")
@@ -223,6 +259,41 @@ def test_resume_at_tp2_is_bit_exact(tmp_path):
         assert all(torch.equal(p["params"][n], q["params"][n]) for n in p["params"]), (p["pp_rank"], p["tp_rank"])
 
 
+@pytest.mark.slow
+def test_tp2_stateful_codecs_train_like_tp1(tmp_path):
+    """``lowrank`` (fast-owned Q, warm-started, its basis split over the TP ranks) and ``rpq:lrq`` (the
+    bases inside the payloads) at TP = 2 x PP = 2 against the committed TP = 1 x PP = 2 record: the
+    boundary bytes equal exactly (each TP rank sends half of every payload and basis), losses, norms
+    and probes within the mask run's tolerances, weights at the recorded coordinates within ``W_ABS``."""
+    if not os.path.exists(STATEFUL_REFERENCE):
+        pytest.skip(f"{STATEFUL_REFERENCE} not recorded yet; record it with "
+                    "`PYTHONPATH=$PWD python tests/e2e/test_tensor_parallel_train.py --record-stateful`")
+    launch(tmp_path, 2, "codecs", ",".join(STATEFUL))
+    refs = read_stateful_reference()
+    for spec in STATEFUL:
+        m2, m1 = load_metrics(tmp_path, _run_name(spec)), refs[spec]["metrics"]
+        assert sorted(m2) == sorted(m1) == list(STEPS), spec
+        for step in STEPS:
+            for k in CLOSE_KEYS:
+                assert (k in m1[step]) == (k in m2[step]), (spec, step, k)
+                if k in m1[step]:
+                    assert _close(m1[step][k], m2[step][k]), (spec, step, k, m1[step][k], m2[step][k])
+            for k in STATEFUL_EQUAL_KEYS:
+                assert m2[step].get(k) == m1[step].get(k), (spec, step, k, m1[step].get(k), m2[step].get(k))
+        if spec == "lowrank":  # one d x r basis per iteration, split over the two TP ranks, counted once
+            assert all(m2[s]["comm/basis_bytes"] > 0 for s in STEPS)
+        stages, _ = load_stages(tmp_path, _run_name(spec), 2)
+        for key, ref in refs[spec]["weights"].items():
+            pp, name = key.split("/", 1)
+            params, theta0 = stages[int(pp)]
+            flat = params[name].reshape(-1)
+            got = torch.tensor([float(flat[i]) for i in ref["idx"]], dtype=torch.float64)
+            diff = float((got - torch.tensor(ref["val"], dtype=torch.float64)).abs().max())
+            assert diff <= W_ABS, (spec, key, diff)
+            norm = float((params[name].double() - theta0[name].double()).norm())
+            assert math.isclose(norm, ref["delta_norm"], rel_tol=NORM_REL, abs_tol=1e-9), (spec, key, norm)
+
+
 # ----------------------------------------------------------------------------- refused at start-up (no launch)
 
 def _cfg(*extra):
@@ -237,21 +308,32 @@ def test_tp2_pp2_without_an_anchor_validates():
     _cfg("--anchor-ranks", "0").validate(world_size=4)
 
 
+@pytest.mark.parametrize("codec", ["lowrank", "pcaq:lrq", "rpq:lrq", "rpq/own=0:lrq", "mask:lrq"])
+def test_tp2_runs_the_tp_splittable_stateful_codecs(codec):
+    """Their TP ranks encode identical bits and split them (tests/compression/test_tp_codec_determinism.py)."""
+    _cfg("--anchor-ranks", "0", "--boundary-codec", codec, "--boundary-keep-ratio", "0.25").validate(world_size=4)
+    _cfg("--anchor-ranks", "1", "--boundary-codec", codec, "--boundary-keep-ratio", "0.25").validate(world_size=5)
+
+
 def test_tp2_pp2_with_an_anchor_rank_validates():
     """5 ranks: TP 2 x PP 2 + the anchor (test_tensor_parallel_anchor.py trains it)."""
     _cfg("--anchor-ranks", "1").validate(world_size=5)
 
 
+@pytest.mark.parametrize("world,dp", [(9, 2), (17, 4)])
+def test_tp2_pp2_x_dp_with_an_anchor_rank_validates(world, dp):
+    """TP 2 x PP 2 x DP + the anchor (test_tensor_data_parallel_anchor.py trains DP = 2)."""
+    cfg = _cfg("--anchor-ranks", "1").validate(world_size=world)
+    assert cfg.data_parallel_size(world) == dp
+
+
 @pytest.mark.parametrize("extra,world,start", [
     (["--anchor-ranks", "1"], 4, "world size 4 minus --anchor-ranks (1) leaves 3 trainer ranks, not a multiple of "
                                  "--tensor-model-parallel-size (2) x --pipeline-model-parallel-size (2)"),
-    (["--anchor-ranks", "1", "--micro-batch-size", "2"], 9,
-     "--tensor-model-parallel-size 2 x data-parallel size 2 (from the world size) with --anchor-ranks 1"),
+    (["--anchor-ranks", "1", "--micro-batch-size", "8"], 9,  # TP x DP + anchor runs; whole micro-batches
+     "--global-batch-size=8 is not a multiple of data-parallel size (2, from the world size) x --micro-batch-size (8)"),
     (["--anchor-ranks", "1", "--boundary-codec", "lowrank", "--lowrank-q-owner", "anchor"], 5,
-     "--boundary-codec lowrank keeps state (a basis)"),
-    (["--anchor-ranks", "0", "--boundary-codec", "lowrank"], 4,
-     "--boundary-codec lowrank keeps state (a basis) that every TP rank would hold and send whole"),
-    (["--anchor-ranks", "0", "--boundary-codec", "pcaq:lrq"], 4, "--boundary-codec pcaq:lrq keeps state"),
+     "--boundary-codec lowrank --lowrank-q-owner anchor: the anchor sends the basis to each stage's TP rank 0 only"),
     (["--anchor-ranks", "0"], 6, "world size 6 minus --anchor-ranks (0) leaves 6 trainer ranks, not a multiple of "
                                  "--tensor-model-parallel-size (2) x --pipeline-model-parallel-size (2)"),
 ])
@@ -288,10 +370,14 @@ def test_per_tp_rank_file_names_and_continued_runs():
 
 
 if __name__ == "__main__":
-    if sys.argv[1:] != ["--record"]:
-        sys.exit("usage: PYTHONPATH=$PWD python tests/e2e/test_tensor_parallel_train.py --record")
+    if sys.argv[1:] not in (["--record"], ["--record-stateful"]):
+        sys.exit("usage: PYTHONPATH=$PWD python tests/e2e/test_tensor_parallel_train.py --record | --record-stateful")
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:
-        r = record(tmp)
-    print(f"wrote {REFERENCE}: steps {sorted(r['metrics'])}, {len(r['weights'])} parameters")
+        if sys.argv[1] == "--record":
+            r = record(tmp)
+            print(f"wrote {REFERENCE}: steps {sorted(r['metrics'])}, {len(r['weights'])} parameters")
+        else:
+            r = record_stateful(tmp)
+            print(f"wrote {STATEFUL_REFERENCE}: {', '.join(STATEFUL)}")

@@ -1,12 +1,14 @@
-"""One rank of ``test_tensor_parallel_anchor.py``: GRPO training at TP = T x PP = 2 + 1 anchor rank.
+"""One rank of ``test_tensor_parallel_anchor.py`` and ``test_tensor_data_parallel_anchor.py``: GRPO
+training at TP = T x PP = 2 (x DP) + 1 anchor rank.
 
 ``python tp_anchor_worker.py OUT TP [FLAG ...]`` (extra flags appended; RANK, WORLD_SIZE, MASTER_* set
-by ``distributed_util.run_ranks``; world = 2 x TP + 1, the anchor last). From the same seeds at every
-TP size: tiny-llama, the mask codec at keep 0.25, KL to the reference, ``--tied-embedding-sync sparse``,
+by ``distributed_util.run_ranks``; world = 2 x TP x DP + 1, DP inferred from the world size, the anchor
+last; ``CEGRPO_TEST_RUN`` names the run's folder under OUT, default ``run``). From the same seeds at
+every TP and DP size: tiny-llama, the mask codec at keep 0.25, KL to the reference, ``--tied-embedding-sync sparse``,
 3 iterations of 8 sequences, the anchor firing every iteration (c = K = 1: fire 1 falls back to theta(0), fires 2 and 3
 are secant forecasts), signs applied on the fire step, ``--anchor-debug-dir OUT/run/dump``.
 
-Each trainer rank writes ``OUT/run/rank<r>.pt``: its place (pp_rank, tp_rank), its stage's final
+Each trainer rank writes ``OUT/<run>/rank<r>.pt``: its place (pp_rank, tp_rank, dp_rank), its stage's final
 parameters (its TP shards) and theta_0.
 """
 
@@ -30,7 +32,7 @@ faulthandler.register(signal.SIGUSR1, all_threads=True)  # a hung rank's stacks:
 SEED = 1234
 OUT, TP = sys.argv[1], int(sys.argv[2])
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-RUN = os.path.join(OUT, "run")
+RUN = os.path.join(OUT, os.environ.get("CEGRPO_TEST_RUN", "run"))
 ARGS = [
     "--model", "tiny-llama", "--train-data", "mawps/singleop", "--pipeline-model-parallel-size", "2",
     "--tensor-model-parallel-size", str(TP), "--anchor-ranks", "1", "--anchor-interval", "1", "--anchor-delay", "1",
@@ -56,7 +58,7 @@ try:
         trainer = GRPOTrainer(cfg, CTX)
         trainer.train()
         st = trainer.stage
-        out = {"pp_rank": CTX.pp_rank, "tp_rank": CTX.tp_rank, "owned": [n for n, _ in st.named_owned],
+        out = {"pp_rank": CTX.pp_rank, "tp_rank": CTX.tp_rank, "dp_rank": CTX.dp_rank, "owned": [n for n, _ in st.named_owned],
                "params": {n: p.detach().clone() for n, p in st.model.named_parameters()},
                "theta0": {n: p0.detach().clone() for (n, _), p0 in zip(st.model.named_parameters(), st.theta0)}}
         torch.save(out, os.path.join(RUN, f"rank{CTX.rank}.pt"))

@@ -1,6 +1,6 @@
 """One rank of ``test_tensor_parallel_train.py``: GRPO training at TP = T x PP = 2 (x DP) (no anchor).
 
-``python tp_train_worker.py OUT TP [resume | dp DP]`` (RANK, WORLD_SIZE, MASTER_* set by
+``python tp_train_worker.py OUT TP [resume | dp DP | codecs SPEC,SPEC...]`` (RANK, WORLD_SIZE, MASTER_* set by
 ``distributed_util.run_ranks``; world = 2 x TP x DP, DP = 1 unless given). From the same seeds as
 every other launch:
 
@@ -9,7 +9,10 @@ every other launch:
   checkpoint at 2 (with ``resume``: at 1 and 2); the fidelity probe never changes the run
   (``training/fidelity.py``), so a DP > 1 run without it still trains like the DP = 1 record;
 - with ``resume``, ``resumed``: a new trainer loads ``mask``'s checkpoint at 1 and trains iteration 2;
-- with ``dp DP``, also ``dense``: the same as ``mask`` with ``--boundary-codec dense``, no checkpoint.
+- with ``dp DP``, also ``dense``: the same as ``mask`` with ``--boundary-codec dense``, no checkpoint;
+- with ``codecs SPECS`` (comma-separated), instead of ``mask``: one run per codec, named by its spec
+  with ``:`` and ``/`` as ``_``, the same flags with ``--boundary-codec SPEC``, no checkpoint (the
+  stateful codecs at TP > 1, ``test_tensor_parallel_train.py::test_tp2_stateful_codecs_train_like_tp1``).
 
 Each trainer rank writes ``OUT/<run>/rank<r>.pt``: its place (pp_rank, tp_rank, dp_rank), its stage's
 final parameters (its TP shards) and theta_0 (the reference it started from).
@@ -37,6 +40,7 @@ SEED = 1234
 OUT, TP = sys.argv[1], int(sys.argv[2])
 RESUME = len(sys.argv) > 3 and sys.argv[3] == "resume"
 DP = int(sys.argv[4]) if len(sys.argv) > 4 and sys.argv[3] == "dp" else None  # None: the mask run alone
+CODECS = sys.argv[4].split(",") if len(sys.argv) > 4 and sys.argv[3] == "codecs" else None
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ARGS = [
     "--model", "tiny-llama", "--train-data", "mawps/singleop", "--pipeline-model-parallel-size", "2",
@@ -70,6 +74,10 @@ def train(run: str, iters: int, *extra: str) -> None:
 
 CTX = initialize_distributed(2, SEED, 1, anchor_ranks=0, tensor_model_parallel_size=TP)
 try:
+    if CODECS is not None:  # the stateful codecs, one run each
+        for spec in CODECS:
+            train(spec.replace(":", "_").replace("/", "_"), 2, "--boundary-codec", spec)
+        sys.exit(0)
     ckpt = os.path.join(OUT, "mask", "ckpt")
     train("mask", 2, "--save", ckpt, *(["--save-interval", "1"] if RESUME else []))
     if RESUME:  # a new trainer from mask's checkpoint at 1 trains iteration 2 again

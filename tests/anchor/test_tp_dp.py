@@ -1,0 +1,44 @@
+"""The anchor's signs at TP 2 x DP 2 (issue 14, ``anchor/tp_dp.py``) on 4 real gloo processes (one
+stage's ranks in megatron's order, TP fastest): (replica 0, TP rank 0) holds whole-stage signs (as the
+anchor sent them), broadcasts them to TP rank 0 of replica 1 over the DP group of the TP-rank-0s, and
+each replica's TP rank 0 sends its TP rank 1 that rank's shard. Every rank's hook then holds exactly
+its TP slice (new, unchanged, partial: no sign for a tensor whose M is all 0, cleared with the anchor
+lost), ``sign_deviation`` over each DP group is 0, and the bytes are the headers, the bitmap and the
+packed whole signs (DP) / shards (TP). ~10 s."""
+
+import os
+
+import torch
+
+from distributed_util import REPO, run_ranks
+
+from megatron_cegrpo.anchor.signs import packed_nbytes
+from megatron_cegrpo.anchor.tp_split import shard_signs
+
+WORKER = os.path.join(REPO, "tests", "anchor", "tp_dp_worker.py")
+NAMES = ["embedding.word_embeddings.weight", "decoder.layers.0.self_attention.linear_qkv.weight",
+         "decoder.layers.0.self_attention.linear_proj.weight", "decoder.layers.0.mlp.linear_fc1.weight",
+         "decoder.layers.0.input_layernorm.weight"]
+
+
+def test_every_rank_of_a_tp2_dp2_stage_holds_its_slice_of_the_whole_signs(tmp_path):
+    run_ranks([WORKER, str(tmp_path)], 4, timeout=600)
+    outs = [torch.load(tmp_path / f"rank{r}.pt") for r in range(4)]
+    whole = outs[0]["whole"]
+    for r, out in enumerate(outs):
+        want = shard_signs(NAMES, whole, r % 2, 2)
+        new, keep, partial, cleared = out["held"]
+        assert all(torch.equal(a, b) and a.dtype == torch.float32 for a, b in zip(new, want)), r
+        assert all(torch.equal(a, b) for a, b in zip(keep, want)), r
+        assert partial[1] is None and all(torch.equal(partial[i], want[i]) for i in (0, 2, 3, 4)), r
+        assert cleared is None, r
+        assert out["dev"] == [0.0, 0.0, 0.0, 0.0], r  # the replicas of each TP rank agree at every step
+    assert [o["alive"] for o in outs] == [True, False, False, False]  # the lost anchor reached every rank
+    whole_numel = sum(s.numel() for s in whole)
+    shard_numel = sum(torch.Size(s).numel() for s in outs[1]["shapes"])
+    # DP (rank 0 -> rank 2): 4 headers, the 1-byte bitmap, the packed whole signs twice (new, partial)
+    assert outs[0]["dp_sent"] == 4 * 16 + 1 + 2 * packed_nbytes(whole_numel)
+    # TP (each replica's TP rank 0 -> its TP rank 1): the same with the packed shard
+    for r in (0, 2):
+        assert outs[r]["tp_sent"] == 4 * 16 + 1 + 2 * packed_nbytes(shard_numel), r
+    assert outs[1]["tp_sent"] == outs[3]["tp_sent"] == outs[2]["dp_sent"] == 0
