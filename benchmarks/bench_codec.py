@@ -6,7 +6,8 @@
 
 Codecs: ``--codecs`` (comma-separated ``--boundary-codec`` specs), by default every registered
 codec (``available_codecs()``) and the pair specs :data:`PAIR_SPECS` (``dense:mask``,
-``mask:mask``, ``pcaq:lrq``, ``rpq:lrq``, ``rpq/passes=2:lrq``), each built by
+``mask:mask``, ``pcaq:lrq``, ``rpq:lrq``, ``rpq/passes=2:lrq`` and the warm-started-basis variants
+``pcaq/warm=1:lrq/warm=1``, ``rpq/warm=1:lrq/warm=1``, ``rpq/passes=2/warm=1:lrq/warm=1``), each built by
 ``compression.build_codec(spec, --keep-ratio)`` exactly as the trainer's ``--boundary-codec
 SPEC --boundary-keep-ratio R`` builds it; a spec that cannot be built, or cannot code the
 shape (a budget with no coefficient bits), gets an n/a row with the reason. Plus reference
@@ -41,7 +42,9 @@ a later one as a coded delta to it. Both are measured (the later crossing sends
      ("critical"), of a later forward crossing and the backward ("later"), and
      first + (P - 1) later + backward ("iter": a micro-batch's codec time per iteration, still
      against ONE layer f+b), timed after that precompute; any work a codec does lazily (no
-     precompute, a crossing nobody announced, a data-dependent basis) lands here;
+     precompute, a crossing nobody announced, a data-dependent basis) lands here; a
+     ``warm=1`` half's basis is timed in its steady state (the untimed warm-up repetition
+     leaves it a previous basis; its cost does not depend on the data);
    * "no prefetch": critical + off-path, i.e. the crossing's cost if the precompute ran inline.
 Timing uses ``--compute-dtype`` (fp32 by default: the dtype the CPU trainer runs in); bytes
 use ``--wire-dtype`` (bf16 by default: what a GPU pipeline puts on the wire). The bytes
@@ -76,7 +79,10 @@ LAYER_SHAPES = {
     4096: (32, 8, 14336, "Llama-3-8B"),
 }
 # the pair specs (``FWD:BWD``, compression/spec.py) that matter: the trainer's candidates of issue 10
-PAIR_SPECS = ("dense:mask", "mask:mask", "pcaq:lrq", "rpq:lrq", "rpq/passes=2:lrq")
+# and their warm-started-basis variants (``warm=1``: one x^T (x V_prev) subspace iteration instead of a
+# d x d eigh per basis; ``compression/subspace.py``), side by side with the fresh-eigh ones
+PAIR_SPECS = ("dense:mask", "mask:mask", "pcaq:lrq", "rpq:lrq", "rpq/passes=2:lrq",
+              "pcaq/warm=1:lrq/warm=1", "rpq/warm=1:lrq/warm=1", "rpq/passes=2/warm=1:lrq/warm=1")
 DEFAULT_PASSES = 3  # forward crossings of a micro-batch per iteration in the demo: old-logprob, reference, update
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 SEED = 20260731
@@ -400,7 +406,7 @@ def measure_time(d: int, s: int, b: int, keep_ratio: float = 0.05, dtype: torch.
 # --------------------------------------------------------------------------- report
 
 
-W = 18  # codec column width (pair specs such as rpq/passes=2:lrq)
+W = 31  # codec column width (pair specs such as rpq/passes=2/warm=1:lrq/warm=1)
 
 
 def _fmt_bytes_table(rows) -> str:

@@ -145,6 +145,19 @@ class DirectionCodec(abc.ABC):
             payload = self.encode(t.detach(), ctx)
             return self.decode(payload, ctx, tuple(t.shape))
 
+    def state_dict(self) -> dict:
+        """State that outlives a step, for checkpoints (``PairCodec.state_dict``); default ``{}``."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict` output. Default: only ``{}`` is accepted.
+
+        Raises:
+            ValueError: a non-empty state for a half without any.
+        """
+        if state:
+            raise ValueError(f"{self.name} half keeps no state; unexpected state keys {sorted(state)}")
+
     def reset(self) -> None:
         """Forget any per-step state (both roles)."""
 

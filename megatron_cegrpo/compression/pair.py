@@ -131,6 +131,27 @@ class PairCodec(BoundaryCodec):
         the incoming gradient backward (the pipeline's exact maps, same state updates)."""
         return _PairMap.apply(x, self, ctx)
 
+    def state_dict(self) -> dict:
+        """The halves' state that outlives a step (``DirectionCodec.state_dict``): ``{}`` when
+        neither has any (every pair without a warm-started basis: checkpoints unchanged), else
+        ``{"fwd": ..., "bwd": ...}``."""
+        f, b = self.fwd.state_dict(), self.bwd.state_dict()
+        return {"fwd": f, "bwd": b} if (f or b) else {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict` output into the halves (``{}``: both start without state).
+
+        Raises:
+            ValueError: keys other than fwd / bwd, or a half that rejects its part (the message
+            names the flag to change).
+        """
+        state = dict(state or {})
+        extra = sorted(set(state) - {"fwd", "bwd"})
+        if extra:
+            raise ValueError(f"{self.spec}: unexpected codec state keys {extra}")
+        self.fwd.load_state_dict(state.get("fwd", {}))
+        self.bwd.load_state_dict(state.get("bwd", {}))
+
     def reset(self) -> None:
         """Drop per-step state of both halves."""
         self.fwd.reset()

@@ -59,7 +59,7 @@ import torch
 from .codecs import _check_shape
 from .halves import register_half
 from .quant import allocate_bits, dequantize_columns, quantize_columns
-from .subspace import SubspaceQuantHalf, _dtype_of, top_basis
+from .subspace import SubspaceQuantHalf, _dtype_of
 from .wire import ByteReader, bytes_to_wire, packed_nbytes, tensor_bytes, wire_numel, wire_to_bytes
 
 __all__ = ["RepeatPcaHalf"]
@@ -79,6 +79,9 @@ class RepeatPcaHalf(SubspaceQuantHalf):
         passes: crossings per micro-batch and step the budget is planned for (>= 1; 3 = the
             demo: old-logprob, reference, update).
         repeat: budget of a later crossing, fraction of the dense bytes, [0, keep_ratio].
+        own: 1 (default): every first crossing carries its own basis; 0: one basis per step.
+        warm: subspace iterations of a warm-started basis (``SubspaceQuantHalf``; 0 = a fresh
+            eigh per basis, the default; ``rpq/warm=1``: one x^T (x V_prev) product and a QR).
     Raises:
         ValueError: parameters out of range; at encode/decode a shape whose first-crossing
         budget leaves no coefficient bits.
@@ -87,8 +90,9 @@ class RepeatPcaHalf(SubspaceQuantHalf):
     refresh = "step"
 
     def __init__(self, keep_ratio: float = 0.05, rank: int = 144, share: float = 0.12, max_bits: int = 8,
-                 outliers: int = 1, passes: int = 3, repeat: float = 0.002, own: int = 1):
-        super().__init__(keep_ratio=keep_ratio, rank=rank, share=share, max_bits=max_bits, outliers=outliers)
+                 outliers: int = 1, passes: int = 3, repeat: float = 0.002, own: int = 1, warm: int = 0):
+        super().__init__(keep_ratio=keep_ratio, rank=rank, share=share, max_bits=max_bits, outliers=outliers,
+                         warm=warm)
         if int(passes) < 1 or not 0.0 <= float(repeat) <= float(keep_ratio) or int(own) not in (0, 1):
             raise ValueError(f"rpq: need passes >= 1, 0 <= repeat <= keep_ratio, own 0 or 1; got {passes}, "
                              f"{repeat}, {own}")
@@ -225,7 +229,7 @@ class RepeatPcaHalf(SubspaceQuantHalf):
         x = x.index_fill(0, idx, 0.0)  # outliers leave the basis and the column scales
         carried = self._carries_basis(key, "send")
         if carried:
-            v16, lam = top_basis(x, self.basis_rows(shape, elem))
+            v16, lam = self._fit_basis(x, self.basis_rows(shape, elem), ctx.boundary)
             parts += [tensor_bytes(v16), tensor_bytes(lam)]
             v, lam_list = v16.float(), lam.tolist()
             if not self.own:
