@@ -110,9 +110,17 @@ class _Adapter:
     """
 
     def __init__(self, name: str, enc_f, dec_f, enc_b, dec_b, precompute: Optional[Callable] = None, k=None,
-                 passes: Optional[int] = None):
+                 passes: Optional[int] = None, halves=()):
         self.name, self.k, self.passes = name, k, passes
         self.enc_f, self.dec_f, self.enc_b, self.dec_b, self.precompute = enc_f, dec_f, enc_b, dec_b, precompute
+        self.halves = [h for h in halves if hasattr(h, "background_s")]  # halves with a lagged basis (lag=1)
+
+    def settle(self) -> float:
+        """Wait for the halves' background basis updates (``lag=1``: a worker thread builds the
+        next basis after each encode); returns their cumulative wall seconds so far."""
+        for h in self.halves:
+            h._settle()
+        return sum(h.background_s for h in self.halves)
 
 
 def _library_adapter(name: str, codec, shape) -> _Adapter:
@@ -124,7 +132,8 @@ def _library_adapter(name: str, codec, shape) -> _Adapter:
         enc_b=lambda g, ctx, fp: codec.encode_backward(g, ctx),
         dec_b=lambda p, ctx, fp: codec.decode_backward(p, ctx, shape),
         precompute=(lambda ctx: codec.precompute(ctx, shape, "cpu")) if has_precompute(codec) else None,
-        k=codec.k(shape[2]) if hasattr(codec, "k") else None, passes=getattr(fwd, "passes", None))
+        k=codec.k(shape[2]) if hasattr(codec, "k") else None, passes=getattr(fwd, "passes", None),
+        halves=[h for h in (fwd, getattr(codec, "bwd", None)) if getattr(h, "lag", 0)])
 
 
 def _reference_adapter(ref, shape) -> _Adapter:
@@ -268,6 +277,13 @@ def build_layer(d: int, dtype: torch.dtype):
     return layer, rope, family
 
 
+def _untimed(fn: Callable[[], object]) -> float:
+    """Run ``fn``; return the seconds it took (subtracted from the interval being timed)."""
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
 def time_codec(a: _Adapter, x: torch.Tensor, grad: torch.Tensor, min_time: float, min_reps: int = 5,
                max_reps: int = 200, x_rep: Optional[torch.Tensor] = None,
                layer: Optional[Callable[[], object]] = None) -> dict:
@@ -286,10 +302,15 @@ def time_codec(a: _Adapter, x: torch.Tensor, grad: torch.Tensor, min_time: float
     ``layer``: a callable (one layer's forward + backward) run and timed at the start of every
     repetition, so that codec and layer see the same machine load (interleaved).
 
+    A half with ``lag=1`` starts its next basis on a background thread after each encode; the
+    loop waits for it after the encode, untimed (in training it overlaps the sender's compute
+    until its next crossing at that boundary), and reports its wall time as ``background_ms``.
+
     Returns:
         {"precompute_ms", "encode_fwd_ms", "decode_fwd_ms", "repeat_encode_fwd_ms",
-        "repeat_decode_fwd_ms", "encode_bwd_ms", "decode_bwd_ms", "reps"} and, with ``layer``,
-        "layer_ms": medians in ms over the repetitions (precompute_ms 0.0 when there is none).
+        "repeat_decode_fwd_ms", "encode_bwd_ms", "decode_bwd_ms", "background_ms", "reps"} and,
+        with ``layer``, "layer_ms": medians in ms over the repetitions (precompute_ms 0.0 when
+        there is none; background_ms the background basis work per repetition, 0.0 without lag).
     """
     x_rep = x if x_rep is None else x_rep
     keys = ("precompute_ms", "encode_fwd_ms", "decode_fwd_ms", "repeat_encode_fwd_ms", "repeat_decode_fwd_ms",
@@ -304,25 +325,31 @@ def time_codec(a: _Adapter, x: torch.Tensor, grad: torch.Tensor, min_time: float
             t_layer = time.perf_counter()
             layer()
             t_layer = time.perf_counter() - t_layer
+        bg0 = a.settle()
         t = [time.perf_counter()]
         if a.precompute is not None:
             a.precompute(ctx)
         t.append(time.perf_counter())
         fp = a.enc_f(x, ctx)
         t.append(time.perf_counter())
+        pause = _untimed(a.settle)
         a.dec_f(fp, ctx)
-        t.append(time.perf_counter())
+        t.append(time.perf_counter() - pause)
         fr = a.enc_f(x_rep, ctx)
-        t.append(time.perf_counter())
+        t.append(time.perf_counter() - pause)
+        pause += _untimed(a.settle)
         a.dec_f(fr, ctx)
-        t.append(time.perf_counter())
+        t.append(time.perf_counter() - pause)
         bp = a.enc_b(grad, ctx, fp)
-        t.append(time.perf_counter())
+        t.append(time.perf_counter() - pause)
+        pause += _untimed(a.settle)
         a.dec_b(bp, ctx, fp)
-        t.append(time.perf_counter())
+        t.append(time.perf_counter() - pause)
+        bg = a.settle() - bg0
         if step > 1_000_000:  # the first repetition is the warm-up
             for i, k in enumerate(keys):
                 samples[k].append((t[i + 1] - t[i]) * 1e3)
+            samples.setdefault("background_ms", []).append(bg * 1e3)
             if layer is not None:
                 samples.setdefault("layer_ms", []).append(t_layer * 1e3)
         step += 1
@@ -355,9 +382,11 @@ def measure_time(d: int, s: int, b: int, keep_ratio: float = 0.05, dtype: torch.
       ``iteration_share`` = that / ONE layer f+b (conservative: the layer itself also runs
       P - 1 extra forwards per iteration);
     * ``precompute_ms`` = the codec's work ahead of the crossing at one end (both ends do it);
-      ``offpath_share`` = 2 x precompute_ms / layer f+b; ``share_without_prefetch`` =
-      (critical_ms + 2 x precompute_ms) / layer f+b, what the crossing costs when nothing is
-      prefetched (masks derived on demand at both ends).
+      ``background_ms`` = the sender's background basis updates of a ``lag=1`` half;
+      ``offpath_share`` = (2 x precompute_ms + background_ms) / layer f+b;
+      ``share_without_prefetch`` = (critical_ms + 2 x precompute_ms + background_ms) / layer
+      f+b, what the crossing costs when nothing is prefetched or overlapped (masks derived on
+      demand at both ends, the lagged basis inline).
     """
     layer, rope, family = build_layer(d, dtype)
     emb = rope(s)
@@ -396,8 +425,8 @@ def measure_time(d: int, s: int, b: int, keep_ratio: float = 0.05, dtype: torch.
                      "critical_ms": crit, "share_of_layer_fwd_bwd": crit / layer_ms,
                      "repeat_critical_ms": rcrit, "repeat_share": rcrit / layer_ms,
                      "iteration_critical_ms": icrit, "iteration_share": icrit / layer_ms,
-                     "offpath_share": 2 * t["precompute_ms"] / layer_ms,
-                     "share_without_prefetch": (crit + 2 * t["precompute_ms"]) / layer_ms})
+                     "offpath_share": (2 * t["precompute_ms"] + t["background_ms"]) / layer_ms,
+                     "share_without_prefetch": (crit + 2 * t["precompute_ms"] + t["background_ms"]) / layer_ms})
     for name, note in missing.items():
         rows.append({"codec": name, "d": d, "note": note})
     return rows
@@ -429,8 +458,9 @@ def _fmt_time_table(rows) -> str:
         if "note" in r:
             out.append(f"{r['d']:>5} {r['codec']:<{W}} {r['note']}")
             continue
-        pre = f"{r['precompute_ms']:>10.3f}" if r["has_precompute"] else f"{'-':>10}"
-        off = f"{100 * r['offpath_share']:>8.2f}%" if r["has_precompute"] else f"{'-':>9}"
+        offpath = r["has_precompute"] or r.get("background_ms", 0.0) > 0
+        pre = (f"{r['precompute_ms'] + r.get('background_ms', 0.0):>10.3f}" if offpath else f"{'-':>10}")
+        off = f"{100 * r['offpath_share']:>8.2f}%" if offpath else f"{'-':>9}"
         out.append(f"{r['d']:>5} {r['codec']:<{W}} {r['critical_ms']:>9.3f} {r['repeat_critical_ms']:>9.3f} "
                    f"{r['passes']:>2} {r['iteration_critical_ms']:>9.3f} {pre} {r['layer_fwd_bwd_ms']:>9.1f} "
                    f"{100 * r['share_of_layer_fwd_bwd']:>8.3f}% {100 * r['repeat_share']:>7.3f}% "
@@ -502,8 +532,10 @@ def main(argv=None) -> dict:
               "(with the crossing's precompute done, as the trainer's background prefetch leaves it); later = the same\n"
               "with a later forward crossing (rpq: the coded delta); iter = (first fwd + (P-1) later fwd + bwd) / ONE\n"
               "layer f+b, a micro-batch's codec time per iteration of P forward crossings; off-path = 2 x precompute (one per end: the mask's\n"
-              "PRF indices, derived on a background thread when the batch is known) / layer f+b; no prefetch =\n"
-              "(critical + 2 x precompute) / layer f+b, the cost with masks derived on demand. '-': no precompute.")
+              "PRF indices, derived on a background thread when the batch is known; + the sender's background basis\n"
+              "update of a lag=1 half; precomp ms = one end's precompute + that background time) / layer f+b; no prefetch =\n"
+              "(critical + off-path) / layer f+b, the cost with masks derived on demand and the lagged basis inline.\n"
+              "'-': nothing off the path.")
         print(_fmt_time_table(result["time"]))
     result["machine"]["loadavg_end"] = os.getloadavg()
     if args.out:

@@ -18,11 +18,11 @@ Pure tensor code: no torch.distributed.
 from __future__ import annotations
 
 import heapq
-from typing import List, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from .wire import ByteReader, bit_stream, pack_stream, packed_nbytes, stream_values, unpack_stream
+from .wire import ByteReader, pack_values, packed_nbytes, unpack_values
 
 __all__ = ["allocate_bits", "quantize_columns", "dequantize_columns", "coefficient_nbytes"]
 
@@ -42,6 +42,23 @@ def allocate_bits(variances: Sequence[float], total_bits: int, max_bits: int = 8
     """
     if total_bits < 0 or not 1 <= max_bits <= 16:
         raise ValueError(f"need total_bits >= 0 and 1 <= max_bits <= 16, got {total_bits}, {max_bits}")
+    r = len(variances)
+    left = min(int(total_bits), max_bits * r)
+    if left == 0:
+        return [0] * r
+    # The greedy's b-th bit of column j is worth lambda_j / 4**b (exact in float64: a power-of-two
+    # scaling); it pops those gains largest first, ties to the lower j, and a column's gains
+    # strictly decrease with b, so the greedy takes exactly the `left` largest (gain, -j, -b)
+    # entries: one stable sort instead of `left` heap operations (issue 10 item 6).
+    lam = torch.as_tensor([float(v) for v in variances], dtype=torch.float64)
+    gains = lam[:, None] * torch.pow(4.0, -torch.arange(max_bits, dtype=torch.float64))[None, :]
+    order = torch.sort(gains.reshape(-1), descending=True, stable=True).indices[:left]
+    return torch.bincount(order // max_bits, minlength=r).tolist()
+
+
+def _allocate_bits_greedy(variances: Sequence[float], total_bits: int, max_bits: int = 8) -> List[int]:
+    """The greedy of the module docstring, one heap operation a bit: the reference
+    :func:`allocate_bits` equals (tests/compression/test_wire_pack.py)."""
     bits = [0] * len(variances)
     heap = [(-float(v), j) for j, v in enumerate(variances)]
     heapq.heapify(heap)
@@ -68,17 +85,25 @@ def _groups(bits: Sequence[int]):
     return out
 
 
-def quantize_columns(c: torch.Tensor, bits: Sequence[int]) -> Tuple[torch.Tensor, torch.Tensor]:
+def _cols(cols: List[int]):
+    """A slice when the column indices are one contiguous ascending run (bits sorted by variance,
+    the usual case: a gather becomes a view), else the index list."""
+    return slice(cols[0], cols[-1] + 1) if cols[-1] - cols[0] + 1 == len(cols) else cols
+
+
+def quantize_columns(c: torch.Tensor, bits: Sequence[int], return_hat: bool = True) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Quantise the columns of ``c`` and return the wire bytes.
 
     Args:
         c: float tensor [N, r] (coefficients, rows = tokens).
         bits: r ints, bits per column (0 = not sent).
+        return_hat: also return the decoded coefficients (the codecs' encoders do not need them).
     Returns:
         (payload, c_hat): payload uint8 [coefficient_nbytes(N, bits)] = r fp32 scales a_j
         followed by one bit stream (widths ascending, within a width columns in index order,
         each column's N values row by row, each value little-endian); c_hat [N, r] fp32,
-        the decoded coefficients (what :func:`dequantize_columns` returns).
+        the decoded coefficients (what :func:`dequantize_columns` returns), None without
+        ``return_hat``.
     Raises:
         ValueError: len(bits) != r.
     """
@@ -89,17 +114,17 @@ def quantize_columns(c: torch.Tensor, bits: Sequence[int]) -> Tuple[torch.Tensor
     scales = c.abs().amax(dim=0) if n else c.new_zeros(r)
     widths = torch.tensor([int(b) for b in bits], dtype=torch.float32, device=c.device)
     scales = torch.where(widths > 0, scales, torch.zeros_like(scales))
-    streams, c_hat = [], torch.zeros_like(c)
+    groups, c_hat = [], (torch.zeros_like(c) if return_hat else None)
     for w, cols in _groups(bits):
-        a = scales[cols]
+        sel = _cols(cols)
+        a = scales[sel]
         levels = 1 << w
         step = torch.where(a > 0, 2 * a / levels, torch.ones_like(a))
-        idx = torch.floor((c[:, cols] + a) / step).clamp_(0, levels - 1).to(torch.int64)
-        c_hat[:, cols] = torch.where(a > 0, -a + (idx.float() + 0.5) * step, torch.zeros_like(a))
-        streams.append(bit_stream(idx.t(), w))
-    stream = torch.cat(streams) if streams else torch.zeros(0, dtype=torch.int64, device=c.device)
-    packed = pack_stream(stream)
-    payload = torch.cat([scales.contiguous().view(torch.uint8), packed])
+        idx = torch.floor((c[:, sel] + a) / step).clamp_(0, levels - 1).to(torch.int32)
+        if return_hat:
+            c_hat[:, sel] = torch.where(a > 0, -a + (idx.float() + 0.5) * step, torch.zeros_like(a))
+        groups.append((idx.t(), w))
+    payload = torch.cat([scales.contiguous().view(torch.uint8), pack_values(groups)])
     return payload, c_hat
 
 
@@ -107,16 +132,14 @@ def dequantize_columns(reader: ByteReader, rows: int, bits: Sequence[int], devic
     """Read one :func:`quantize_columns` payload from ``reader``; returns fp32 [rows, len(bits)]."""
     r = len(bits)
     scales = reader.take_as((r,), torch.float32).to(device)
-    total = rows * sum(int(b) for b in bits)
     data = reader.take(packed_nbytes(rows, sum(int(b) for b in bits))).to(device)
-    stream = unpack_stream(data, total)
+    groups = _groups(bits)
+    values = unpack_values(data, [(rows * len(cols), w) for w, cols in groups])
     out = torch.zeros((rows, r), dtype=torch.float32, device=data.device)
-    pos = 0
-    for w, cols in _groups(bits):
-        n = rows * len(cols) * w
-        idx = stream_values(stream[pos:pos + n], w).view(len(cols), rows).t()
-        pos += n
-        a = scales[cols]
+    for (w, cols), v in zip(groups, values):
+        sel = _cols(cols)
+        idx = v.view(len(cols), rows).t()
+        a = scales[sel]
         step = torch.where(a > 0, 2 * a / (1 << w), torch.ones_like(a))
-        out[:, cols] = torch.where(a > 0, -a + (idx.float() + 0.5) * step, torch.zeros_like(a))
+        out[:, sel] = torch.where(a > 0, -a + (idx.float() + 0.5) * step, torch.zeros_like(a))
     return out

@@ -82,6 +82,8 @@ class RepeatPcaHalf(SubspaceQuantHalf):
         own: 1 (default): every first crossing carries its own basis; 0: one basis per step.
         warm: subspace iterations of a warm-started basis (``SubspaceQuantHalf``; 0 = a fresh
             eigh per basis, the default; ``rpq/warm=1``: one x^T (x V_prev) product and a QR).
+        lag: 1 sends the basis built off the critical path from the previous first crossing
+            (``SubspaceQuantHalf``; needs warm >= 1; ``rpq/passes=2/warm=1/lag=1``).
     Raises:
         ValueError: parameters out of range; at encode/decode a shape whose first-crossing
         budget leaves no coefficient bits.
@@ -90,9 +92,10 @@ class RepeatPcaHalf(SubspaceQuantHalf):
     refresh = "step"
 
     def __init__(self, keep_ratio: float = 0.05, rank: int = 144, share: float = 0.12, max_bits: int = 8,
-                 outliers: int = 1, passes: int = 3, repeat: float = 0.002, own: int = 1, warm: int = 0):
+                 outliers: int = 1, passes: int = 3, repeat: float = 0.002, own: int = 1, warm: int = 0,
+                 lag: int = 0):
         super().__init__(keep_ratio=keep_ratio, rank=rank, share=share, max_bits=max_bits, outliers=outliers,
-                         warm=warm)
+                         warm=warm, lag=lag)
         if int(passes) < 1 or not 0.0 <= float(repeat) <= float(keep_ratio) or int(own) not in (0, 1):
             raise ValueError(f"rpq: need passes >= 1, 0 <= repeat <= keep_ratio, own 0 or 1; got {passes}, "
                              f"{repeat}, {own}")
@@ -216,7 +219,7 @@ class RepeatPcaHalf(SubspaceQuantHalf):
         else:
             x_hat_first, v, lam, x_first = prev
             bits = allocate_bits(lam, self.repeat_bits(shape, elem), self.max_bits)
-            coef, _ = quantize_columns((x - x_first) @ v.t(), bits)
+            coef, _ = quantize_columns((x - x_first) @ v.t(), bits, return_hat=False)
             payload = bytes_to_wire([coef], t.dtype)
             x_hat = self._decode_repeat(payload, shape, prev)
         self._last_sent = (payload, x_hat)
@@ -226,10 +229,10 @@ class RepeatPcaHalf(SubspaceQuantHalf):
         key, parts = (ctx.boundary, ctx.step), []
         idx = torch.sort(torch.topk(x.norm(dim=-1), self.outlier_count(shape)).indices).values
         parts += [tensor_bytes(idx.to(torch.int32)), tensor_bytes(x[idx].half())]
-        x = x.index_fill(0, idx, 0.0)  # outliers leave the basis and the column scales
-        carried = self._carries_basis(key, "send")
+        # outliers leave the basis and the column scales (SubspaceQuantHalf.encode)
+        carried, coef = self._carries_basis(key, "send"), None
         if carried:
-            v16, lam = self._fit_basis(x, self.basis_rows(shape, elem), ctx.boundary)
+            v16, lam, coef = self._fit_basis(x, idx, self.basis_rows(shape, elem), ctx.boundary)
             parts += [tensor_bytes(v16), tensor_bytes(lam)]
             v, lam_list = v16.float(), lam.tolist()
             if not self.own:
@@ -237,7 +240,9 @@ class RepeatPcaHalf(SubspaceQuantHalf):
         else:
             v, lam_list = self._state["send"][key]
         bits = allocate_bits(lam_list, self.coef_bits(shape, elem), self.max_bits)
-        payload, _ = quantize_columns(x @ v.t(), bits)
+        if coef is None:
+            coef = (x @ v.t()).index_fill_(0, idx, 0.0)
+        payload, _ = quantize_columns(coef, bits, return_hat=False)
         return bytes_to_wire(parts + [payload], dtype), carried
 
     def decode(self, payload, ctx, shape):
@@ -291,4 +296,4 @@ class RepeatPcaHalf(SubspaceQuantHalf):
             v, lam = self._state[role][key]
         bits = allocate_bits(lam, self.coef_bits(shape, elem), self.max_bits)
         c_hat = dequantize_columns(reader, s * b, bits, device=payload.device)
-        return (c_hat @ v).index_copy(0, idx, rows), v, lam
+        return (c_hat @ v).index_copy_(0, idx, rows), v, lam

@@ -50,8 +50,10 @@ Pure tensor code: no torch.distributed.
 from __future__ import annotations
 
 import math
+import time
 from collections import OrderedDict
-from typing import Tuple
+from concurrent.futures import ThreadPoolExecutor
+from typing import Optional, Tuple
 
 import torch
 
@@ -64,6 +66,17 @@ __all__ = ["SubspaceQuantHalf", "PcaQuantHalf", "LowRankQuantHalf", "top_basis",
 
 #: the largest ``warm`` (subspace iterations per basis) a half accepts
 MAX_WARM = 4
+
+_BACKGROUND: Optional[ThreadPoolExecutor] = None
+
+
+def _background() -> ThreadPoolExecutor:
+    """The one worker thread that runs lagged basis updates (``lag=1``) off the critical path;
+    torch's kernels release the GIL, so it overlaps the caller's layer compute."""
+    global _BACKGROUND
+    if _BACKGROUND is None:
+        _BACKGROUND = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cegrpo-basis")
+    return _BACKGROUND
 
 
 def top_basis(x: torch.Tensor, r: int) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -170,6 +183,16 @@ class SubspaceQuantHalf(DirectionCodec):
             another d). The basis is still sent, so the wire layout, the bytes and the receiver
             are unchanged; the sender keeps one [r, d] fp32 basis per boundary (``state_dict``).
             A basis that depends on earlier messages is not ``replica_invariant``.
+        lag: 0 (default) or 1 (needs warm >= 1). With ``lag=1`` the basis a message carries
+            is the one the sender finished BEFORE the message: after each basis-carrying
+            message a background thread runs ``warm`` subspace iterations on that message's
+            data (started at the basis it carried) and the next message at this boundary sends
+            the result, so no basis work is on the critical path (issue 10 item 6) but every
+            basis lags the data by one message. The column variances ``lam`` (sent, and the
+            bit allocation's input) are those of the message's own coefficients, and the rows
+            are sent sorted by them. The first
+            message at a boundary (and the first after ``reset`` or a change of d) fits a fresh
+            ``top_basis`` on the critical path. Wire layout, bytes and receiver unchanged.
     Raises:
         ValueError: parameters out of range (the message names the parameter); at
         encode/decode, a shape whose budget leaves no coefficient bits.
@@ -181,7 +204,7 @@ class SubspaceQuantHalf(DirectionCodec):
     tp_splittable = True
 
     def __init__(self, keep_ratio: float = 0.05, rank: int = 128, share: float = 0.12, max_bits: int = 8,
-                 outliers: int = 1, warm: int = 0):
+                 outliers: int = 1, warm: int = 0, lag: int = 0):
         if not 0.0 < float(keep_ratio) <= 1.0:
             raise ValueError(f"keep_ratio must lie in (0, 1], got {keep_ratio}")
         if int(rank) < 1 or not 0.0 <= float(share) < 1.0 or not 1 <= int(max_bits) <= 16 or int(outliers) < 0:
@@ -193,8 +216,18 @@ class SubspaceQuantHalf(DirectionCodec):
             raise ValueError(f"{self.name}/warm={warm}: warm is the number of warm-started subspace iterations per "
                              f"basis, 0 (a fresh eigh, the default) to {MAX_WARM}; fix: {self.name}/warm=1")
         self.warm = int(warm)
+        if int(lag) not in (0, 1) or (int(lag) and not self.warm):
+            raise ValueError(f"{self.name}/lag={lag}: lag=1 sends the basis a background thread built from the "
+                             f"previous message, by warm-started iterations, so it needs warm >= 1; "
+                             f"fix: {self.name}/warm=1/lag=1 (or lag=0)")
+        self.lag = int(lag)
         self._state = {"send": OrderedDict(), "recv": OrderedDict()}  # (boundary, step) -> (v fp32, lam list)
-        self._warm_basis = {}  # boundary -> the last basis sent there, fp32 [r, d] (warm > 0 only)
+        # warm > 0: boundary -> fp32 [r, d]: lag=0, the last basis sent there; lag=1, the next one to send
+        self._warm_basis = {}
+        self._pending = {}  # lag=1: boundary -> Future of the next basis (fp32 [r, d])
+        #: lag=1: wall seconds the background basis updates took, and how many ran (the
+        #: benchmark's off-path column; they overlap the caller's compute)
+        self.background_s, self.background_jobs = 0.0, 0
 
     @property
     def replica_invariant(self) -> bool:
@@ -204,25 +237,74 @@ class SubspaceQuantHalf(DirectionCodec):
         the earlier messages of the run."""
         return self.refresh == "microbatch" and not self.warm
 
-    def _fit_basis(self, x: torch.Tensor, r: int, boundary: int) -> Tuple[torch.Tensor, torch.Tensor]:
-        """The sender's basis of ``x`` [N, d] fp32: ``top_basis`` (``warm`` = 0, or no earlier basis
-        of this width at ``boundary``), else ``warm_basis`` from the previous one; remembers
-        the fp16-rounded result per boundary when ``warm`` > 0. Returns (v fp16 [r, d], lam fp32 [r])."""
+    def _fit_basis(self, x: torch.Tensor, idx: torch.Tensor, r: int, boundary: int):
+        """The sender's basis of ``x`` [N, d] fp32 with the outlier rows ``idx`` (int64 [K])
+        zeroed: ``top_basis`` (``warm`` = 0, or no earlier basis of this width at ``boundary``),
+        else ``warm_basis`` from the previous one (``lag`` = 0) or the basis the background
+        thread built from the previous message (``lag`` = 1); remembers the fp16-rounded result
+        per boundary when ``warm`` > 0. ``x`` itself is not written. Returns (v fp16 [r, d],
+        lam fp32 [r], coefficients fp32 [N, r] with zero rows at ``idx``, or None when the
+        caller has to project)."""
         if not self.warm:
-            return top_basis(x, r)
-        prev = self._warm_basis.get(int(boundary))
+            return top_basis(_zero_rows(x, idx), r) + (None,)
+        boundary = int(boundary)
+        if self.lag:
+            return self._fit_lagged(x, idx, r, boundary)
+        prev = self._warm_basis.get(boundary)
         if prev is None or prev.shape[1] != x.shape[1]:
-            v16, lam = top_basis(x, r)
+            v16, lam = top_basis(_zero_rows(x, idx), r)
         else:
-            v16, lam = warm_basis(x, prev, r, self.warm)
-        self._warm_basis[int(boundary)] = v16.float()
-        return v16, lam
+            v16, lam = warm_basis(_zero_rows(x, idx), prev, r, self.warm)
+        self._warm_basis[boundary] = v16.float()
+        return v16, lam, None
+
+    def _fit_lagged(self, x: torch.Tensor, idx: torch.Tensor, r: int, boundary: int):
+        """``lag`` = 1: send the basis finished off the critical path, then start the next one.
+
+        The background job keeps min(rank, d) rows (a later message whose shape allows more
+        rows than this one takes a prefix: the rows are sorted by the previous data's variance);
+        a stored basis of another width or with fewer than r rows gives a fresh ``top_basis``."""
+        self._settle(boundary)
+        nxt = self._warm_basis.get(boundary)
+        d = x.shape[1]
+        if nxt is None or nxt.shape[1] != d or nxt.shape[0] < r:
+            v16, lam = top_basis(_zero_rows(x, idx), r)
+            coef, v_prev = None, v16.float()
+        else:
+            v16, v_prev = nxt[:r].half(), nxt
+            coef = (x @ v16.float().t()).index_fill_(0, idx, 0.0)
+            lam = coef.square().mean(dim=0) if x.shape[0] else torch.zeros(r)
+            # rows sorted by this message's variance: equal bit widths form contiguous column runs
+            order = torch.argsort(lam, descending=True, stable=True)
+            v16, lam, coef = v16[order], lam[order], coef[:, order]
+        warm, r_job = self.warm, max(int(r), min(self.rank, d))
+
+        def job():
+            t0 = time.perf_counter()
+            v_next, _ = warm_basis(_zero_rows(x, idx), v_prev, r_job, warm)
+            return v_next.float(), time.perf_counter() - t0
+
+        # reads x (the caller's boundary tensor, which the pipeline does not write after the send)
+        self._pending[boundary] = _background().submit(job)
+        return v16, lam, coef
+
+    def _settle(self, boundary: Optional[int] = None) -> None:
+        """Wait for the pending background basis of ``boundary`` (None: of every boundary) and
+        make it the next basis to send."""
+        for b in ([boundary] if boundary is not None else list(self._pending)):
+            fut = self._pending.pop(b, None)
+            if fut is not None:
+                v_next, took = fut.result()
+                self._warm_basis[b] = v_next
+                self.background_s += took
+                self.background_jobs += 1
 
     def state_dict(self) -> dict:
         """Checkpointable state that outlives a step: ``{}`` unless ``warm`` > 0, then
         ``{"warm_basis": {boundary: fp32 [r, d]}}`` (the per-step bases are rebuilt each step)."""
         if not self.warm:
             return {}
+        self._settle()
         return {"warm_basis": {b: v.clone() for b, v in self._warm_basis.items()}}
 
     def load_state_dict(self, state: dict) -> None:
@@ -238,6 +320,7 @@ class SubspaceQuantHalf(DirectionCodec):
         if bases and not self.warm:
             raise ValueError(f"the checkpoint's {self.name} half has a warm-started basis, this run's has warm=0; "
                              f"fix: resume with {self.name}/warm=1 (or the checkpoint's warm) in --boundary-codec")
+        self._settle()
         self._warm_basis = {int(b): v.float().clone() for b, v in (bases or {}).items()}
 
     # ---- sizes ---------------------------------------------------------------------------
@@ -289,9 +372,10 @@ class SubspaceQuantHalf(DirectionCodec):
             store.popitem(last=False)
 
     def reset(self):
-        """Forget every basis, the warm-start one included."""
+        """Forget every basis, the warm-start one included (a pending background one too)."""
         for store in self._state.values():
             store.clear()
+        self._settle()
         self._warm_basis = {}
 
     # ---- codec ---------------------------------------------------------------------------
@@ -302,9 +386,11 @@ class SubspaceQuantHalf(DirectionCodec):
         key, parts = (ctx.boundary, ctx.step), []
         idx = torch.sort(torch.topk(x.norm(dim=-1), self.outlier_count(t.shape)).indices).values
         parts += [tensor_bytes(idx.to(torch.int32)), tensor_bytes(x[idx].half())]
-        x = x.index_fill(0, idx, 0.0)  # outliers leave the basis and the column scales
+        # outliers leave the basis and the column scales: the basis is fit with their rows zeroed
+        # and their coefficient rows are zero (rows of x v^T are independent: no copy of x)
+        coef = None
         if self._carries_basis(key, "send"):
-            v16, lam = self._fit_basis(x, self.basis_rows(t.shape, elem), ctx.boundary)
+            v16, lam, coef = self._fit_basis(x, idx, self.basis_rows(t.shape, elem), ctx.boundary)
             parts += [tensor_bytes(v16), tensor_bytes(lam)]
             if self.refresh == "step":
                 self._remember("send", key, (v16.float(), lam.tolist()))
@@ -312,7 +398,9 @@ class SubspaceQuantHalf(DirectionCodec):
         else:
             v, lam_list = self._state["send"][key]
         bits = allocate_bits(lam_list, self.coef_bits(t.shape, elem), self.max_bits)
-        payload, _ = quantize_columns(x @ v.t(), bits)
+        if coef is None:
+            coef = (x @ v.t()).index_fill_(0, idx, 0.0)
+        payload, _ = quantize_columns(coef, bits, return_hat=False)
         return bytes_to_wire(parts + [payload], t.dtype)
 
     def decode(self, payload, ctx, shape):
@@ -345,8 +433,13 @@ class SubspaceQuantHalf(DirectionCodec):
             v, lam_list = self._state[role][key]
         bits = allocate_bits(lam_list, self.coef_bits(shape, elem), self.max_bits)
         c_hat = dequantize_columns(reader, s * b, bits, device=payload.device)
-        out = (c_hat @ v).index_copy(0, idx, rows)
+        out = (c_hat @ v).index_copy_(0, idx, rows)
         return out.view(s, b, d).to(payload.dtype)
+
+
+def _zero_rows(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """``x`` with rows ``idx`` zeroed (a copy), or ``x`` itself when ``idx`` is empty."""
+    return x.index_fill(0, idx, 0.0) if idx.numel() else x
 
 
 def _dtype_of(elem: int) -> torch.dtype:
@@ -368,9 +461,9 @@ class LowRankQuantHalf(SubspaceQuantHalf):
     refresh = "microbatch"
 
     def __init__(self, keep_ratio: float = 0.05, rank: int = 48, max_bits: int = 8, outliers: int = 0,
-                 warm: int = 0):
+                 warm: int = 0, lag: int = 0):
         super().__init__(keep_ratio=keep_ratio, rank=rank, share=0.0, max_bits=max_bits, outliers=outliers,
-                         warm=warm)
+                         warm=warm, lag=lag)
 
     def basis_rows(self, shape, elem):
         s, b, d = _check_shape(shape)

@@ -17,8 +17,8 @@ from typing import Sequence, Tuple
 
 import torch
 
-__all__ = ["bit_stream", "pack_stream", "unpack_stream", "stream_values", "packed_nbytes", "bytes_to_wire", "wire_to_bytes", "wire_numel",
-           "ByteReader", "tensor_bytes"]
+__all__ = ["bit_stream", "pack_stream", "unpack_stream", "stream_values", "pack_values", "unpack_values", "packed_nbytes",
+           "bytes_to_wire", "wire_to_bytes", "wire_numel", "ByteReader", "tensor_bytes"]
 
 
 def packed_nbytes(count: int, bits: int) -> int:
@@ -68,6 +68,121 @@ def stream_values(stream: torch.Tensor, bits: int) -> torch.Tensor:
     """Inverse of :func:`bit_stream` (1 <= bits <= 24): int64 values [len(stream) // bits]."""
     bits = int(bits)
     return (stream.reshape(-1, bits).to(torch.float32) @ _POW2[:bits].to(stream.device)).to(torch.int64)
+
+
+# The word packers below write the same bytes as pack_stream(cat(bit_stream(v_i, w_i))) without
+# expanding every value into w uint8 bits (issue 10 item 6: the bit table's gathers were a third
+# of a basis codec's critical path). A run of L = lcm(w, 8) / w values is one integer of lcm(w, 8)
+# bits, i.e. a whole number of bytes, built with shifts in int64; widths whose lcm(w, 8) exceeds 56
+# bits (odd w > 7) take the bit-table path.
+_WORD_BITS = 56
+
+
+def _word_layout(bits: int) -> Tuple[int, int]:
+    """(values per word L, bytes per word) for the word packers, or (0, 0) for the bit-table path."""
+    lcm = bits * 8 // math.gcd(bits, 8)
+    return (lcm // bits, lcm // 8) if lcm <= _WORD_BITS else (0, 0)
+
+
+def _pack_one(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """uint8 [packed_nbytes(q.numel(), bits)]: the values of ``q`` (row-major, each in
+    [0, 2**bits)) as pack_stream(bit_stream(q, bits))."""
+    n, (per, nb) = q.numel(), _word_layout(bits)
+    if not per:
+        return pack_stream(bit_stream(q, bits))
+    if bits == 8:
+        return q.reshape(-1).to(torch.uint8)
+    wdt = torch.int32 if per * bits <= 24 else torch.int64
+    q = q.reshape(-1).to(wdt)
+    pad = (-n) % per
+    if pad:
+        q = torch.cat([q, q.new_zeros(pad)])
+    shifts = torch.arange(per, device=q.device, dtype=wdt) * bits
+    words = (q.view(-1, per) << shifts).sum(dim=1, dtype=wdt)  # disjoint bit fields: sum == or
+    if nb == 1:
+        return words.to(torch.uint8)[:packed_nbytes(n, bits)]
+    out = (words[:, None] >> (torch.arange(nb, device=q.device, dtype=wdt) * 8)) & 255
+    return out.to(torch.uint8).reshape(-1)[:packed_nbytes(n, bits)]
+
+
+def _shift_in(carry_bits: int, carry: torch.Tensor, data: torch.Tensor, nbits: int) -> Tuple[torch.Tensor, int, torch.Tensor]:
+    """Append the first ``nbits`` bits of uint8 ``data`` (zero beyond) to a stream whose last
+    ``carry_bits`` (0..7) bits sit in the uint8 byte ``carry`` [1]. Returns (whole bytes done,
+    new carry_bits, new carry)."""
+    if carry_bits == 0:
+        whole = nbits // 8
+        left = nbits % 8
+        return data[:whole], left, (data[whole:whole + 1] if left else data.new_zeros(1))
+    d16 = data.to(torch.int32) << carry_bits
+    merged = torch.zeros(data.numel() + 1, dtype=torch.int32, device=data.device)
+    merged[:-1] = d16 & 255
+    merged[1:] |= d16 >> 8
+    merged[0] |= carry.to(torch.int32)[0]
+    total = carry_bits + nbits
+    merged = merged.to(torch.uint8)
+    whole, left = total // 8, total % 8
+    return merged[:whole], left, (merged[whole:whole + 1] if left else data.new_zeros(1))
+
+
+def pack_values(groups: Sequence[Tuple[torch.Tensor, int]]) -> torch.Tensor:
+    """One bit stream of several runs of unsigned ints, packed: for ``groups`` = [(q_i, w_i)],
+    each q_i (any shape, row-major, values in [0, 2**w_i), 1 <= w_i <= 24) in order, every value
+    little-endian. Returns uint8 [packed_nbytes(1, sum numel_i * w_i)], byte for byte
+    pack_stream(cat(bit_stream(q_i, w_i))) (tests/compression/test_wire_pack.py)."""
+    out, carry_bits = [], 0
+    device = groups[0][0].device if groups else "cpu"
+    carry = torch.zeros(1, dtype=torch.uint8, device=device)
+    for q, w in groups:
+        done, carry_bits, carry = _shift_in(carry_bits, carry, _pack_one(q, int(w)), q.numel() * int(w))
+        out.append(done)
+    if carry_bits:
+        out.append(carry)
+    return torch.cat(out) if out else torch.zeros(0, dtype=torch.uint8, device=device)
+
+
+def _unpack_one(data: torch.Tensor, count: int, bits: int) -> torch.Tensor:
+    """int64 [count]: the values packed by :func:`_pack_one` at the start of uint8 ``data``."""
+    per, nb = _word_layout(bits)
+    if not per:
+        return stream_values(unpack_stream(data, count * bits), bits)
+    need = -(-count // per) * nb
+    wdt = torch.int32 if per * bits <= 24 else torch.int64
+    b = data.reshape(-1)[:need].to(wdt)
+    if b.numel() < need:
+        b = torch.cat([b, b.new_zeros(need - b.numel())])
+    if nb == 1:
+        words = b
+    else:
+        words = (b.view(-1, nb) << (torch.arange(nb, device=b.device, dtype=wdt) * 8)).sum(dim=1, dtype=wdt)
+    if per == 1:
+        return words[:count].to(torch.int64)
+    shifts = torch.arange(per, device=b.device, dtype=wdt) * bits
+    return ((words[:, None] >> shifts) & ((1 << bits) - 1)).reshape(-1)[:count].to(torch.int64)
+
+
+def unpack_values(data: torch.Tensor, groups: Sequence[Tuple[int, int]]) -> list:
+    """Inverse of :func:`pack_values`: for ``groups`` = [(count_i, w_i)], the int64 [count_i]
+    values of each run, read from uint8 ``data``.
+
+    Raises:
+        ValueError: ``data`` holds fewer bits than the groups need.
+    """
+    total = sum(int(n) * int(w) for n, w in groups)
+    if data.numel() * 8 < total:
+        raise ValueError(f"need {total} bits, got {data.numel() * 8}")
+    data, out, pos = data.reshape(-1), [], 0
+    for n, w in groups:
+        n, w = int(n), int(w)
+        start, off = pos // 8, pos % 8
+        seg = data[start:start + packed_nbytes(1, off + n * w)]
+        if off:
+            s32 = seg.to(torch.int32)
+            nxt = torch.zeros_like(s32)
+            nxt[:-1] = s32[1:]
+            seg = ((s32 >> off) | (nxt << (8 - off))) & 255
+        out.append(_unpack_one(seg, n, w))
+        pos += n * w
+    return out
 
 
 def tensor_bytes(t: torch.Tensor) -> torch.Tensor:
