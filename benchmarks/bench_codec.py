@@ -78,11 +78,14 @@ LAYER_SHAPES = {
     1536: (12, 2, 8960, "Qwen2.5-1.5B"),
     4096: (32, 8, 14336, "Llama-3-8B"),
 }
-# the pair specs (``FWD:BWD``, compression/spec.py) that matter: the trainer's candidates of issue 10
-# and their warm-started-basis variants (``warm=1``: one x^T (x V_prev) subspace iteration instead of a
-# d x d eigh per basis; ``compression/subspace.py``), side by side with the fresh-eigh ones
+# the pair specs (``FWD:BWD``, compression/spec.py) that matter: the trainer's candidates of issue 10,
+# their warm-started-basis variants (``warm=1``: one x^T (x V_prev) subspace iteration instead of a
+# d x d eigh per basis) and lagged ones (``lag=1``: that iteration on a background thread, on the
+# previous message; ``compression/subspace.py``), side by side with the fresh-eigh ones
+_LAG = "/warm=1/lag=1"
 PAIR_SPECS = ("dense:mask", "mask:mask", "pcaq:lrq", "rpq:lrq", "rpq/passes=2:lrq",
-              "pcaq/warm=1:lrq/warm=1", "rpq/warm=1:lrq/warm=1", "rpq/passes=2/warm=1:lrq/warm=1")
+              "pcaq/warm=1:lrq/warm=1", "rpq/warm=1:lrq/warm=1", "rpq/passes=2/warm=1:lrq/warm=1",
+              f"pcaq{_LAG}:lrq{_LAG}", f"rpq{_LAG}:lrq{_LAG}", f"rpq/passes=2{_LAG}:lrq{_LAG}")
 DEFAULT_PASSES = 3  # forward crossings of a micro-batch per iteration in the demo: old-logprob, reference, update
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 SEED = 20260731
@@ -247,6 +250,17 @@ def measure_bytes(d: int, s: int, b: int, keep_ratio: float = 0.05, wire_dtype: 
 # --------------------------------------------------------------------------- time
 
 
+#: the clock of every timed interval (``--clock``): wall time (default) or the calling thread's
+#: CPU time (``time.thread_time``: robust to a machine shared with other jobs, which deschedule
+#: this one; both the layer and the codec are timed with it, so the shares stay side by side)
+CLOCKS = {"wall": time.perf_counter, "thread": time.thread_time}
+_CLOCK = [time.perf_counter]
+
+
+def _now() -> float:
+    return _CLOCK[0]()
+
+
 def _timeit(fn: Callable[[], object], min_time: float, min_reps: int = 3, max_reps: int = 200,
             samples: bool = False):
     """Median seconds of ``fn()`` after one warm-up call (at least min_reps calls, ~min_time s);
@@ -255,9 +269,9 @@ def _timeit(fn: Callable[[], object], min_time: float, min_reps: int = 3, max_re
     times: List[float] = []
     t_start = time.perf_counter()
     while len(times) < min_reps or (time.perf_counter() - t_start < min_time and len(times) < max_reps):
-        t0 = time.perf_counter()
+        t0 = _now()
         fn()
-        times.append(time.perf_counter() - t0)
+        times.append(_now() - t0)
     return times if samples else statistics.median(times)
 
 
@@ -279,9 +293,9 @@ def build_layer(d: int, dtype: torch.dtype):
 
 def _untimed(fn: Callable[[], object]) -> float:
     """Run ``fn``; return the seconds it took (subtracted from the interval being timed)."""
-    t0 = time.perf_counter()
+    t0 = _now()
     fn()
-    return time.perf_counter() - t0
+    return _now() - t0
 
 
 def time_codec(a: _Adapter, x: torch.Tensor, grad: torch.Tensor, min_time: float, min_reps: int = 5,
@@ -322,29 +336,29 @@ def time_codec(a: _Adapter, x: torch.Tensor, grad: torch.Tensor, min_time: float
                                               and step - 1_000_000 < max_reps + 1):
         ctx = _ctx(step, b)
         if layer is not None:
-            t_layer = time.perf_counter()
+            t_layer = _now()
             layer()
-            t_layer = time.perf_counter() - t_layer
+            t_layer = _now() - t_layer
         bg0 = a.settle()
-        t = [time.perf_counter()]
+        t = [_now()]
         if a.precompute is not None:
             a.precompute(ctx)
-        t.append(time.perf_counter())
+        t.append(_now())
         fp = a.enc_f(x, ctx)
-        t.append(time.perf_counter())
+        t.append(_now())
         pause = _untimed(a.settle)
         a.dec_f(fp, ctx)
-        t.append(time.perf_counter() - pause)
+        t.append(_now() - pause)
         fr = a.enc_f(x_rep, ctx)
-        t.append(time.perf_counter() - pause)
+        t.append(_now() - pause)
         pause += _untimed(a.settle)
         a.dec_f(fr, ctx)
-        t.append(time.perf_counter() - pause)
+        t.append(_now() - pause)
         bp = a.enc_b(grad, ctx, fp)
-        t.append(time.perf_counter() - pause)
+        t.append(_now() - pause)
         pause += _untimed(a.settle)
         a.dec_b(bp, ctx, fp)
-        t.append(time.perf_counter() - pause)
+        t.append(_now() - pause)
         bg = a.settle() - bg0
         if step > 1_000_000:  # the first repetition is the warm-up
             for i, k in enumerate(keys):
@@ -493,9 +507,16 @@ def main(argv=None) -> dict:
     ap.add_argument("--passes", type=int, default=DEFAULT_PASSES,
                     help="forward crossings per micro-batch and iteration for the per-iteration total (default 3: "
                          "old-logprob, reference, update); an rpq forward half uses its own passes")
+    ap.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
+                    help="timer of the codec and layer intervals: wall (default) or thread (this thread's CPU "
+                         "time, for a shared machine)")
     ap.add_argument("--no-references", action="store_true", help="time only the --codecs (bytes keep the references)")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args(argv)
+    if args.clock == "thread" and args.threads != 1:
+        ap.error(f"--clock thread counts the calling thread's CPU time only, so it needs --threads 1 "
+                 f"(got --threads {args.threads}); fix: --threads 1, or --clock wall")
+    _CLOCK[0] = CLOCKS[args.clock]
     bootstrap(num_threads=args.threads)  # first thing after parsing the flags (it needs --threads)
     dims = [int(v) for v in args.dims.split(",") if v]
     time_dims = dims if args.time_dims is None else [int(v) for v in args.time_dims.split(",") if v]
@@ -526,7 +547,7 @@ def main(argv=None) -> dict:
                 print(f"  timed d={d} in {time.perf_counter() - t0:.0f} s", flush=True)
         finally:
             destroy_single_process_megatron(destroy_process_group=created)
-        print(f"\nCodec time per micro-batch crossing ({args.compute_dtype}, {args.threads} thread(s)) vs one "
+        print(f"\nCodec time per micro-batch crossing ({args.compute_dtype}, {args.threads} thread(s), {args.clock} clock) vs one "
               "transformer layer forward+backward at the same shape; every repetition is a new crossing context.\n"
               "critical = encode+decode of the micro-batch's first forward crossing and of the backward, / layer f+b\n"
               "(with the crossing's precompute done, as the trainer's background prefetch leaves it); later = the same\n"

@@ -21,9 +21,10 @@ tokens). ``pcaq`` pays the full per-message budget every time. ``rpq`` keys each
   old-logprob pass's boundary bit for bit (PPO ratio exactly 1). When it changed (the
   reference model, a later PPO epoch or mini-batch) the change is coded, coarsely.
 
-Both ends keep ``x_hat_first`` per key (the receiver from its decode, the sender by decoding its
-own payload with the receiver's code), the sender also ``x_first``; only the latest step per
-boundary is kept (about 2 x 15 MB per boundary at the demo's 32 x 199 x 576 fp32).
+Both ends keep ``x_hat_first`` per key (the receiver from its decode; the sender decodes its own
+payload with the receiver's code only when ``decode_sent`` asks, i.e. the error tracker: off the
+critical path otherwise), the sender also ``x_first``; only the latest step per boundary is kept
+(about 2 x 15 MB per boundary at the demo's 32 x 199 x 576 fp32).
 
 Bytes of one message of N = s * b tokens (d channels, r basis rows, K = outliers * b outlier
 tokens, dense bytes D = N * d * elem, everything padded once to whole wire elements)::
@@ -63,6 +64,20 @@ from .subspace import SubspaceQuantHalf, _dtype_of
 from .wire import ByteReader, bytes_to_wire, packed_nbytes, tensor_bytes, wire_numel, wire_to_bytes
 
 __all__ = ["RepeatPcaHalf"]
+
+
+class _Lazy:
+    """A value computed on first use (the sender's own decode, wanted only by decode_sent)."""
+
+    __slots__ = ("_fn", "_value")
+
+    def __init__(self, fn):
+        self._fn, self._value = fn, None
+
+    def get(self):
+        if self._fn is not None:
+            self._value, self._fn = self._fn(), None
+        return self._value
 
 
 @register_half("rpq")
@@ -213,15 +228,16 @@ class RepeatPcaHalf(SubspaceQuantHalf):
         x = t.detach().reshape(-1, d).float()
         prev = self._lookup("send", ctx, shape)
         if prev is None:
-            payload, carried = self._encode_first(x, ctx, shape, elem, t.dtype)
-            x_hat, v, lam = self._decode_first(payload, ctx, shape, "send", carried)
+            payload, carried, v, lam = self._encode_first(x, ctx, shape, elem, t.dtype)
+            # the sender's decode is needed only by decode_sent (the error tracker): done on demand
+            x_hat = _Lazy(lambda: self._decode_first(payload, ctx, shape, "send", carried, basis=(v, lam))[0])
             self._store("send", ctx, shape, (x_hat, v, lam, x.clone()))
         else:
             x_hat_first, v, lam, x_first = prev
             bits = allocate_bits(lam, self.repeat_bits(shape, elem), self.max_bits)
             coef, _ = quantize_columns((x - x_first) @ v.t(), bits, return_hat=False)
             payload = bytes_to_wire([coef], t.dtype)
-            x_hat = self._decode_repeat(payload, shape, prev)
+            x_hat = _Lazy(lambda: self._decode_repeat(payload, shape, prev))
         self._last_sent = (payload, x_hat)
         return payload
 
@@ -243,7 +259,7 @@ class RepeatPcaHalf(SubspaceQuantHalf):
         if coef is None:
             coef = (x @ v.t()).index_fill_(0, idx, 0.0)
         payload, _ = quantize_columns(coef, bits, return_hat=False)
-        return bytes_to_wire(parts + [payload], dtype), carried
+        return bytes_to_wire(parts + [payload], dtype), carried, v, lam_list
 
     def decode(self, payload, ctx, shape):
         """Receiver: decode and remember a first crossing; a later one adds its decoded delta."""
@@ -265,21 +281,23 @@ class RepeatPcaHalf(SubspaceQuantHalf):
             ValueError: ``payload`` is not the latest encoded one.
         """
         if self._last_sent is not None and (self._last_sent[0] is payload or torch.equal(self._last_sent[0], payload)):
-            return self._last_sent[1].view(_check_shape(shape)).to(payload.dtype)
+            return self._last_sent[1].get().view(_check_shape(shape)).to(payload.dtype)
         raise ValueError("rpq.decode_sent: not the payload of the latest encode")
 
     def _decode_repeat(self, payload, shape, prev):
         """x_hat_first + decoded delta, [N, d] fp32 (both roles)."""
         s, b, d = shape
         x_hat_first, v, lam = prev[:3]
+        x_hat_first = x_hat_first.get() if isinstance(x_hat_first, _Lazy) else x_hat_first
         bits = allocate_bits(lam, self.repeat_bits(shape, payload.element_size()), self.max_bits)
         return x_hat_first + dequantize_columns(ByteReader(wire_to_bytes(payload)), s * b, bits,
                                                 device=payload.device) @ v
 
-    def _decode_first(self, payload, ctx, shape, role, carries: bool):
+    def _decode_first(self, payload, ctx, shape, role, carries: bool, basis=None):
         """(x_hat [N, d] fp32, basis v [r, d] fp32, variances list) of a first crossing; both
         roles run this code. ``carries``: the payload holds a basis (read from it; at the
-        receiver of a per-step basis it is remembered for the step)."""
+        receiver of a per-step basis it is remembered for the step). ``basis``: (v, lam) the
+        sender already holds (its bytes in the payload are skipped)."""
         s, b, d = shape
         elem = payload.element_size()
         reader = ByteReader(wire_to_bytes(payload))
@@ -287,13 +305,16 @@ class RepeatPcaHalf(SubspaceQuantHalf):
         r, k = self.basis_rows(shape, elem), self.outlier_count(shape)
         idx = reader.take_as((k,), torch.int32).to(payload.device).long()
         rows = reader.take_as((k, d), torch.float16).to(payload.device).float()
-        if carries:
+        if carries and basis is not None:
+            reader.take(r * (2 * d + 4))
+            v, lam = basis
+        elif carries:
             v = reader.take_as((r, d), torch.float16).to(payload.device).float()
             lam = reader.take_as((r,), torch.float32).tolist()
             if role == "recv" and not self.own:
                 self._remember("recv", key, (v, lam))
         else:
-            v, lam = self._state[role][key]
+            v, lam = basis if basis is not None else self._state[role][key]
         bits = allocate_bits(lam, self.coef_bits(shape, elem), self.max_bits)
         c_hat = dequantize_columns(reader, s * b, bits, device=payload.device)
         return (c_hat @ v).index_copy_(0, idx, rows), v, lam

@@ -150,3 +150,18 @@ def test_rpq_pair_pipeline_equals_single_process_map(tmp_path):
                                    + mbs * h.nbytes(shape, 4, False, repeat=True)) == spec_bytes(codec, shape, 4, 8, 4)[0]
     assert b["comm/bwd_bytes"] == mbs * codec.bytes_per_message("bwd", shape, 4, False)
     assert f["comm/fwd_bytes"] + b["comm/bwd_bytes"] <= 0.25 * 3 * mbs * 16 * 2 * 64 * 4  # both directions
+
+
+def test_lagged_basis_pair_pipeline_equals_single_process_map(tmp_path):
+    """lag=1 halves (compression/subspace.py: each message carries the basis a background thread
+    built from the previous message at that boundary) in a real gloo pipeline: the sender's
+    sequence of messages, and so every lagged basis, is the single-process map's; bytes as lag=0."""
+    from megatron_cegrpo.compression import build_codec
+
+    codec, f, b = _run_pair(tmp_path, "rpq/rank=16/warm=1/lag=1:lrq/warm=1/lag=1")
+    plain = build_codec("rpq/rank=16:lrq", 0.25)
+    shape, mbs = PAIR_SHAPE, PAIR_MICRO_BATCHES
+    h = plain.fwd
+    assert f["comm/fwd_bytes"] == (h.nbytes(shape, 4, True) + (mbs - 1) * h.nbytes(shape, 4, False)
+                                   + mbs * h.nbytes(shape, 4, False, repeat=True))
+    assert b["comm/bwd_bytes"] == mbs * plain.bytes_per_message("bwd", shape, 4, False)
