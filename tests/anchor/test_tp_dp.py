@@ -14,11 +14,9 @@ from distributed_util import REPO, run_ranks
 
 from megatron_cegrpo.anchor.signs import packed_nbytes
 from megatron_cegrpo.anchor.tp_split import shard_signs
+from toy_stage import NAMES  # the workers' toy stage (this test's folder is on sys.path: rootdir import mode)
 
 WORKER = os.path.join(REPO, "tests", "anchor", "tp_dp_worker.py")
-NAMES = ["embedding.word_embeddings.weight", "decoder.layers.0.self_attention.linear_qkv.weight",
-         "decoder.layers.0.self_attention.linear_proj.weight", "decoder.layers.0.mlp.linear_fc1.weight",
-         "decoder.layers.0.input_layernorm.weight"]
 
 
 def test_every_rank_of_a_tp2_dp2_stage_holds_its_slice_of_the_whole_signs(tmp_path):

@@ -15,8 +15,8 @@ import torch.distributed as dist
 from megatron_cegrpo.anchor.dp_fanout import SignFanout, sign_deviation
 from megatron_cegrpo.anchor.tp_dp import TPDPFanout, TPDPFollowerClient
 from megatron_cegrpo.anchor.tp_split import TPFollowerClient, TPSignSplit
-from megatron_cegrpo.models.tp_shard import shard_tensor
 from megatron_cegrpo.optim.hooks import SignCorrectionHook
+from toy_stage import NAMES, WHOLE, shard_params, whole_signs  # noqa: E402  (this script's folder)
 
 OUT = sys.argv[1]
 dist.init_process_group("gloo")
@@ -25,13 +25,8 @@ tp_rank, dp_rank = rank % 2, rank // 2
 tp_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
 dp_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]  # megatron's DP groups: equal TP ranks
 tp_group, dp_group = tp_groups[dp_rank], dp_groups[tp_rank]
-NAMES = ["embedding.word_embeddings.weight", "decoder.layers.0.self_attention.linear_qkv.weight",
-         "decoder.layers.0.self_attention.linear_proj.weight", "decoder.layers.0.mlp.linear_fc1.weight",
-         "decoder.layers.0.input_layernorm.weight"]
-WHOLE = [(10, 3), (6, 3), (3, 6), (8, 3), (3,)]
-gen = torch.Generator().manual_seed(0)
-whole = [torch.where(torch.rand(s, generator=gen) < 0.5, -1.0, 1.0) for s in WHOLE]
-params = [torch.nn.Parameter(shard_tensor(n, torch.zeros(s), tp_rank, 2).clone()) for n, s in zip(NAMES, WHOLE)]
+whole = whole_signs()
+params = shard_params(tp_rank)
 hook = SignCorrectionHook(params)
 split = TPSignSplit(tp_group, NAMES, hook)
 cfg = SimpleNamespace(anchor_interval=1)

@@ -9,22 +9,15 @@ import torch
 import torch.distributed as dist
 
 from megatron_cegrpo.anchor.tp_split import TPSignSplit
-from megatron_cegrpo.models.tp_shard import shard_tensor
 from megatron_cegrpo.optim.hooks import SignCorrectionHook
+from toy_stage import NAMES, WHOLE, shard_params, whole_signs  # noqa: E402  (this script's folder)
 
 OUT = sys.argv[1]
 dist.init_process_group("gloo")
 rank = dist.get_rank()
 group = dist.new_group([0, 1])
-# whole (TP = 1) shapes: column-parallel qkv (dim 0), row-parallel proj (dim 1), GLU fc1 (gate|up halves),
-# the vocab-parallel embedding (dim 0), a replicated norm; 7 + ... coordinates: partial bytes
-NAMES = ["embedding.word_embeddings.weight", "decoder.layers.0.self_attention.linear_qkv.weight",
-         "decoder.layers.0.self_attention.linear_proj.weight", "decoder.layers.0.mlp.linear_fc1.weight",
-         "decoder.layers.0.input_layernorm.weight"]
-WHOLE = [(10, 3), (6, 3), (3, 6), (8, 3), (3,)]
-gen = torch.Generator().manual_seed(0)
-whole = [torch.where(torch.rand(s, generator=gen) < 0.5, -1.0, 1.0) for s in WHOLE]
-params = [torch.nn.Parameter(shard_tensor(n, torch.zeros(s), rank, 2).clone()) for n, s in zip(NAMES, WHOLE)]
+whole = whole_signs()
+params = shard_params(rank)
 hook = SignCorrectionHook(params)
 split = TPSignSplit(group, NAMES, hook)
 out = {"held": [], "codes": [], "whole": whole, "shapes": [tuple(p.shape) for p in params]}
