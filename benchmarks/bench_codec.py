@@ -513,11 +513,11 @@ def main(argv=None) -> dict:
     ap.add_argument("--no-references", action="store_true", help="time only the --codecs (bytes keep the references)")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args(argv)
+    bootstrap(num_threads=args.threads)  # first thing after parsing the flags (it needs --threads)
     if args.clock == "thread" and args.threads != 1:
         ap.error(f"--clock thread counts the calling thread's CPU time only, so it needs --threads 1 "
                  f"(got --threads {args.threads}); fix: --threads 1, or --clock wall")
     _CLOCK[0] = CLOCKS[args.clock]
-    bootstrap(num_threads=args.threads)  # first thing after parsing the flags (it needs --threads)
     dims = [int(v) for v in args.dims.split(",") if v]
     time_dims = dims if args.time_dims is None else [int(v) for v in args.time_dims.split(",") if v]
     s, b = args.seq_len, args.micro_batch
