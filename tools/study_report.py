@@ -34,6 +34,11 @@ summary field                source in metrics.jsonl
                              without that file
 ``other``                    ``{name: {acc_before, acc_after, acc_stderr, rows}}`` for every
                              other ``val/<name>/acc`` (``--eval-datasets``)
+``anchor_lost_step``         first training step whose ``anchor/alive`` is 0 (the anchor rank
+                             died and the stages trained on without the sign correction:
+                             from there on the arm is not the arm it names); None if it never
+                             happened or the arm has no anchor. The table says "lost at
+                             step N" in the anchor column, and the report prints a warning
 ============================ ================================================================
 
 Figures (one line per arm, raw values per step): ``reward.png`` (``critic/score/mean``),
@@ -196,6 +201,8 @@ def summarize_run(run_dir: str) -> Dict:
                        "acc_before_stderr": ob[1] if ob else None, "acc_stderr": oa[1] if oa else None,
                        "rows": (oa or ob)[2] if (oa or ob) else None}
     out["other"] = other
+    lost = [int(_num(r.get("step")) or 0) for r in train if _num(r.get("anchor/alive")) == 0]
+    out["anchor_lost_step"] = min(lost) if lost and out["anchor"] else None
     out["launch_wall_s"] = _launch_wall(run_dir)
     out["run_dir"] = os.path.abspath(run_dir)
     return out
@@ -247,6 +254,13 @@ def _fmt(v, spec="{:.3f}") -> str:
     return "-" if v is None else spec.format(v)
 
 
+def _anchor_cell(arm: Dict) -> str:
+    if not arm["anchor"]:
+        return "no"
+    lost = arm.get("anchor_lost_step")
+    return "yes" if lost is None else f"**lost at step {lost}**"
+
+
 def table(arms: Sequence[Dict]) -> str:
     """The markdown table of ``arms``."""
     head = ("| arm | seed | codec | anchor | iters | wall (min) | held-out before | after | gain (z) | rows | "
@@ -254,7 +268,7 @@ def table(arms: Sequence[Dict]) -> str:
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for a in arms:
         lines.append(
-            f"| {a['arm']} | {a['seed']} | {a['codec']} | {'yes' if a['anchor'] else 'no'} | {a['iterations']} | "
+            f"| {a['arm']} | {a['seed']} | {a['codec']} | {_anchor_cell(a)} | {a['iterations']} | "
             f"{a['wall_s'] / 60:.1f} | {_fmt(a['acc_before'])} ± {_fmt(a['acc_before_stderr'])} | "
             f"{_fmt(a['acc_after'])} ± {_fmt(a['acc_stderr'])} | {_fmt(a['gain'], '{:+.3f}')} "
             f"({_fmt(a['gain_z'], '{:+.1f}')}) | {_fmt(a['heldout_rows'], '{:d}')} | "
@@ -365,6 +379,11 @@ def write_report(study_dir: Optional[str], docs_dir: str) -> Dict:
              f"`{os.path.relpath(archive, docs_dir)}/` (runs of `examples/study_cpu.sh`). Held-out accuracy is "
              "greedy pass@1 on rows held out of the training file; ± is one standard error; the gain's z is "
              "unpaired (conservative).", "", table(arms), ""]
+    dead = [f"{a['arm']} seed {a['seed']} (step {a['anchor_lost_step']})" for a in arms
+            if a.get("anchor_lost_step") is not None]
+    if dead:
+        lines += [f"Anchor lost during the run (`anchor/alive` 0; the stages went on without the sign correction, "
+                  f"so these rows do not measure the arm they name after that step): {', '.join(dead)}.", ""]
     if lost:
         lines += [f"Logs lost (summary rows kept from the earlier summary.json, no curves in the figures): "
                   f"{', '.join(lost)}.", ""]
@@ -397,6 +416,10 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(table(s["arms"]))
+    for a in s["arms"]:
+        if a.get("anchor_lost_step") is not None:
+            print(f"warning: {a['arm']} seed {a['seed']}: the anchor was lost at step {a['anchor_lost_step']} "
+                  "(anchor/alive 0); its row does not measure the arm it names after that step", file=sys.stderr)
     print(f"wrote {os.path.join(args.docs, 'study.md')} and {os.path.join(args.docs, 'study', 'summary.json')}")
     return 0
 

@@ -134,3 +134,29 @@ def test_archive_then_report_without_runs(study, tmp_path):
     md = (docs / "study.md").read_text()
     assert "Logs lost (summary rows kept from the earlier summary.json, no curves in the figures): mask seed 7." in md
     assert "| mask | 7 | dense | no | 2 |" in md
+
+
+def test_an_arm_whose_anchor_died_is_flagged(tmp_path, capsys):
+    """The anchor rank of an anchor arm was killed at step 2 (anchor/alive 0 from there): the row
+    says so, study.md names the arm and step, main() warns; a dense arm's alive=0 is not flagged."""
+    mod = _tool()
+    root = tmp_path / "runs"
+    _write_run(root / "mask_anchor-s1", [
+        _holdout(0, 0.30, 0.02, 41.0),
+        _step(1, 0.1, 30, 70, 2000, 70.0, **{"anchor/alive": 1}),
+        _step(2, 0.1, 30, 70, 2000, 70.0, **{"anchor/alive": 0}),
+        _step(3, 0.1, 30, 70, 2000, 70.0, **{"anchor/alive": 0}),
+        _holdout(3, 0.25, 0.02, 41.0),
+    ], arm={"arm": "mask_anchor", "seed": 1, "codec": "mask", "anchor": True})
+    _write_run(root / "dense-s1", [
+        _holdout(0, 0.30, 0.02, 41.0), _step(1, 0.1, 30, 70, 2000, 70.0, **{"anchor/alive": 0}),
+    ], arm={"arm": "dense", "seed": 1, "codec": "dense", "anchor": False})
+    docs = tmp_path / "docs"
+    assert mod.main([str(root), "--docs", str(docs)]) == 0
+    summary = json.loads((docs / "study" / "summary.json").read_text())
+    assert [(a["arm"], a["anchor_lost_step"]) for a in summary["arms"]] == [("dense", None), ("mask_anchor", 2)]
+    md = (docs / "study.md").read_text()
+    assert "| mask_anchor | 1 | mask | **lost at step 2** | 3 |" in md and "| dense | 1 | dense | no | 1 |" in md
+    assert "so these rows do not measure the arm they name after that step): mask_anchor seed 1 (step 2)." in md
+    err = capsys.readouterr().err
+    assert "warning: mask_anchor seed 1: the anchor was lost at step 2 (anchor/alive 0)" in err
