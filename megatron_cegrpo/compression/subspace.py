@@ -79,40 +79,90 @@ def _background() -> ThreadPoolExecutor:
     return _BACKGROUND
 
 
+def _count_bad(x: torch.Tensor) -> int:
+    """NaN and infinite entries of ``x``."""
+    return int((~torch.isfinite(x)).sum())
+
+
+def _eigh_ascending(g: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Eigenpairs of the symmetric PSD Gram matrix ``g`` [m, m] (fp32), eigenvalues ascending.
+
+    ``torch.linalg.eigh`` (LAPACK syevd) first; where it fails to converge (``LinAlgError``,
+    seen in the study on the Gram of a [512, 576] activation gradient whose rows were mostly
+    zero: "too many repeated eigenvalues", error code 262634) it retries in fp64, then takes the
+    SVD of ``g`` (for a PSD matrix its singular vectors are eigenvectors and its singular values
+    the eigenvalues; ``torch.linalg.svd``, a different LAPACK routine, gesdd).
+
+    Returns:
+        (evals fp32 [m] ascending, evecs fp32 [m, m], column j for evals[j]).
+    Raises:
+        torch.linalg.LinAlgError: all three fail (not seen on a finite input).
+    """
+    try:
+        return torch.linalg.eigh(g)
+    except torch.linalg.LinAlgError:
+        pass
+    try:
+        evals, evecs = torch.linalg.eigh(g.double())
+        return evals.float(), evecs.float()
+    except torch.linalg.LinAlgError:
+        u, sv, _ = torch.linalg.svd(g.double())  # descending
+        return sv.flip(0).float(), u.flip(1).float()
+
+
 def top_basis(x: torch.Tensor, r: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """Top-r right singular vectors of ``x`` [N, d] (uncentred) and the variances sigma**2 / N.
 
-    Computed as the top-r eigenpairs (``torch.linalg.eigh``, fp32) of the smaller Gram matrix:
-    x^T x [d, d] when N >= d, else x x^T [N, N] with v = u^T x / sigma. Issue 10 item 6: at
-    [1024, 576] on one CPU thread this is 2-3x faster than the full ``torch.linalg.svd`` of x
-    it replaces, with the same reconstruction error of the fp16 basis to 6 digits
-    (``benchmarks/bench_basis.py``). Row signs are arbitrary (as with an SVD); the basis is
-    sent, so both ends use the same one.
+    Computed as the top-r eigenpairs (``torch.linalg.eigh``, fp32) of the smaller Gram matrix of
+    the nonzero rows x' [N', d] of x (zero rows add nothing to x^T x; in x x^T they add repeated
+    zero eigenvalues, on which LAPACK's eigh can fail to converge): x'^T x' [d, d] when N' >= d,
+    else x' x'^T [N', N'] with v = u^T x' / sigma. x is first scaled by a power of two (exact)
+    so that its largest entry is about 1, so the Gram neither overflows nor underflows in fp32.
+    Issue 10 item 6: at [1024, 576] on one CPU thread this is 2-3x faster than the full
+    ``torch.linalg.svd`` of x it replaces, with the same reconstruction error of the fp16 basis
+    to 6 digits (``benchmarks/bench_basis.py``). Row signs are arbitrary (as with an SVD); the
+    basis is sent, so both ends use the same one.
 
     Args:
         x: [N, d], any float dtype (computed in fp32).
         r: basis rows, >= 1.
     Returns:
-        (v, lam): v fp16 [r, d] (rows beyond min(N, d), and rows of a zero singular value
-        when N < d, are zero), lam fp32 [r] >= 0 (zero there too).
+        (v, lam): v fp16 [r, d] (rows beyond the rank, min(N', d), are zero, and so are rows of a
+        zero singular value when N' < d), lam fp32 [r] >= 0 (zero there too); an all-zero x
+        gives all zeros.
+    Raises:
+        FloatingPointError: x holds a NaN or an infinity (a diverged step upstream; no basis
+            of it exists), naming the count.
     """
     x = x.float()
     n, d = x.shape
     v = torch.zeros((r, d), dtype=torch.float32, device=x.device)
     lam = torch.zeros(r, dtype=torch.float32, device=x.device)
-    m = min(int(r), n, d)
+    if n == 0 or d == 0:
+        return v.half(), lam
+    amax = float(x.abs().amax())
+    if not math.isfinite(amax):
+        raise FloatingPointError(f"top_basis: the [{n}, {d}] boundary tensor holds {_count_bad(x)} NaN/inf values "
+                                 "(a diverged step: lower --lr or check the loss); no basis of it exists")
+    if amax == 0.0:
+        return v.half(), lam
+    scale = 2.0 ** math.floor(math.log2(amax))  # exact in fp32
+    nz = (x != 0).any(dim=1)
+    xs = (x[nz] if not bool(nz.all()) else x) / scale
+    n_nz = xs.shape[0]
+    m = min(int(r), n_nz, d)
     if m:
-        if n >= d:
-            evals, evecs = torch.linalg.eigh(x.t() @ x)  # ascending
+        if n_nz >= d:
+            evals, evecs = _eigh_ascending(xs.t() @ xs)  # ascending
             v[:m] = evecs[:, -m:].flip(1).t()
-            lam[:m] = evals[-m:].flip(0).clamp_min(0) / n
+            lam[:m] = evals[-m:].flip(0).clamp_min(0) * (scale * scale / n)
         else:
-            evals, u = torch.linalg.eigh(x @ x.t())
+            evals, u = _eigh_ascending(xs @ xs.t())
             sig = evals[-m:].flip(0).clamp_min(0).sqrt()
-            keep = sig > sig[0] * (n * torch.finfo(torch.float32).eps) if float(sig[0]) > 0 else sig > 0
-            rows = (u[:, -m:].flip(1).t() @ x) / torch.where(keep, sig, torch.ones_like(sig))[:, None]
+            keep = sig > sig[0] * (n_nz * torch.finfo(torch.float32).eps) if float(sig[0]) > 0 else sig > 0
+            rows = (u[:, -m:].flip(1).t() @ xs) / torch.where(keep, sig, torch.ones_like(sig))[:, None]
             v[:m] = torch.where(keep[:, None], rows, torch.zeros_like(rows))
-            lam[:m] = torch.where(keep, sig * sig / n, torch.zeros_like(sig))
+            lam[:m] = torch.where(keep, sig * sig * (scale * scale / n), torch.zeros_like(sig))
     return v.half(), lam
 
 
@@ -145,6 +195,7 @@ def warm_basis(x: torch.Tensor, v_prev: torch.Tensor, r: int, iters: int = 1) ->
         lam_j = ||x v_j||^2 / N of the returned (unrounded) rows.
     Raises:
         ValueError: ``v_prev``'s width is not d, or r / iters < 1.
+        FloatingPointError: x holds a NaN or an infinity, or its Gram overflows fp32.
     """
     x = x.float()
     n, d = x.shape
@@ -161,7 +212,11 @@ def warm_basis(x: torch.Tensor, v_prev: torch.Tensor, r: int, iters: int = 1) ->
     for _ in range(int(iters)):
         q = torch.linalg.qr(x.t() @ (x @ q)).Q  # [d, m]
     c = x @ q  # [N, m]
-    evals, w = torch.linalg.eigh(c.t() @ c)  # ascending, [m]
+    gram = c.t() @ c
+    if not bool(torch.isfinite(gram).all()):
+        raise FloatingPointError(f"warm_basis: the [{n}, {d}] boundary tensor holds {_count_bad(x)} NaN/inf values, "
+                                 "or its Gram overflows fp32 (a diverged step: lower --lr or check the loss)")
+    evals, w = _eigh_ascending(gram)  # ascending, [m]
     v[:m] = (q @ w.flip(1)).t()
     lam[:m] = evals.flip(0).clamp_min(0) / n
     return v.half(), lam
