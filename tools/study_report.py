@@ -2,6 +2,7 @@
 """The CPU study's report (issue 11): ``docs/study.md``, ``docs/study/summary.json`` and PNGs.
 
     python tools/study_report.py [STUDY_DIR] [--docs docs]
+    python tools/study_report.py --show     # print the committed summary's table, write nothing
 
 ``STUDY_DIR`` (default ``$STUDY_DIR``, else ``/work/study-runs/study``) holds one folder per
 arm and seed, as ``examples/study_cpu.sh`` writes them: ``metrics.jsonl`` and ``config.json``
@@ -403,13 +404,38 @@ def write_report(study_dir: Optional[str], docs_dir: str) -> Dict:
     return summary
 
 
+def show_summary(docs_dir: str) -> str:
+    """The table of the committed ``<docs>/study/summary.json`` (no run folder read, nothing
+    written): what ``make demo`` prints after its short run. Raises FileNotFoundError when the
+    file is missing and ValueError (naming the file) when it is not a summary this tool wrote."""
+    path = os.path.join(docs_dir, "study", "summary.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path} does not exist; fix: run tools/study_report.py on a study folder first")
+    try:
+        with open(path, encoding="utf-8") as f:
+            arms = json.load(f)["arms"]
+        return table(arms)
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{path} is not a study summary ({type(e).__name__}: {e}); fix: rewrite it with "
+                         "tools/study_report.py") from None
+
+
 def main(argv=None) -> int:
     bootstrap()
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("study_dir", nargs="?", default=os.environ.get("STUDY_DIR", "/work/study-runs/study"),
                    help="folder of live arm folders to archive first (missing: the archive in docs/study/runs alone)")
     p.add_argument("--docs", default=os.path.join(os.path.dirname(_HERE), "docs"), help="docs folder to write")
+    p.add_argument("--show", action="store_true",
+                   help="print the table of the committed <docs>/study/summary.json and exit (reads no run, writes nothing)")
     args = p.parse_args(argv)
+    if args.show:
+        try:
+            print(show_summary(args.docs))
+        except (FileNotFoundError, ValueError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        return 0
     try:
         s = write_report(args.study_dir, args.docs)
     except FileNotFoundError as e:

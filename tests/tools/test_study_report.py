@@ -160,3 +160,26 @@ def test_an_arm_whose_anchor_died_is_flagged(tmp_path, capsys):
     assert "so these rows do not measure the arm they name after that step): mask_anchor seed 1 (step 2)." in md
     err = capsys.readouterr().err
     assert "warning: mask_anchor seed 1: the anchor was lost at step 2 (anchor/alive 0)" in err
+
+
+def test_show_prints_the_committed_table_and_writes_nothing(study, tmp_path, capsys):
+    """--show (what make demo prints at its end) is the table of summary.json as written, reads no run
+    folder and writes no file; a missing or broken summary is one error line and exit 2."""
+    mod = _tool()
+    docs = tmp_path / "docs"
+    assert mod.main(["--show", "--docs", str(docs)]) == 2
+    assert capsys.readouterr().err.startswith(f"error: {docs / 'study' / 'summary.json'} does not exist; fix:")
+    summary = mod.write_report(str(study), str(docs))
+    capsys.readouterr()
+    before = {p: p.stat().st_mtime_ns for p in docs.rglob("*")}
+    import shutil
+    shutil.rmtree(study)
+    assert mod.main(["--show", "--docs", str(docs)]) == 0
+    out = capsys.readouterr().out
+    assert out == mod.table(summary["arms"]) + "\n"
+    assert "| dense | 1 | dense | no | 2 |" in out and "| +0.100 (+2.8) |" in out
+    assert {p: p.stat().st_mtime_ns for p in docs.rglob("*")} == before
+    (docs / "study" / "summary.json").write_text("{")
+    assert mod.main(["--show", "--docs", str(docs)]) == 2
+    err = capsys.readouterr().err
+    assert "is not a study summary (JSONDecodeError" in err and len(err.splitlines()) == 1
