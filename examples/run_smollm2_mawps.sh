@@ -52,4 +52,4 @@ LAUNCH=(${DS_LAUNCH_ARGS:---num_gpus $((PP + ANCHOR_RANKS)) --master_port $MASTE
 echo "[demo] done; metrics in $LOG_DIR/metrics.jsonl. $TRAIN_ITERS iterations on ${NUM_HOLDOUT:-48} held-out rows"
 echo "[demo] cannot show learning. The side-by-side study (examples/study_cpu.sh, about an hour an arm here;"
 echo "[demo] docs/study.md) measured held-out greedy accuracy before and after training, arm by arm:"
-"${PYTHON:-python}" tools/study_report.py --show || true
+python tools/study_report.py --show || true

@@ -361,7 +361,7 @@ def write_report(study_dir: Optional[str], docs_dir: str) -> Dict:
         raise FileNotFoundError(f"{study_dir}: no arm folder with a metrics.jsonl (and nothing archived in {archive})")
     arms.sort(key=lambda a: (str(a["arm"]), str(a["seed"])))
     os.makedirs(out_dir, exist_ok=True)
-    summary = {"study_dir": os.path.abspath(study_dir) if study_dir else None, "archive": os.path.relpath(archive, root),
+    summary = {"study_dir": os.path.abspath(study_dir) if live else None, "archive": os.path.relpath(archive, root),
                "fields": list(FIELDS), "arms": arms}
     with open(os.path.join(out_dir, "summary.json"), "w", encoding="utf-8") as f:
         json.dump(summary, f, indent=2)
