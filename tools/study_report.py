@@ -3,6 +3,7 @@
 
     python tools/study_report.py [STUDY_DIR] [--docs docs]
     python tools/study_report.py --show     # print the committed summary's table, write nothing
+    python tools/study_report.py --show --run runs/smollm2_mawps_mask   # and that run's gain (make demo)
 
 ``STUDY_DIR`` (default ``$STUDY_DIR``, else ``/work/study-runs/study``) holds one folder per
 arm and seed, as ``examples/study_cpu.sh`` writes them: ``metrics.jsonl`` and ``config.json``
@@ -48,8 +49,9 @@ Figures (one line per arm, raw values per step): ``reward.png`` (``critic/score/
 ``entropy.png`` (``actor/entropy``) and ``heldout_accuracy.png`` (before/after bars with
 standard-error whiskers). The panels are drawn by ``tools/plot_runs.py``.
 
-The runs' small files (:data:`ARCHIVE_FILES`) are copied into ``<docs>/study/runs/<arm>-s<seed>/``
-and the report is drawn from those copies, so that the committed docs hold the evidence: run
+The finished runs' small files (:data:`ARCHIVE_FILES`; finished: a ``DONE`` file, so an arm
+still running is left out) are copied into ``<docs>/study/runs/<arm>-s<seed>/`` and the report
+is drawn from those copies, so that the committed docs hold the evidence: run
 folders live outside the checkout and do not survive a machine reset (the first two arms'
 logs were lost that way on 2026-12-01). An arm that is in an earlier ``summary.json`` but has
 neither a run folder nor an archived copy keeps its summary row (``logs_lost``: true) and has no
@@ -163,6 +165,16 @@ def _launch_wall(run_dir: str) -> Optional[float]:
         return float(sum(float(x) for x in f.read().split()))
 
 
+def gain_z(acc_before: float, se_before: Optional[float], acc_after: float,
+           se_after: Optional[float]) -> Tuple[float, Optional[float]]:
+    """Held-out gain ``acc_after - acc_before`` (accuracies in [0, 1]) and its unpaired z,
+    gain / sqrt(se_before^2 + se_after^2) (None when both errors are 0 or missing). Unpaired:
+    the logs keep no per-row scores, and the paired error is smaller, so the z is conservative."""
+    se = math.hypot(se_before or 0.0, se_after or 0.0)
+    gain = acc_after - acc_before
+    return gain, (gain / se if se > 0 else None)
+
+
 def summarize_run(run_dir: str) -> Dict:
     """One arm's summary (see the module docstring for each field's source)."""
     records = read_records(run_dir)
@@ -188,9 +200,7 @@ def summarize_run(run_dir: str) -> Dict:
                boundary_bytes_ratio=wire / dense if dense else None,
                acc_before_stderr=b[1] if b else None)
     if b and a:
-        se = math.hypot(b[1] or 0.0, a[1] or 0.0)
-        out["gain"] = a[0] - b[0]
-        out["gain_z"] = (a[0] - b[0]) / se if se > 0 else None
+        out["gain"], out["gain_z"] = gain_z(b[0], b[1], a[0], a[1])
     else:
         out["gain"] = out["gain_z"] = None
     other = {}
@@ -341,11 +351,16 @@ def write_report(study_dir: Optional[str], docs_dir: str) -> Dict:
     """Archive every run under ``study_dir`` into ``<docs>/study/runs/`` (:func:`archive_runs`),
     summarize every archived run, carry the arms of the earlier ``summary.json`` whose logs are
     gone (:func:`_carried_arms`), and write ``<docs>/study/summary.json``, the PNGs and
-    ``<docs>/study.md``. ``study_dir`` None or missing: the archive alone. Returns the summary
-    dict. Raises FileNotFoundError when there is no run at all."""
+    ``<docs>/study.md``. Only finished arms (a ``DONE`` file, written by study_cpu.sh when the
+    run exits cleanly) are archived: an arm still running or stopped is left out of the report
+    (else its row, with no "after" value, would be committed and carried on). ``study_dir`` None
+    or missing: the archive alone. Returns the summary dict plus ``unfinished`` (the live folders
+    left out). Raises FileNotFoundError when there is no run at all."""
     out_dir = os.path.join(docs_dir, "study")
     archive = os.path.join(out_dir, "runs")
     live = find_runs(study_dir) if study_dir and os.path.isdir(study_dir) else []
+    unfinished = [d for d in live if not os.path.isfile(os.path.join(d, "DONE"))]
+    live = [d for d in live if d not in unfinished]  # a running or stopped arm is not archived
     if live:
         archive_runs(live, archive)
     runs = find_runs(archive) if os.path.isdir(archive) else []
@@ -401,23 +416,56 @@ def write_report(study_dir: Optional[str], docs_dir: str) -> Dict:
     lines += ["", "## What the evidence says", "", NOTES_BEGIN, notes, NOTES_END, ""]
     with open(md, "w", encoding="utf-8") as f:
         f.write("\n".join(lines))
-    return summary
+    return dict(summary, unfinished=unfinished)
 
 
-def show_summary(docs_dir: str) -> str:
+def show_summary(docs_dir: str, intro: bool = False) -> str:
     """The table of the committed ``<docs>/study/summary.json`` (no run folder read, nothing
-    written): what ``make demo`` prints after its short run. Raises FileNotFoundError when the
-    file is missing and ValueError (naming the file) when it is not a summary this tool wrote."""
+    written): what ``make demo`` prints after its short run; ``intro``: a line before it saying
+    where the study lives and how many iterations its arms ran. Raises FileNotFoundError when
+    the file is missing and ValueError (naming the file) when it is not a summary this tool wrote."""
     path = os.path.join(docs_dir, "study", "summary.json")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path} does not exist; fix: run tools/study_report.py on a study folder first")
     try:
         with open(path, encoding="utf-8") as f:
             arms = json.load(f)["arms"]
-        return table(arms)
+        text = table(arms)
+        n = max((int(a.get("iterations") or 0) for a in arms), default=0)
     except (ValueError, KeyError, TypeError) as e:
         raise ValueError(f"{path} is not a study summary ({type(e).__name__}: {e}); fix: rewrite it with "
                          "tools/study_report.py") from None
+    if not intro:
+        return text
+    return (f"the study (docs/study.md; examples/study_cpu.sh, about an hour an arm here) ran {n} iterations "
+            f"an arm, side by side:\n{text}")
+
+
+def run_line(log_dir: str) -> str:
+    """One line on a finished trainer run, from its ``<log_dir>/summary.json`` (``initial`` and
+    ``final`` held-out evaluations, ``last_metrics.step``): accuracy before -> after ± one
+    standard error, the gain and its unpaired z (:func:`gain_z`), and whether the gain reaches 3
+    standard errors, issue 11's bar for "learns". What ``make demo`` prints after its run.
+    Raises FileNotFoundError when the run wrote no summary.json (it did not finish) and
+    ValueError (naming the file) when it holds no held-out evaluation before and after."""
+    path = os.path.join(log_dir, "summary.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path} does not exist: the run did not finish; fix: see its log, rerun it")
+    try:
+        with open(path, encoding="utf-8") as f:
+            s = json.load(f)
+        b, a = s["initial"], s["final"]
+        acc_b, se_b = float(b["val/holdout/acc"]), float(b["val/holdout/acc_stderr"])
+        acc_a, se_a = float(a["val/holdout/acc"]), float(a["val/holdout/acc_stderr"])
+        rows, iters = int(a["val/holdout/num_rows"]), int(s["last_metrics"]["step"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{path} has no held-out evaluation before and after ({type(e).__name__}: {e}); "
+                         "fix: run with --num-holdout > 0") from None
+    gain, z = gain_z(acc_b, se_b, acc_a, se_a)
+    verdict = ("at least 3 standard errors" if z is not None and z >= 3 else
+               "below 3 standard errors, so not evidence of learning")
+    return (f"this run ({log_dir}, {iters} iterations, {rows} held-out rows): {acc_b:.3f} ± {se_b:.3f} -> "
+            f"{acc_a:.3f} ± {se_a:.3f}, gain {gain:+.3f} (z {_fmt(z, '{:+.1f}')}, unpaired): {verdict}")
 
 
 def main(argv=None) -> int:
@@ -428,20 +476,34 @@ def main(argv=None) -> int:
     p.add_argument("--docs", default=os.path.join(os.path.dirname(_HERE), "docs"), help="docs folder to write")
     p.add_argument("--show", action="store_true",
                    help="print the table of the committed <docs>/study/summary.json and exit (reads no run, writes nothing)")
+    p.add_argument("--run", metavar="LOG_DIR",
+                   help="with --show: first a line on that finished trainer run (its summary.json): held-out "
+                        "accuracy before -> after, gain and z")
     args = p.parse_args(argv)
+    if args.run and not args.show:
+        p.error("--run goes with --show (e.g. --show --run runs/smollm2_mawps_mask)")
     if args.show:
+        rc = 0
+        if args.run:
+            try:
+                print(run_line(args.run))
+            except (FileNotFoundError, ValueError) as e:
+                print(f"error: {e}", file=sys.stderr)
+                rc = 2
         try:
-            print(show_summary(args.docs))
+            print(show_summary(args.docs, intro=bool(args.run)))
         except (FileNotFoundError, ValueError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
-        return 0
+        return rc
     try:
         s = write_report(args.study_dir, args.docs)
     except FileNotFoundError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(table(s["arms"]))
+    for d in s["unfinished"]:
+        print(f"skipped {d}: unfinished (no DONE file); rerun examples/study_cpu.sh to finish it", file=sys.stderr)
     for a in s["arms"]:
         if a.get("anchor_lost_step") is not None:
             print(f"warning: {a['arm']} seed {a['seed']}: the anchor was lost at step {a['anchor_lost_step']} "

@@ -28,8 +28,10 @@ def _holdout(t, acc, se, seconds):
             "timing_s/eval/holdout": seconds, "timing_s/eval": seconds}
 
 
-def _write_run(d: Path, records, arm=None, config=None, tail=""):
+def _write_run(d: Path, records, arm=None, config=None, tail="", done=True):
     d.mkdir(parents=True)
+    if done:  # study_cpu.sh's mark of a run that exited cleanly
+        (d / "DONE").write_text("")
     with open(d / "metrics.jsonl", "w") as f:
         for r in records:
             f.write(json.dumps(r) + "\n")
@@ -56,7 +58,8 @@ def study(tmp_path):
     ], arm={"arm": "dense", "seed": 1, "codec": "dense", "anchor": False},
         tail='{"step": 3, "critic/sco')  # a line cut short by a kill
     (root / "dense-s1" / "wall_seconds").write_text("100\n250\n")  # started twice
-    # mask + anchor: unfinished (no holdout record at its last step); identity from config.json
+    # mask + anchor: exited without its final evaluation (no holdout record at its last step);
+    # identity from config.json
     _write_run(root / "mask_anchor-s1", [
         _holdout(0, 0.30, 0.02, 41.0),
         _step(1, 0.125, 30, 70, 2000, 70.0, **{"fidelity/cos": 0.5}),
@@ -71,6 +74,7 @@ def test_summary_values(study, tmp_path):
     (docs / "study.md").write_text(f"old\n{mod.NOTES_BEGIN}\nThe dense arm learns.\n{mod.NOTES_END}\nold\n")
     summary = mod.write_report(str(study), str(docs))
     on_disk = json.loads((docs / "study" / "summary.json").read_text())
+    assert summary.pop("unfinished") == []  # returned, not written
     assert on_disk == json.loads(json.dumps(summary))
     assert on_disk["fields"] == list(mod.FIELDS)
     dense, mask = on_disk["arms"]  # sorted by folder name
@@ -115,7 +119,7 @@ def test_archive_then_report_without_runs(study, tmp_path):
     first = mod.write_report(str(study), str(docs))
     archived = docs / "study" / "runs"
     assert sorted(p.name for p in archived.iterdir()) == ["dense-s1", "mask_anchor-s1"]
-    assert sorted(p.name for p in (archived / "dense-s1").iterdir()) == ["metrics.jsonl", "study_arm.json",
+    assert sorted(p.name for p in (archived / "dense-s1").iterdir()) == ["DONE", "metrics.jsonl", "study_arm.json",
                                                                           "wall_seconds"]
     assert [a["run_dir"] for a in first["arms"]] == ["docs/study/runs/dense-s1", "docs/study/runs/mask_anchor-s1"]
 
@@ -183,3 +187,61 @@ def test_show_prints_the_committed_table_and_writes_nothing(study, tmp_path, cap
     assert mod.main(["--show", "--docs", str(docs)]) == 2
     err = capsys.readouterr().err
     assert "is not a study summary (JSONDecodeError" in err and len(err.splitlines()) == 1
+
+
+def test_an_unfinished_arm_is_not_archived(study, tmp_path, capsys):
+    """A live arm folder without DONE (still running, or stopped) stays out of the archive and the
+    summary, and main() names it; a rerun after it finishes archives it."""
+    mod = _tool()
+    _write_run(study / "lowrank-s1", [_holdout(0, 0.30, 0.02, 40.0), _step(1, 0.2, 30, 70, 2000, 60.0)],
+               arm={"arm": "lowrank", "seed": 1, "codec": "lowrank", "anchor": False}, done=False)
+    docs = tmp_path / "docs"
+    assert mod.main([str(study), "--docs", str(docs)]) == 0
+    err = capsys.readouterr().err
+    assert f"skipped {study / 'lowrank-s1'}: unfinished (no DONE file); rerun examples/study_cpu.sh" in err
+    summary = json.loads((docs / "study" / "summary.json").read_text())
+    assert [a["arm"] for a in summary["arms"]] == ["dense", "mask_anchor-s1"]
+    assert sorted(p.name for p in (docs / "study" / "runs").iterdir()) == ["dense-s1", "mask_anchor-s1"]
+    (study / "lowrank-s1" / "DONE").write_text("")
+    again = mod.write_report(str(study), str(docs))
+    assert [a["arm"] for a in again["arms"]] == ["dense", "lowrank", "mask_anchor-s1"] and again["unfinished"] == []
+
+
+def _trainer_summary(d: Path, before, after, step):
+    d.mkdir(parents=True)
+    ev = lambda acc, se: {"val/holdout/acc": acc, "val/holdout/acc_stderr": se, "val/holdout/num_rows": 300}
+    (d / "summary.json").write_text(json.dumps({"initial": ev(*before), "final": ev(*after),
+                                                "last_metrics": {"step": step}}))
+
+
+def test_show_run_prints_the_runs_gain_then_the_study(study, tmp_path, capsys):
+    """--show --run DIR (make demo's last lines): the run's before -> after from its summary.json, the
+    gain and the unpaired z against the 3-standard-error bar, then the study's table; a run that wrote
+    no summary.json is one error line and exit 2, and the table is still printed."""
+    mod = _tool()
+    docs = tmp_path / "docs"
+    summary = mod.write_report(str(study), str(docs))
+    capsys.readouterr()
+    run = tmp_path / "demo"
+    _trainer_summary(run, (0.08, 0.015), (0.11, 0.018), 10)
+    assert mod.main(["--show", "--run", str(run), "--docs", str(docs)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    z = 0.03 / math.hypot(0.015, 0.018)  # 1.28
+    assert lines[0] == (f"this run ({run}, 10 iterations, 300 held-out rows): 0.080 ± 0.015 -> 0.110 ± 0.018, "
+                        f"gain +0.030 (z +{z:.1f}, unpaired): below 3 standard errors, so not evidence of learning")
+    assert lines[1] == ("the study (docs/study.md; examples/study_cpu.sh, about an hour an arm here) ran 2 "
+                        "iterations an arm, side by side:")
+    assert "\n".join(lines[2:]) == mod.table(summary["arms"])
+    assert mod.gain_z(0.08, 0.015, 0.11, 0.018) == (pytest.approx(0.03, abs=1e-15), pytest.approx(z, rel=1e-12))
+
+    big = tmp_path / "long"
+    _trainer_summary(big, (0.08, 0.015), (0.18, 0.022), 48)
+    assert mod.main(["--show", "--run", str(big), "--docs", str(docs)]) == 0
+    assert capsys.readouterr().out.splitlines()[0].endswith("gain +0.100 (z +3.8, unpaired): at least 3 standard errors")
+
+    assert mod.main(["--show", "--run", str(tmp_path / "crashed"), "--docs", str(docs)]) == 2
+    out, err = capsys.readouterr()
+    assert err == f"error: {tmp_path / 'crashed' / 'summary.json'} does not exist: the run did not finish; fix: see its log, rerun it\n"
+    assert out.splitlines()[1:] == mod.table(summary["arms"]).splitlines()
+    with pytest.raises(SystemExit):
+        mod.main(["--run", str(run), "--docs", str(docs)])
