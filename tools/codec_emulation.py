@@ -4,7 +4,7 @@ A fast prototype bench (issue 10; after /work/shared/tools/grad_fidelity_emulati
 the pipeline: the REAL codec of each spec (``compression.build_codec``) is applied with its
 ``forward_map`` (forward half's encode/decode, backward half's encode/decode of the gradient)
 at the output of decoder layer L = layers / 2 (the PP=2 boundary) of the HF model, micro-batch
-by micro-batch (4 sequences each, the demo's shape, so a per-step basis comes from the first
+by micro-batch (4 sequences each, the pipeline's micro-batch, so a per-step basis comes from the first
 micro-batch as in the pipeline). Policy-gradient loss with random +-1 sequence advantages at
 T = 0.7 on sampled MAWPS responses. Per spec it prints and writes (``--out``) the mean |log-prob
 difference| to the dense model on response tokens (nats/token), cos(G, G_dense) over all

@@ -7,7 +7,7 @@
 One launch: the tool starts ``--pp`` gloo processes of itself (RANK / WORLD_SIZE / MASTER_*
 as torchrun sets them); each builds the trainer's own rank (``GRPOTrainer``: megatron-core
 stages, the compressed p2p communicator, the driver's dense sampler and verifier) from the
-trainer flags (the demo's shape by default, :data:`TRAINER_FLAGS`; anything after ``--``
+trainer flags (the 128-token rollout shape by default, :data:`TRAINER_FLAGS`; anything after ``--``
 is appended and wins). For each of ``--batches`` iterations t = 1, 2, ... the driver
 generates and scores one rollout batch, once, and then, for every codec spec in turn, on
 that batch and the same (never updated) weights:
@@ -69,7 +69,8 @@ from megatron_cegrpo.bootstrap import bootstrap
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-#: The demo's rollout shape (examples/run_smollm2_mawps.sh), no anchor, no evaluation.
+#: The 128-token rollout shape (4 prompts x 8 responses, <= 128 new tokens, micro-batch 4, KL 0.001: `make demo`'s
+#: until 2026-12-03, when the demo took the study's 64-token configuration), no anchor, no evaluation.
 TRAINER_FLAGS = [
     "--train-data", "mawps/singleop", "--num-holdout", "48", "--micro-batch-size", "4",
     "--rollout-batch-size", "4", "--num-generations", "8", "--max-new-tokens", "128", "--temperature", "0.7",

@@ -57,7 +57,7 @@ def lowrank_rank(d: int, keep_ratio: float, tokens_per_iteration: int, basis_sen
         wire  = r * T + q * d * r          dense = d * T
         r     = floor(keep_ratio * d * T / (T + q * d))     (the largest r with wire <= keep_ratio * dense)
 
-    e.g. SmolLM2 (d = 576) at the demo's shape (32 sequences x 128 tokens x 4 crossings:
+    e.g. SmolLM2 (d = 576) at the 128-token rollout shape (32 sequences x 128 tokens x 4 crossings:
     old-logprob, reference, update forward and backward; T = 16384), ratio 0.05: r = 27 with a
     fast-owned basis (q = 1), r = 28 with an anchor-owned one (q = 2 / c, c = 4).
 

@@ -24,7 +24,7 @@ tokens). ``pcaq`` pays the full per-message budget every time. ``rpq`` keys each
 Both ends keep ``x_hat_first`` per key (the receiver from its decode; the sender decodes its own
 payload with the receiver's code only when ``decode_sent`` asks, i.e. the error tracker: off the
 critical path otherwise), the sender also ``x_first``; only the latest step per boundary is kept
-(about 2 x 15 MB per boundary at the demo's 32 x 199 x 576 fp32).
+(about 2 x 15 MB per boundary at the 128-token rollout shape's 32 x 199 x 576 fp32).
 
 Bytes of one message of N = s * b tokens (d channels, r basis rows, K = outliers * b outlier
 tokens, dense bytes D = N * d * elem, everything padded once to whole wire elements)::

@@ -21,7 +21,7 @@ def _acts(step, s=8, b=3, d=32):
 
 
 def test_rank_formula_values():
-    # SmolLM2 at the demo's shape: T = 32 x 128 x 4 = 16384, ratio 0.05
+    # SmolLM2 at the 128-token rollout shape: T = 32 x 128 x 4 = 16384, ratio 0.05
     assert lowrank_rank(576, 0.05, 16384, 1.0) == 27  # floor(471859.2 / 16960) = floor(27.82)
     assert lowrank_rank(576, 0.05, 16384, 0.5) == 28  # anchor-owned, c = 4: floor(28.30)
     assert lowrank_rank(64, 0.25, 384, 1.0) == 13

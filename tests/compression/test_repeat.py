@@ -106,7 +106,7 @@ def test_a_short_micro_batch_shrinks_the_own_basis_instead_of_failing(passes, n_
 
 
 def test_budget_check_counts_passes():
-    """At the demo shape rpq:lrq fits 24 forward / 8 backward messages (3 passes) and is
+    """At the 128-token rollout shape rpq:lrq fits 24 forward / 8 backward messages (3 passes) and is
     rejected with 16 forward messages (--kl-coef 0: 2 passes) until passes=2; with a per-step
     basis (own=0) too."""
     demo = dict(shape=(199, 4, 576), bwd_messages=8)
