@@ -9,8 +9,9 @@
 #   mask_anchor_constmag   mask + anchor, sign blend with |G_comp| replaced by
 #                          mean |G_comp| per tensor, alpha 0 beta 1 (every corrected
 #                          coordinate = constant * sign(M)): what the fast path adds  first seed
-#   pcaq:lrq, pcaq:lrq_anchor  the best codec pair of issue 10 (docs/codecs.md: forward PCA basis +
-#                          quantised coefficients, backward low-rank), BEST_PAIR                  first seed
+#   pcaq:lrq               the best codec pair of issue 10 (docs/codecs.md: forward PCA basis +
+#                          quantised coefficients, backward low-rank), BEST_PAIR     first seed
+#   pcaq:lrq_anchor        the same pair + anchor: the best compressed arm            SEEDS
 #   <codec>, <codec>_anchor  every other registered codec (lowrank, ...)             first seed
 #
 # Every arm: same seed(s), same data order, same held-out rows (--holdout-seed), no KL, no
@@ -46,24 +47,11 @@ FIDELITY_INTERVAL=${FIDELITY_INTERVAL:-$(( TRAIN_ITERS / 4 > 0 ? TRAIN_ITERS / 4
 MASTER_PORT=${MASTER_PORT:-29571}
 KEEP_CKPT=${KEEP_CKPT:-0}
 
-# The learnable configuration (issue 11, "What to build" 1; see docs/study.md for how it was chosen).
-TRAIN_DATA=${TRAIN_DATA:-mawps/singleop}
-TEMPLATE=${TEMPLATE:-answer_is}
-NUM_HOLDOUT=${NUM_HOLDOUT:-300}
-HOLDOUT_SEED=${HOLDOUT_SEED:-1234}
+# The learnable configuration (issue 11, "What to build" 1; docs/study.md says how it was chosen),
+# shared with `make demo`: TRAIN_DATA TEMPLATE NUM_HOLDOUT HOLDOUT_SEED MAX_NEW_TOKENS ... KL_COEF
+source examples/learnable_config.sh
 EVAL_DATA=${EVAL_DATA:-mawps/multiarith}
 EVAL_LIMIT=${EVAL_LIMIT:-300}
-MAX_NEW_TOKENS=${MAX_NEW_TOKENS:-64}
-EVAL_MAX_NEW_TOKENS=${EVAL_MAX_NEW_TOKENS:-$MAX_NEW_TOKENS}
-ROLLOUT_BATCH=${ROLLOUT_BATCH:-4}
-GROUP=${GROUP:-8}
-LR=${LR:-1e-5}
-TEMPERATURE=${TEMPERATURE:-0.7}
-KEEP_RATIO=${KEEP_RATIO:-0.05}
-# no KL term (the seeds): no reference model, so no actor/kl_loss and no KL figure; KL_COEF=0.001
-# draws the KL curve at the cost of one reference forward pass a step (about 15 % of a step)
-KL_COEF=${KL_COEF:-0}
-EVAL_BATCH=${EVAL_BATCH:-32}
 
 other_codecs() {  # registered codecs beyond dense and mask
   "$PYTHON" -c "from megatron_cegrpo.compression import available_codecs as a
@@ -75,7 +63,7 @@ if [[ -z "${ARMS:-}" ]]; then
   ARMS="dense mask mask_anchor mask_anchor_constmag $BEST_PAIR ${BEST_PAIR}_anchor"
   for c in $(other_codecs); do ARMS="$ARMS $c ${c}_anchor"; done
 fi
-MULTI_SEED=${MULTI_SEED:-"dense mask_anchor"}  # the control and the best compressed arm
+MULTI_SEED=${MULTI_SEED:-"dense mask_anchor ${BEST_PAIR}_anchor"}  # the control and the best compressed arms
 
 # arm -> "codec anchor_ranks extra flags..."
 arm_spec() {

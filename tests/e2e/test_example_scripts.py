@@ -1,0 +1,68 @@
+"""examples/run_smollm2_mawps.sh (`make demo`) runs the CPU study's learnable configuration
+(examples/learnable_config.sh, shared with examples/study_cpu.sh): the two scripts' train.py
+command lines agree on every flag of that configuration, read with a stand-in launcher."""
+
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+#: the flags of the learnable configuration and the run's shape, which the demo must share with the study
+SHARED = ("--model", "--train-data", "--prompt-template", "--num-holdout", "--holdout-seed", "--max-new-tokens",
+          "--eval-max-new-tokens", "--eval-batch-size", "--pipeline-model-parallel-size", "--micro-batch-size",
+          "--rollout-batch-size", "--num-generations", "--temperature", "--lr", "--kl-coef", "--boundary-codec",
+          "--boundary-keep-ratio", "--anchor-ranks", "--seed", "--deepspeed_config")
+
+
+def _flags(argv):
+    """{flag: value} of a train.py command line (a flag followed by another flag has value None)."""
+    args = argv[argv.index("megatron_cegrpo/train.py") + 1:]
+    out = {}
+    for i, a in enumerate(args):
+        if a.startswith("--"):
+            nxt = args[i + 1] if i + 1 < len(args) else None
+            out[a] = None if nxt is None or nxt.startswith("--") else nxt
+    return out
+
+
+def _env(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("TEMPLATE", "LR", "KL_COEF", "MAX_NEW_TOKENS",
+                                                            "NUM_HOLDOUT", "TRAIN_ITERS", "CODEC", "SEED")}
+    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env["PATH"]
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def test_the_demo_runs_the_studys_configuration(tmp_path):
+    fake = tmp_path / "fake_deepspeed"
+    fake.write_text('#!/usr/bin/env bash\necho "ARGV $*"\n')
+    fake.chmod(0o755)
+    env = dict(_env(tmp_path), DEEPSPEED=str(fake), LOG_DIR=str(tmp_path / "demo"))
+    demo = subprocess.run(["bash", "examples/run_smollm2_mawps.sh"], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert demo.returncode == 0, demo.stderr
+    demo_argv = shlex.split(demo.stdout.splitlines()[0][len("ARGV "):])
+    # the stand-in wrote no summary.json: one error line for the run, the study's table still printed
+    assert f"error: {tmp_path / 'demo' / 'summary.json'} does not exist: the run did not finish" in demo.stderr
+    assert "| dense | 1234 | dense | no | 48 |" in demo.stdout
+
+    env = dict(_env(tmp_path), DRY_RUN="1", ARMS="mask_anchor", SEEDS="1234", STUDY_DIR=str(tmp_path / "study"))
+    study = subprocess.run(["bash", "examples/study_cpu.sh"], cwd=REPO, env=env, capture_output=True, text=True,
+                           timeout=120)
+    assert study.returncode == 0, study.stderr
+    line = next(ln for ln in study.stdout.splitlines() if ln.startswith("[study] mask_anchor seed 1234: flock"))
+    study_argv = shlex.split(line.split(": ", 1)[1])
+
+    d, s = _flags(demo_argv), _flags(study_argv)
+    assert {f: d.get(f) for f in SHARED} == {f: s.get(f) for f in SHARED}
+    assert {f: d[f] for f in ("--prompt-template", "--max-new-tokens", "--lr", "--kl-coef", "--num-holdout",
+                              "--holdout-seed", "--boundary-codec", "--boundary-keep-ratio", "--anchor-ranks")} == {
+        "--prompt-template": "answer_is", "--max-new-tokens": "64", "--lr": "1e-5", "--kl-coef": "0",
+        "--num-holdout": "300", "--holdout-seed": "1234", "--boundary-codec": "mask",
+        "--boundary-keep-ratio": "0.05", "--anchor-ranks": "1"}
+    # what differs, on purpose: the demo is short and fires its anchor every 4 iterations
+    assert (d["--train-iters"], d["--anchor-interval"], d["--anchor-delay"]) == ("10", "4", "4")
+    assert (s["--train-iters"], s["--anchor-interval"], s["--anchor-delay"]) == ("48", "8", "8")
