@@ -348,7 +348,7 @@ def _kept_notes(md_path: str) -> str:
 
 
 def write_report(study_dir: Optional[str], docs_dir: str) -> Dict:
-    """Archive every run under ``study_dir`` into ``<docs>/study/runs/`` (:func:`archive_runs`),
+    """Archive every finished run under ``study_dir`` into ``<docs>/study/runs/`` (:func:`archive_runs`),
     summarize every archived run, carry the arms of the earlier ``summary.json`` whose logs are
     gone (:func:`_carried_arms`), and write ``<docs>/study/summary.json``, the PNGs and
     ``<docs>/study.md``. Only finished arms (a ``DONE`` file, written by study_cpu.sh when the
@@ -451,16 +451,22 @@ def run_line(log_dir: str) -> str:
     path = os.path.join(log_dir, "summary.json")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path} does not exist: the run did not finish; fix: see its log, rerun it")
+    bad = f"{path} has no held-out evaluation before and after"
     try:
         with open(path, encoding="utf-8") as f:
             s = json.load(f)
+    except ValueError as e:
+        raise ValueError(f"{bad} ({type(e).__name__}: {e}); fix: rerun it") from None
+    if isinstance(s, dict) and "final" in s and "initial" not in s:
+        raise ValueError(f"{path} has no before-training evaluation: the run was resumed (--load), and a "
+                         "resumed run evaluates only at its end; fix: compare with the first launch's log")
+    try:
         b, a = s["initial"], s["final"]
         acc_b, se_b = float(b["val/holdout/acc"]), float(b["val/holdout/acc_stderr"])
         acc_a, se_a = float(a["val/holdout/acc"]), float(a["val/holdout/acc_stderr"])
         rows, iters = int(a["val/holdout/num_rows"]), int(s["last_metrics"]["step"])
     except (ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"{path} has no held-out evaluation before and after ({type(e).__name__}: {e}); "
-                         "fix: run with --num-holdout > 0") from None
+        raise ValueError(f"{bad} ({type(e).__name__}: {e}); fix: run with --num-holdout > 0") from None
     gain, z = gain_z(acc_b, se_b, acc_a, se_a)
     verdict = ("at least 3 standard errors" if z is not None and z >= 3 else
                "below 3 standard errors, so not evidence of learning")

@@ -28,28 +28,27 @@ def _flags(argv):
     return out
 
 
-def _env(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k not in ("TEMPLATE", "LR", "KL_COEF", "MAX_NEW_TOKENS",
-                                                            "NUM_HOLDOUT", "TRAIN_ITERS", "CODEC", "SEED")}
-    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env["PATH"]
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    return env
+def _env(**extra):
+    """A clean environment (the scripts read every setting from it): the venv's python first on PATH."""
+    env = {"PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"], "PYTHONPATH": str(REPO),
+           "HOME": os.environ.get("HOME", "/tmp"), "OMP_NUM_THREADS": "1"}
+    return dict(env, **extra)
 
 
 def test_the_demo_runs_the_studys_configuration(tmp_path):
     fake = tmp_path / "fake_deepspeed"
     fake.write_text('#!/usr/bin/env bash\necho "ARGV $*"\n')
     fake.chmod(0o755)
-    env = dict(_env(tmp_path), DEEPSPEED=str(fake), LOG_DIR=str(tmp_path / "demo"))
+    env = _env(DEEPSPEED=str(fake), LOG_DIR=str(tmp_path / "demo"))
     demo = subprocess.run(["bash", "examples/run_smollm2_mawps.sh"], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=120)
     assert demo.returncode == 0, demo.stderr
     demo_argv = shlex.split(demo.stdout.splitlines()[0][len("ARGV "):])
-    # the stand-in wrote no summary.json: one error line for the run, the study's table still printed
-    assert f"error: {tmp_path / 'demo' / 'summary.json'} does not exist: the run did not finish" in demo.stderr
-    assert "| dense | 1234 | dense | no | 48 |" in demo.stdout
+    # the stand-in wrote no summary.json (as on a host without the driver): said so, the study's table printed
+    assert f"[demo] no {tmp_path / 'demo' / 'summary.json'} on this host (the driver, rank 0, writes it)" in demo.stdout
+    assert "| dense | 1234 | dense | no | 48 |" in demo.stdout and demo.stderr == ""
 
-    env = dict(_env(tmp_path), DRY_RUN="1", ARMS="mask_anchor", SEEDS="1234", STUDY_DIR=str(tmp_path / "study"))
+    env = _env(DRY_RUN="1", ARMS="mask_anchor", SEEDS="1234", STUDY_DIR=str(tmp_path / "study"))
     study = subprocess.run(["bash", "examples/study_cpu.sh"], cwd=REPO, env=env, capture_output=True, text=True,
                            timeout=120)
     assert study.returncode == 0, study.stderr

@@ -243,5 +243,12 @@ def test_show_run_prints_the_runs_gain_then_the_study(study, tmp_path, capsys):
     out, err = capsys.readouterr()
     assert err == f"error: {tmp_path / 'crashed' / 'summary.json'} does not exist: the run did not finish; fix: see its log, rerun it\n"
     assert out.splitlines()[1:] == mod.table(summary["arms"]).splitlines()
+    resumed = tmp_path / "resumed"  # a run continued with --load evaluates only at its end
+    _trainer_summary(resumed, (0.08, 0.015), (0.11, 0.018), 10)
+    s = json.loads((resumed / "summary.json").read_text())
+    del s["initial"]
+    (resumed / "summary.json").write_text(json.dumps(s))
+    with pytest.raises(ValueError, match="has no before-training evaluation: the run was resumed"):
+        mod.run_line(str(resumed))
     with pytest.raises(SystemExit):
         mod.main(["--run", str(run), "--docs", str(docs)])
