@@ -1,8 +1,8 @@
 # The learnable CPU configuration that issue 11's study found (docs/study.md, "The configuration,
 # and how it was chosen"): dense GRPO on it raises SmolLM2-135M-Instruct's held-out greedy
-# accuracy by 3.9 (seed 1234) and 2.7 (seed 4321) standard errors in 48 iterations. Sourced by examples/study_cpu.sh (the study's
-# arms) and examples/run_smollm2_mawps.sh (`make demo`, a short run of one arm), so that both
-# run the same job; every value can be overridden from the environment.
+# accuracy by 3.9 (seed 1234) and 2.7 (seed 4321) standard errors in 48 iterations. Sourced by
+# examples/study_cpu.sh (the study's arms) and examples/run_smollm2_mawps.sh (`make demo`, a
+# short run of one arm), so that both run the same job; the environment overrides every value.
 # shellcheck shell=bash
 : "${TRAIN_DATA:=mawps/singleop}"    # ../shared/data/mawps/singleop.jsonl
 : "${TEMPLATE:=answer_is}"           # "... The answer is <number>." (megatron_cegrpo/data/templates.py)
