@@ -33,6 +33,7 @@ MASTER_PORT=${MASTER_PORT:-29561}
 # shellcheck disable=SC2206  # DS_LAUNCH_ARGS is a word list (no spaces inside one argument)
 LAUNCH=(${DS_LAUNCH_ARGS:---num_gpus $((PP + ANCHOR_RANKS)) --master_port $MASTER_PORT})
 
+# shellcheck disable=SC2086  # PRECISION_FLAGS is a word list
 "${DEEPSPEED:-deepspeed}" "${LAUNCH[@]}" megatron_cegrpo/train.py \
   --model smollm2-135m-instruct \
   --train-data "$TRAIN_DATA" \
@@ -57,6 +58,7 @@ LAUNCH=(${DS_LAUNCH_ARGS:---num_gpus $((PP + ANCHOR_RANKS)) --master_port $MASTE
   --anchor-delay "${ANCHOR_DELAY:-4}" \
   --drift-probe-interval "${PROBE_INTERVAL:-4}" \
   --seed "$SEED" \
+  $PRECISION_FLAGS \
   --deepspeed_config ds_configs/cpu_adamw.json \
   --log-dir "$LOG_DIR" \
   "$@"

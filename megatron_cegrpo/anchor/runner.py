@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 from megatron_cegrpo import checkpointing as ck
@@ -24,8 +25,10 @@ def run_anchor(cfg, ctx) -> None:
     ended or a stage died) it stops with one line instead of a traceback.
     """
     t0 = time.perf_counter()
+    if cfg.anchor.anchor_nice:  # off the critical path: where it shares cores with the stages, they go first
+        os.nice(cfg.anchor.anchor_nice)
     # the whole model densely (PP = 1); a reference only when the objective has a KL term
-    dense = build_policy_stage(cfg.model.model, params_dtype=cfg.model.params_dtype,
+    dense = build_policy_stage(cfg.model.model, params_dtype=cfg.model.precision,
                                pg_collection=ctx.pg_collection, with_reference=cfg.grpo.kl_coef > 0,
                                per_token_loss=False)
     model, ref = dense.model, dense.ref_model

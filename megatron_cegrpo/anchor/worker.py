@@ -32,6 +32,7 @@ from megatron_cegrpo.compression import build_codec
 from megatron_cegrpo.grpo import core_algos as ca
 from megatron_cegrpo.grpo.batch import microbatches
 from megatron_cegrpo.grpo.loss import grpo_token_loss
+from megatron_cegrpo.optim.mixed_precision import compute_precision
 
 __all__ = ["AnchorWorker", "global_param_name", "ring_capacity"]
 
@@ -230,6 +231,14 @@ class AnchorWorker:
         self.model.zero_grad(set_to_none=True)
         num_tokens = float(batch["loss_mask"].sum())
         temp = float(self.cfg.rollout.temperature)
+        with compute_precision(self.model, self.ref_model):  # --bf16: bf16 replay, fp32 gradients
+            self._replay(batch, num_tokens, temp)
+        self.num_replayed_sequences += int(batch["tokens"].shape[0])
+        return {n: (p.grad.detach().float().clone() if p.grad is not None else torch.zeros_like(p, dtype=torch.float32))
+                for n, p in self.params.items()}
+
+    def _replay(self, batch: dict, num_tokens: float, temp: float) -> None:
+        """The forward + backward of :meth:`_dense_gradient`, micro-batch by micro-batch."""
         for mb in microbatches(batch, self.cfg.parallel.micro_batch_size):
             ref_lp = None
             if self.ref_model is not None:
@@ -241,9 +250,6 @@ class AnchorWorker:
             loss, _ = grpo_token_loss(logits, mb, self.cfg.grpo, temperature=temp, num_tokens=num_tokens,
                                       num_seqs=float(batch["tokens"].shape[0]), ref_logprobs=ref_lp)
             loss.backward()
-        self.num_replayed_sequences += int(batch["tokens"].shape[0])
-        return {n: (p.grad.detach().float().clone() if p.grad is not None else torch.zeros_like(p, dtype=torch.float32))
-                for n, p in self.params.items()}
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:

@@ -49,7 +49,8 @@ def grpo_token_loss(
     Returns:
         (loss, stats): the 0-dim loss, and detached sums over the micro-batch's response
         tokens: ``pg_loss_sum``, ``clip_sum`` (clipped tokens), ``ppo_kl_sum``, ``tokens``,
-        and ``kl_sum`` when there is a KL term.
+        ``kl_sum`` when there is a KL term, and ``logprobs_detached`` (fp32 [b, s], this pass's
+        log-probs at the temperature, every position).
     """
     logp = ca.logprobs_from_logits(logits.float() / temperature, mb["labels"])
     mask = mb["loss_mask"]
@@ -59,7 +60,8 @@ def grpo_token_loss(
     loss_mat = pol["pg_losses"]
     ntok = mask.sum()
     stats = {"pg_loss_sum": (pol["pg_losses"].detach() * mask).sum(),
-             "clip_sum": pol["pg_clipfrac"] * ntok, "ppo_kl_sum": pol["ppo_kl"] * ntok, "tokens": ntok}
+             "clip_sum": pol["pg_clipfrac"] * ntok, "ppo_kl_sum": pol["ppo_kl"] * ntok, "tokens": ntok,
+             "logprobs_detached": logp.detach()}
     if ref_logprobs is not None and grpo.kl_coef > 0:
         kl = ca.kl_penalty(logp, ref_logprobs, grpo.kl_loss_type)
         loss_mat = loss_mat + grpo.kl_coef * kl

@@ -17,11 +17,18 @@ from megatron_cegrpo.models.hf_config import ModelSource, resolve_model
 from megatron_cegrpo.models.loader import load_hf_state_dict, load_stage_weights
 from megatron_cegrpo.models.name_map import hf_to_megatron
 from megatron_cegrpo.models.tp_shard import shard_stage_state_dict
+from megatron_cegrpo.optim.mixed_precision import attach_mixed_precision
 
-__all__ = ["PARAMS_DTYPES", "PolicyStage", "build_policy_stage"]
+__all__ = ["PARAMS_DTYPES", "PRECISIONS", "PolicyStage", "build_policy_stage"]
 
 #: ``--params-dtype`` -> torch dtype
 PARAMS_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+#: ``ModelConfig.precision`` -> (parameter dtype, compute and pipeline dtype, fp32 masters under a
+#: bf16 compute view): the one place a stage's dtypes are decided (``optim/mixed_precision.py``)
+PRECISIONS = {"fp32": (torch.float32, torch.float32, False),
+              "bf16": (torch.bfloat16, torch.bfloat16, False),
+              "bf16-mixed": (torch.float32, torch.bfloat16, True)}
 
 
 @dataclass
@@ -55,7 +62,9 @@ def build_policy_stage(model: str, *, pp_rank: int = 0, pp_size: int = 1, params
     Args:
         model: ``--model`` (an HF directory, a .gguf file, ``smollm2-135m-instruct``,
             ``tiny-llama`` / ``tiny-qwen2``).
-        params_dtype: ``fp32`` or ``bf16`` (``--params-dtype``).
+        params_dtype: a key of :data:`PRECISIONS`: ``fp32``, ``bf16`` (``--params-dtype bf16``) or
+            ``bf16-mixed`` (``--bf16``: fp32 parameters, bf16 passes and boundary tensors, with
+            ``optim.mixed_precision.attach_mixed_precision`` on the stage and its reference).
         num_layers_in_first, num_layers_in_last: an uneven split (Megatron's flags).
         pg_collection: the process groups the stage uses (``DistContext.pg_collection``).
         with_reference: also build a frozen reference copy with the same weights.
@@ -70,10 +79,11 @@ def build_policy_stage(model: str, *, pp_rank: int = 0, pp_size: int = 1, params
     """
     source = resolve_model(model)
     hf_config, hf_sd = load_hf_state_dict(source)
+    p_dtype, c_dtype, masters = PRECISIONS[params_dtype]
     tf_config = transformer_config_from_hf(
-        hf_config, pipeline_model_parallel_size=pp_size, tensor_model_parallel_size=tp_size, params_dtype=PARAMS_DTYPES[params_dtype],
+        hf_config, pipeline_model_parallel_size=pp_size, tensor_model_parallel_size=tp_size, params_dtype=p_dtype,
         num_layers_in_first_pipeline_stage=num_layers_in_first, num_layers_in_last_pipeline_stage=num_layers_in_last,
-        calculate_per_token_loss=per_token_loss)
+        calculate_per_token_loss=per_token_loss, pipeline_dtype=c_dtype, bf16=c_dtype == torch.bfloat16)
     stage_sd = shard_stage_state_dict(hf_to_megatron(hf_sd, hf_config, tf_config, pp_rank, pp_size), tp_rank, tp_size)
     policy = build_stage(hf_config, tf_config, pp_rank=pp_rank, pp_size=pp_size, pg_collection=pg_collection)
     load_stage_weights(policy, stage_sd)
@@ -84,5 +94,9 @@ def build_policy_stage(model: str, *, pp_rank: int = 0, pp_size: int = 1, params
         ref.requires_grad_(False)
         ref.eval()
     del stage_sd
+    if masters:
+        for m in (policy, ref):
+            if m is not None:
+                attach_mixed_precision(m, c_dtype)
     return PolicyStage(source=source, hf_config=hf_config, hf_state_dict=hf_sd if keep_hf_state_dict else None,
                        tf_config=tf_config, model=policy, ref_model=ref)

@@ -19,6 +19,7 @@ from megatron.core.pipeline_parallel.schedules import (
 )
 
 from megatron_cegrpo.grpo.batch import microbatches
+from megatron_cegrpo.optim.mixed_precision import compute_precision
 
 __all__ = ["PipelineRunner", "LossFn"]
 
@@ -66,6 +67,8 @@ class PipelineRunner:
             step: iteration t keying the boundary masks.
             forward_only: no backward (old-logprob / reference passes).
             loss_fn: evaluated on the last stage per micro-batch.
+        Under ``--bf16`` the pass runs on the model's bf16 compute view and its gradients arrive
+        in fp32 (``optim.mixed_precision.compute_precision``).
         Returns:
             on the last stage, the list of ``loss_fn`` dicts (one per micro-batch, in order);
             an empty list elsewhere.
@@ -81,10 +84,11 @@ class PipelineRunner:
         common = dict(forward_step_func=forward_step, data_iterator=iter(mbs), model=[model],
                       num_microbatches=len(mbs), seq_length=seq_length,
                       micro_batch_size=self.micro_batch_size, forward_only=forward_only)
-        if self.pp_size == 1:
-            return forward_backward_no_pipelining(**common)
-        self.comm.begin_pass(step, [mb["sample_ids"] for mb in mbs], seq_length)
-        out = forward_backward_pipelining_without_interleaving(
-            **common, p2p_communicator=self.comm, pg_collection=self.pg_collection)
+        with compute_precision(model):
+            if self.pp_size == 1:
+                return forward_backward_no_pipelining(**common)
+            self.comm.begin_pass(step, [mb["sample_ids"] for mb in mbs], seq_length)
+            out = forward_backward_pipelining_without_interleaving(
+                **common, p2p_communicator=self.comm, pg_collection=self.pg_collection)
         self.comm.end_pass(forward_only)
         return out

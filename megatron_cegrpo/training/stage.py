@@ -13,7 +13,7 @@ from typing import Callable, Dict, List, Tuple
 
 import torch
 
-from megatron_cegrpo.compression import ByteMeter, build_codec, get_codec
+from megatron_cegrpo.compression import ByteMeter, build_codec
 from megatron_cegrpo.grpo import core_algos as ca
 from megatron_cegrpo.grpo.batch import slice_batch
 from megatron_cegrpo.grpo.loss import grpo_token_loss
@@ -142,19 +142,37 @@ class StageWorker:
         return torch.zeros(()), torch.tensor(0, dtype=torch.int), out
 
     def _update_loss_fn(self, num_tokens: float, num_seqs: float, mb, logits):
+        """The update's loss; with the old log-probs taken from this pass
+        (``cfg.old_log_prob_from_update``: ``mb`` has no ``old_logprobs``) it also returns this
+        pass's detached log-probs and entropy, the numbers the separate pass would have given."""
+        own = "old_logprobs" not in mb
         loss, stats = grpo_token_loss(logits, mb, self.cfg.grpo, temperature=self.temperature,
-                                      num_tokens=num_tokens, num_seqs=num_seqs, old_logprobs=mb["old_logprobs"],
+                                      num_tokens=num_tokens, num_seqs=num_seqs, old_logprobs=mb.get("old_logprobs"),
                                       ref_logprobs=mb.get("ref_logprobs") if self.ref_model is not None else None)
+        if own:
+            with torch.no_grad():
+                stats["logprobs"] = stats.pop("logprobs_detached")
+                stats["entropy"] = ca.entropy_from_logits(logits.float() / self.temperature)
+        else:
+            stats.pop("logprobs_detached")
         return loss, stats["tokens"].to(torch.int), stats
 
     @torch.no_grad()
     def old_log_prob(self, batch: Dict[str, torch.Tensor], t: int) -> Dict[str, float]:
         """Step 5: forward-only compressed pass; the last stage sets ``batch["old_logprobs"]``
-        and returns the entropy and the sampler/trainer mismatch (nats/token)."""
+        and returns the entropy and the sampler/trainer mismatch (nats/token). Skipped where
+        ``cfg.old_log_prob_from_update``: :meth:`update` then sets the same numbers."""
         self.model.eval()  # dropout is 0 anyway; eval keeps the passes identical
         self.tied.refresh_rows(batch["tokens"])
         outs = self.runner.run(self.model, batch, step=t, forward_only=True,
                                loss_fn=partial(self._logprob_loss_fn, True))
+        return self._set_old_log_probs(batch, outs)
+
+    def _set_old_log_probs(self, batch: Dict[str, torch.Tensor], outs: List[dict]) -> Dict[str, float]:
+        """On the last stage: ``batch["old_logprobs"]`` (fp32 [N, S]) from a pass's per-micro-batch
+        ``logprobs`` and ``entropy``, and ``actor/entropy``, ``mismatch/abs_logprob_diff_mean``,
+        ``mismatch/logprob_diff_mean`` (sampler minus trainer, nats per response token, over the
+        whole batch's replicas); {} on the other stages."""
         if not self.ctx.is_last_stage:
             return {}
         batch["old_logprobs"] = torch.cat([o["logprobs"] for o in outs])
@@ -171,56 +189,34 @@ class StageWorker:
         if self.ctx.is_last_stage:
             batch["ref_logprobs"] = torch.cat([o["logprobs"] for o in outs])
 
-    @torch.no_grad()
-    def drift_probe(self, batch: Dict[str, torch.Tensor], t: int) -> Dict[str, float]:
-        """Compression-off probe of true drift (status 2026-07-31 section 3, "A drift controller").
-
-        Repeats the old-logprob (and reference) passes with the dense codec, billed to a
-        separate meter, and reports beside the compression-view numbers:
-        ``probe/abs_logprob_diff_mean`` (sampler vs dense trainer: the true train-inference
-        mismatch), ``probe/view_abs_logprob_diff`` (compressed vs dense trainer view),
-        ``probe/kl_to_ref`` (k3 KL to the reference, dense view) and
-        ``probe/kl_to_ref_compressed`` (the same in the compression view).
-        """
-        lp_fn = partial(self._logprob_loss_fn, False)
-        self.tied.refresh_rows(batch["tokens"])
-        with self.comm.using(get_codec("dense"), ByteMeter()):
-            dense = self.runner.run(self.model, batch, step=t, forward_only=True, loss_fn=lp_fn)
-            dense_ref = (self.runner.run(self.ref_model, batch, step=t, forward_only=True, loss_fn=lp_fn)
-                         if self.ref_model is not None else None)
-        if not self.ctx.is_last_stage:
-            return {}
-        lp = torch.cat([o["logprobs"] for o in dense])
-        names = ["probe/abs_logprob_diff_mean", "probe/view_abs_logprob_diff"]
-        vals = [(batch["sampler_logprobs"] - lp).abs(), (batch["old_logprobs"] - lp).abs()]
-        if dense_ref is not None:
-            ref = torch.cat([o["logprobs"] for o in dense_ref])
-            kind = self.cfg.grpo.kl_loss_type
-            names += ["probe/kl_to_ref", "probe/kl_to_ref_compressed"]
-            vals += [ca.kl_penalty(lp, ref, kind), ca.kl_penalty(batch["old_logprobs"], batch["ref_logprobs"], kind)]
-        return dict(zip(names, dpx.masked_means(vals, batch["loss_mask"], self.dp_group)))
-
     def update(self, batch: Dict[str, torch.Tensor], t: int, probe=None) -> Dict[str, float]:
         """Step 7: 1F1B forward+backward per mini-batch, tied-embedding sum (``self.tied``), optimizer step
-        (corrections, then clipping); the LR schedule advances once per iteration.
+        (corrections, then clipping); the LR schedule advances once per iteration. Where
+        ``cfg.old_log_prob_from_update`` (one optimizer step over the whole batch) the pass's own
+        detached log-probs are the old ones (ratio exactly 1, as with the separate pass): the last
+        stage sets ``batch["old_logprobs"]`` and returns the metrics :meth:`old_log_prob` would.
         ``probe``: a prepared ``GradFidelityProbe`` (``training/fidelity.py``) that computes the
         dense gradient before, and compares after, each codec backward; None: no probe."""
         cfg = self.cfg
         n, gbs = batch["tokens"].shape[0], cfg.global_batch_size // self.ctx.dp_size  # this replica's share
         sums = {"pg_loss_sum": 0.0, "clip_sum": 0.0, "ppo_kl_sum": 0.0, "kl_sum": 0.0, "tokens": 0.0}
-        norms = []
+        norms, own = [], []
         self.model.train()
         for _ in range(cfg.grpo.ppo_epochs):
             for start in range(0, n, gbs):
-                for o in self.accumulate_gradients(slice_batch(batch, start, start + gbs), start, t, probe):
+                outs = self.accumulate_gradients(slice_batch(batch, start, start + gbs), start, t, probe)
+                for o in outs:
                     for k in sums:
                         if k in o:
                             sums[k] += float(o[k])
+                own += [o for o in outs if "entropy" in o]  # the old log-probs from this pass
                 norms.append(self._step(t))
                 self.tied.after_step()
         self.scheduler.step()
         out = {"actor/grad_norm": float(sum(norms) / len(norms)), "actor/lr": self.optimizer.param_groups[0]["lr"],
                "actor/num_optimizer_steps": len(norms), "actor/skipped_steps": self.clip.num_skipped}
+        if cfg.old_log_prob_from_update:
+            out.update(self._set_old_log_probs(batch, own))
         if self.ctx.is_last_stage:
             if self.dp_group is not None:  # the whole batch's sums (every replica's last stage)
                 sums = dict(zip(sums, dpx.allreduce_sum(list(sums.values()), self.dp_group)))

@@ -6,7 +6,10 @@ One iteration t, each phase in a named timer (``timing_s/<phase>``):
   broadcast     the packed batch goes to every stage; each stage starts deriving the
                 iteration's boundary masks on a background thread (pipeline/prefetch.py)
   anchor        a correction circuit sees the batch (circuit.py; none without an anchor)
-  old_log_prob  forward-only pipeline pass, compressed (masks keyed by t)  (stage.py)
+  old_log_prob  forward-only pipeline pass, compressed (masks keyed by t)  (stage.py); skipped
+                when the iteration makes one optimizer step over its whole batch: the
+                update pass's own detached log-probs are then the old ones
+                (``TrainConfig.old_log_prob_from_update``)
   ref           the frozen reference, same masks (only when --kl-coef > 0)
   probe         every --drift-probe-interval: the same passes with compression off
   fidelity      every --grad-fidelity-interval: dense old-logprob/reference passes, and inside
@@ -37,6 +40,7 @@ from megatron_cegrpo.pipeline.broadcast import broadcast_metered, scatter_metere
 from megatron_cegrpo.training.checkpointer import Checkpointer, RNGState
 from megatron_cegrpo.training.circuit import Circuit, circuits_of
 from megatron_cegrpo.training.driver import Driver, log
+from megatron_cegrpo.training.drift_probe import DriftProbe
 from megatron_cegrpo.training.fidelity import GradFidelityProbe
 from megatron_cegrpo.training.ledger import whole_step_ledger
 from megatron_cegrpo.training.reduce import StageMetricsReducer
@@ -61,12 +65,13 @@ class GRPOTrainer:
         t0 = time.perf_counter()
         p = cfg.parallel
         policy = build_policy_stage(cfg.model.model, pp_rank=ctx.pp_rank, pp_size=ctx.pp_size,
-                                    params_dtype=cfg.model.params_dtype,
+                                    params_dtype=cfg.model.precision,
                                     num_layers_in_first=p.decoder_first_pipeline_num_layers,
                                     num_layers_in_last=p.decoder_last_pipeline_num_layers,
                                     pg_collection=ctx.pg_collection, with_reference=cfg.grpo.kl_coef > 0,
                                     keep_hf_state_dict=ctx.is_driver, tp_rank=ctx.tp_rank, tp_size=ctx.tp_size)
         self.stage = StageWorker(cfg, ctx, policy)
+        self.drift_probe = DriftProbe(self.stage)
         self.circuits: List[Circuit] = circuits_of(cfg, ctx, self.stage)
         self.reducer = StageMetricsReducer()
         self.stage.declare_metrics(self.reducer)
@@ -137,15 +142,18 @@ class GRPOTrainer:
         for c in self.circuits:
             with timers.phase(c.phase):
                 c.after_rollout(t, full if full is not None else batch)
-        with timers.phase("old_log_prob"):
-            stats = stage.old_log_prob(batch, t)
+        stats = {}
+        if not self.cfg.old_log_prob_from_update:  # else the update pass's own (stage.update)
+            with timers.phase("old_log_prob"):
+                stats = stage.old_log_prob(batch, t)
         if stage.ref_model is not None:
             with timers.phase("ref"):
                 stage.ref_log_prob(batch, t)
         probe = self.cfg.logging.drift_probe_interval
-        if probe and t % probe == 0 and stage.comm is not None:
+        probed = bool(probe and t % probe == 0 and stage.comm is not None)
+        if probed:
             with timers.phase("probe"):
-                stats.update(stage.drift_probe(batch, t))
+                self.drift_probe.run(batch, t)
         every = self.cfg.logging.grad_fidelity_interval
         fid = self.fidelity if every and t % every == 0 else None
         if fid is not None:
@@ -155,6 +163,8 @@ class GRPOTrainer:
             for c in self.circuits:
                 c.before_optimizer_step(t, timers)
             stats.update(stage.update(batch, t, probe=fid))
+        if probed:  # beside the compressed view's old log-probs, which may come from the update
+            stats.update(self.drift_probe.metrics(batch))
         with timers.phase("sync"):
             stage_sds = stage.gather_weights()
             if self.driver is not None:

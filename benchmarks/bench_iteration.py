@@ -1,0 +1,91 @@
+"""The main job's iteration, before and after issue 29, side by side in one command.
+
+Runs ``examples/run_smollm2_mawps.sh`` (SmolLM2-135M-Instruct, MAWPS, PP=2, exact-k mask at 5 %,
+anchor c = K = 4: ``make demo``'s configuration, held-out evaluations off) once per variant, one
+after the other, and prints each variant's median ``timing_s/step`` over all its iterations (the
+anchor's fire iterations included) and its phases, then the ratio to the first variant:
+
+  fp32-separate   fp32 weights and activations, the old-logprob pass of its own (the path before)
+  fp32            fp32, old log-probs from the update pass
+  bf16            --bf16 (bf16 passes over fp32 masters), a bf16 sampler (--rollout-dtype bf16),
+                  old log-probs from the update pass: the path ``make demo`` takes
+
+    python -m benchmarks.bench_iteration [--iters 10] [--variants fp32-separate bf16] [--work-dir DIR]
+
+Needs the project's venv on PATH (``deepspeed``). Each variant takes about as long as ``make demo``
+without its evaluations. Say what else was running on the machine when you quote the numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+VARIANTS = {
+    "fp32-separate": {"PRECISION_FLAGS": ""}, "fp32": {"PRECISION_FLAGS": ""},
+    "bf16": {"PRECISION_FLAGS": "--bf16 --rollout-dtype bf16"},
+}
+EXTRA = {"fp32-separate": ["--recompute-old-log-prob"]}
+PHASES = ("gen", "old_log_prob", "update", "anchor", "sync", "probe", "broadcast")
+
+
+def summarize(records):
+    """Median seconds per phase and per step over ``records`` (metrics.jsonl lines with a
+    ``timing_s/step``); a phase a variant does not run is absent."""
+    steps = [r for r in records if "timing_s/step" in r]
+    out = {"step": statistics.median(r["timing_s/step"] for r in steps), "iterations": len(steps)}
+    for ph in PHASES:
+        vals = [r[f"timing_s/{ph}"] for r in steps if f"timing_s/{ph}" in r]
+        if vals:
+            out[ph] = statistics.median(vals)
+    return out
+
+
+def run_variant(name: str, iters: int, work: str, port: int) -> dict:
+    log = os.path.join(work, name)
+    env = dict(os.environ, TRAIN_ITERS=str(iters), NUM_HOLDOUT="0", LOG_DIR=log, MASTER_PORT=str(port),
+               **VARIANTS[name])
+    cmd = ["bash", "examples/run_smollm2_mawps.sh", "--no-tqdm", *EXTRA.get(name, [])]
+    print(f"[bench_iteration] {name}: {' '.join(cmd)} (log {log})", flush=True)
+    p = subprocess.run(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    for line in p.stdout.splitlines():
+        if line.startswith("iter "):
+            print(f"[bench_iteration] {name}: {line}", flush=True)
+    if p.returncode:
+        raise SystemExit(f"[bench_iteration] {name} failed (exit {p.returncode}):\n{p.stdout[-3000:]}")
+    with open(os.path.join(log, "metrics.jsonl")) as f:
+        return summarize([json.loads(x) for x in f if x.strip()])
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--variants", nargs="+", default=["fp32-separate", "bf16"], choices=list(VARIANTS))
+    ap.add_argument("--work-dir", default=None, help="where the runs' logs go (default: a new temporary folder)")
+    ap.add_argument("--port", type=int, default=29591)
+    args = ap.parse_args(argv)
+    work = args.work_dir or tempfile.mkdtemp(prefix="bench_iteration_")
+    res = {v: run_variant(v, args.iters, work, args.port + i) for i, v in enumerate(args.variants)}
+    base = res[args.variants[0]]["step"]
+    print(f"\nmedian seconds per iteration over {args.iters} iterations (fire iterations included); "
+          f"ratio = step / {args.variants[0]}'s step")
+    cols = [p for p in PHASES if any(p in r for r in res.values())]
+    print(f"{'variant':<15} {'step':>7} " + " ".join(f"{c:>12}" for c in cols) + f" {'ratio':>6}")
+    for v, r in res.items():
+        print(f"{v:<15} {r['step']:>7.1f} " + " ".join(f"{r[c]:>12.1f}" if c in r else f"{'-':>12}" for c in cols)
+              + f" {r['step'] / base:>6.2f}")
+    with open(os.path.join(work, "bench_iteration.json"), "w") as f:
+        json.dump(res, f, indent=2)
+    print(f"[bench_iteration] results: {os.path.join(work, 'bench_iteration.json')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
