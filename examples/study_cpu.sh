@@ -17,7 +17,8 @@
 # Every arm: same seed(s), same data order, same held-out rows (--holdout-seed), no KL, no
 # entropy bonus (as the seeds' runs; KL_COEF), held-out greedy accuracy before and after training with
 # its standard error, and the other data set's accuracy at step 0 and at the end, logged by the
-# run itself (metrics.jsonl: val/holdout/acc, val/holdout/acc_stderr, val/<set>/acc).
+# run itself (metrics.jsonl: val/holdout/acc, val/holdout/acc_stderr, val/<set>/acc; each row's
+# correctness in eval_rows/, for the report's paired statistics; kept with the log, ~27 kB an arm).
 #
 # Resumable: each arm writes its log and checkpoints under $STUDY_DIR/<arm>-s<seed>/ (outside
 # the checkout), saves every SAVE_INTERVAL iterations, and a rerun continues an unfinished arm

@@ -26,21 +26,48 @@ summary field                source in metrics.jsonl
 ``acc_stderr``               ``megatron_cegrpo.evaluation.DatasetResult.acc_stderr``)
 ``heldout_rows``             ``val/holdout/num_rows``
 ``gain``, ``gain_z``         ``acc_after - acc_before``; gain / sqrt(se_before^2 + se_after^2)
-                             (unpaired: the log has no per-row scores; the paired error is
-                             smaller, so this z is conservative)
+                             (unpaired: metrics.jsonl has no per-row scores; the paired error
+                             is usually smaller, so this z is conservative)
 ``boundary_bytes_ratio``     sum over steps of ``comm/fwd_bytes + comm/bwd_bytes`` / sum of
                              ``comm/dense_equiv_bytes`` (the run's cumulative
                              ``comm/bytes_ratio``, stage boundaries only)
 ``launch_wall_s``            (not from the log) the sum of ``wall_seconds``, one line per
                              (re)start written by study_cpu.sh, start-up included; None
                              without that file
-``other``                    ``{name: {acc_before, acc_after, acc_stderr, rows}}`` for every
-                             other ``val/<name>/acc`` (``--eval-datasets``)
+``other``                    ``{name: {acc_before, acc_after, acc_stderr, rows, gain_se_paired,
+                             gain_z_paired}}`` for every other ``val/<name>/acc``
+                             (``--eval-datasets``; the paired fields as below)
 ``anchor_lost_step``         first training step whose ``anchor/alive`` is 0 (the anchor rank
                              died and the stages trained on without the sign correction:
                              from there on the arm is not the arm it names); None if it never
                              happened or the arm has no anchor. The table says "lost at
                              step N" in the anchor column, and the report prints a warning
+============================ ================================================================
+
+Paired statistics (issue 33), from the run's per-row files, not from metrics.jsonl:
+``eval_rows/<data set>-step<N>.jsonl`` in its log dir (``megatron_cegrpo.evaluation.rows``:
+each row's 0/1 correctness keyed by its line in the data file), the files at step 0 and at
+step ``iterations``. Each file is checked against metrics.jsonl (the same row count and
+accuracy at that step) and the two must hold the same rows; a file that fails is one error
+line naming it and the fix (:class:`~megatron_cegrpo.evaluation.EvalRowsError`). A run
+without these files (every arm archived before issue 33) gets None and "n/a":
+
+============================ ================================================================
+summary field                source
+============================ ================================================================
+``per_row``                  the run holds both held-out files (:func:`run_rows`)
+``gain_se_paired``,          per row d = after - before: sample std of d / sqrt(n), the
+``gain_z_paired``            standard error of a mean of paired differences; gain / it
+                             (:func:`paired_diff`)
+``rows_gained``,             McNemar's discordant counts: rows wrong before and right after,
+``rows_lost``                and the reverse
+``vs_dense``                 ``{dense_seed, diff, se, z, rows, arm_only, dense_only}``: the
+                             arm's after-evaluation against dense's at the same seed, per row
+                             d = arm - dense (:func:`compare_with_dense`); None for dense
+``fraction_of_dense``        (top level, one entry per arm) mean gain over the arm's seeds /
+                             mean gain over dense's seeds, with a percentile bootstrap
+                             interval over the rows (:func:`fractions_of_dense`,
+                             :func:`bootstrap_fraction`; ``bootstrap`` says how it was drawn)
 ============================ ================================================================
 
 Figures (one line per arm, raw values per step): ``reward.png`` (``critic/score/mean``),
@@ -92,8 +119,20 @@ STEP_PANELS = [
 
 NOTES_BEGIN, NOTES_END = "<!-- study:notes -->", "<!-- /study:notes -->"
 
-#: A run's files copied into ``<docs>/study/runs/<folder>/`` (small: no checkpoints, no train.log).
+#: A run's files copied into ``<docs>/study/runs/<folder>/`` (small: no checkpoints, no train.log),
+#: with its per-row files ``eval_rows/*-step<N>.jsonl`` (about 6.7 kB per 300-row evaluation).
 ARCHIVE_FILES = ("metrics.jsonl", "study_arm.json", "config.json", "wall_seconds", "DONE")
+
+#: The arm every other arm is compared with, at the same seed.
+DENSE_ARM = "dense"
+
+#: The percentile bootstrap of each arm's fraction of dense's gain: resamples (the held-out rows
+#: drawn with replacement, one draw shared by every run of the comparison) and the seed of
+#: ``numpy.random.default_rng``.
+BOOTSTRAP_RESAMPLES = 2000
+BOOTSTRAP_SEED = 0
+
+NA = "n/a"
 
 
 def _plot_runs():
@@ -168,15 +207,132 @@ def _launch_wall(run_dir: str) -> Optional[float]:
 def gain_z(acc_before: float, se_before: Optional[float], acc_after: float,
            se_after: Optional[float]) -> Tuple[float, Optional[float]]:
     """Held-out gain ``acc_after - acc_before`` (accuracies in [0, 1]) and its unpaired z,
-    gain / sqrt(se_before^2 + se_after^2) (None when both errors are 0 or missing). Unpaired:
-    the logs keep no per-row scores, and the paired error is smaller, so the z is conservative."""
+    gain / sqrt(se_before^2 + se_after^2) (the standard error of a difference of two independent
+    means; None when both errors are 0 or missing). Unpaired: it ignores that both evaluations
+    score the same rows; the paired error (:func:`paired_diff`, from the per-row files) is
+    usually smaller, so this z is conservative."""
     se = math.hypot(se_before or 0.0, se_after or 0.0)
     gain = acc_after - acc_before
     return gain, (gain / se if se > 0 else None)
 
 
-def summarize_run(run_dir: str) -> Dict:
-    """One arm's summary (see the module docstring for each field's source)."""
+def paired_diff(a: Dict[int, float], b: Dict[int, float]) -> Dict:
+    """Paired comparison of two evaluations of the same rows: ``a`` and ``b`` map row id ->
+    score in [0, 1] (0/1 for greedy). Per row d = a - b; returns ``{"diff": mean d, "se", "z",
+    "rows": n, "a_only", "b_only"}``.
+
+    ``se`` is the standard error of a mean of paired differences, sample std of d (n - 1) /
+    sqrt(n) (the paired t statistic's denominator; for 0/1 scores the standard error of a
+    difference of two dependent proportions, Agresti, *Categorical Data Analysis*, matched pairs,
+    with n - 1 where Agresti has n, as ``DatasetResult.acc_stderr``); None for one row.
+    ``z`` = diff / se (None when se is None or 0: every row moved alike). ``a_only`` / ``b_only``:
+    McNemar's discordant counts (McNemar 1947), rows right (score 1) in ``a`` and wrong (0) in
+    ``b`` and the reverse; None when a score is neither 0 nor 1 (avg@k). For 0/1 scores
+    diff = (a_only - b_only) / n. Raises ValueError when the two hold different row ids or none."""
+    if set(a) != set(b) or not a:
+        raise ValueError(f"paired_diff needs the same, non-empty rows: {len(set(a) ^ set(b))} ids in only one "
+                         f"of the two ({len(a)} and {len(b)} rows)")
+    ids = sorted(a)
+    d = [a[i] - b[i] for i in ids]
+    n = len(d)
+    mean = sum(d) / n
+    se = math.sqrt(sum((x - mean) ** 2 for x in d) / (n - 1) / n) if n > 1 else None
+    binary = all(a[i] in (0.0, 1.0) and b[i] in (0.0, 1.0) for i in ids)
+    return {"diff": mean, "se": se, "z": mean / se if se else None, "rows": n,
+            "a_only": sum(1 for i in ids if a[i] == 1 and b[i] == 0) if binary else None,
+            "b_only": sum(1 for i in ids if a[i] == 0 and b[i] == 1) if binary else None}
+
+
+def bootstrap_fraction(arm_gains: Sequence[Sequence[float]], dense_gains: Sequence[Sequence[float]],
+                       resamples: int = BOOTSTRAP_RESAMPLES, seed: int = BOOTSTRAP_SEED) -> Dict:
+    """An arm's mean held-out gain as a fraction of dense's, with a percentile bootstrap interval.
+
+    ``arm_gains``: one list per seed of the arm, each row's gain (after - before, in [-1, 1]);
+    ``dense_gains`` the same for dense's seeds; every list covers the same n rows in the same
+    order. Fraction = (mean over the arm's seeds of its mean gain) / (the same for dense).
+    Interval: the percentile bootstrap (Efron and Tibshirani, *An Introduction to the
+    Bootstrap*, 1993, ch. 13): ``resamples`` times, n row indices are drawn with replacement
+    (``numpy.random.default_rng(seed)``), the same indices for every run, and the fraction is
+    recomputed; the interval is the 2.5 % and 97.5 % order statistics of the sorted fractions
+    (with 2000 resamples the 51st and the 1950th). It reflects the sampling of rows only: the
+    seeds are not resampled. A resample where dense's mean gain is <= 0 has no fraction and
+    counts as +inf (or -inf when the arm's gain is negative); their number is ``dense_nonpositive``.
+
+    Returns ``{"fraction", "low", "high", "resamples", "seed", "dense_nonpositive"}``;
+    ``fraction`` None when dense's mean gain is <= 0. Raises ValueError when a list is empty or
+    the lists differ in length."""
+    import numpy as np
+
+    arm, dense = np.asarray(arm_gains, dtype=float), np.asarray(dense_gains, dtype=float)
+    if arm.ndim != 2 or dense.ndim != 2 or 0 in arm.shape or 0 in dense.shape or arm.shape[1] != dense.shape[1]:
+        raise ValueError(f"bootstrap_fraction needs per-seed lists of the same rows, got shapes {arm.shape} "
+                         f"and {dense.shape}")
+    num_all, den_all = float(arm.mean()), float(dense.mean())
+    idx = np.random.default_rng(seed).integers(0, arm.shape[1], size=(resamples, arm.shape[1]))
+    num = arm[:, idx].mean(axis=2).mean(axis=0)
+    den = dense[:, idx].mean(axis=2).mean(axis=0)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        frac = np.where(den > 0, num / np.where(den > 0, den, 1.0), np.where(num < 0, -np.inf, np.inf))
+    frac.sort()
+    lo, hi = frac[int(math.floor(0.025 * resamples))], frac[int(math.ceil(0.975 * resamples)) - 1]
+    return {"fraction": num_all / den_all if den_all > 0 else None, "low": float(lo), "high": float(hi),
+            "resamples": int(resamples), "seed": int(seed), "dense_nonpositive": int((den <= 0).sum())}
+
+
+def _checked_rows(path: str, name: str, step: int, points: Dict) -> "EvalRows":
+    """The per-row file ``path`` of data set ``name`` at ``step``, checked against the run's
+    ``metrics.jsonl`` (``points``: :func:`_eval_points`): the same data set and step in its
+    header, the same row count and accuracy as ``val/<name>/acc``. EvalRowsError otherwise."""
+    from megatron_cegrpo.evaluation import EvalRowsError, read_eval_rows
+
+    rows = read_eval_rows(path)
+    fix = ("fix: put the run's own file there (from its log dir's eval_rows/), or delete it (the paired "
+           "statistics are then shown as not available)")
+    h = rows.header
+    if h.get("eval") != name or h.get("step") != step:
+        raise EvalRowsError(f"{path}: its header says data set {h.get('eval')!r} at step {h.get('step')}, its name "
+                            f"{name!r} at step {step}; {fix}")
+    logged = points.get(name, {}).get(step)
+    if logged is None:
+        raise EvalRowsError(f"{path}: the run's metrics.jsonl has no val/{name}/acc at step {step}, so these rows "
+                            f"are not from this run; {fix}")
+    acc, _, n = logged
+    if n != rows.num_rows or abs(acc - rows.acc) > 1e-9:
+        raise EvalRowsError(f"{path}: {rows.num_rows} rows at accuracy {rows.acc:.4f}, but the run's metrics.jsonl "
+                            f"logs {n} rows at {acc:.4f} for val/{name} at step {step}: not this run's rows; {fix}")
+    return rows
+
+
+def run_rows(run_dir: str, points: Dict, iterations: int) -> Dict[str, Tuple["EvalRows", "EvalRows"]]:
+    """``{data set: (rows before, rows after)}`` for every data set whose per-row files at step 0
+    and at step ``iterations`` are both in ``<run_dir>/eval_rows/`` (``points``: the run's
+    :func:`_eval_points`; {} for a run that kept none, as the archive's first arms). Each file is
+    checked (:func:`_checked_rows`) and the two must hold the same rows. Raises EvalRowsError
+    (one line naming the file and the fix) otherwise."""
+    from megatron_cegrpo.evaluation import EvalRowsError, find_eval_rows
+
+    files = find_eval_rows(run_dir)
+    out = {}
+    for name in sorted({n for n, _ in files}):
+        if iterations <= 0 or (name, 0) not in files or (name, iterations) not in files:
+            continue
+        before = _checked_rows(files[(name, 0)], name, 0, points)
+        after = _checked_rows(files[(name, iterations)], name, iterations, points)
+        if (before.header.get("rows_digest") != after.header.get("rows_digest")
+                or set(before.ids) != set(after.ids)):
+            raise EvalRowsError(f"{after.path}: not the rows of {before.path} (rows digest "
+                                f"{after.header.get('rows_digest')} vs {before.header.get('rows_digest')}): the "
+                                f"evaluations before and after training must score the same rows; fix: put the "
+                                f"run's own files there, or delete both")
+        out[name] = (before, after)
+    return out
+
+
+def summarize_run(run_dir: str, rows_out: Optional[Dict] = None) -> Dict:
+    """One arm's summary (see the module docstring for each field's source). ``rows_out``: a
+    dict that receives the run's checked per-row files, ``{data set: (before, after)}``
+    (:func:`run_rows`), for the comparisons across arms. Raises FileNotFoundError without a
+    metrics.jsonl and EvalRowsError for a per-row file that is not the run's."""
     records = read_records(run_dir)
     train = [r for r in records if _num(r.get("timing_s/step")) is not None]
     iterations = max((int(_num(r.get("step")) or 0) for r in train), default=0)
@@ -203,6 +359,10 @@ def summarize_run(run_dir: str) -> Dict:
         out["gain"], out["gain_z"] = gain_z(b[0], b[1], a[0], a[1])
     else:
         out["gain"] = out["gain_z"] = None
+    rows = run_rows(run_dir, evals, iterations)
+    if rows_out is not None:
+        rows_out.update(rows)
+    out.update(_paired_gain_fields("holdout", rows))
     other = {}
     for name in sorted(evals):
         if name == "holdout":
@@ -211,6 +371,8 @@ def summarize_run(run_dir: str) -> Dict:
         other[name] = {"acc_before": ob[0] if ob else None, "acc_after": oa[0] if oa else None,
                        "acc_before_stderr": ob[1] if ob else None, "acc_stderr": oa[1] if oa else None,
                        "rows": (oa or ob)[2] if (oa or ob) else None}
+        pf = _paired_gain_fields(name, rows)
+        other[name].update(gain_se_paired=pf["gain_se_paired"], gain_z_paired=pf["gain_z_paired"])
     out["other"] = other
     lost = [int(_num(r.get("step")) or 0) for r in train if _num(r.get("anchor/alive")) == 0]
     out["anchor_lost_step"] = min(lost) if lost and out["anchor"] else None
@@ -219,10 +381,27 @@ def summarize_run(run_dir: str) -> Dict:
     return out
 
 
+def _paired_gain_fields(name: str, rows: Dict) -> Dict:
+    """``per_row``, ``gain_se_paired``, ``gain_z_paired``, ``rows_gained``, ``rows_lost`` of data set
+    ``name`` from the run's per-row files (:func:`paired_diff` of after against before; each None,
+    and ``per_row`` False, without them)."""
+    if name not in rows:
+        return {"per_row": False, "gain_se_paired": None, "gain_z_paired": None, "rows_gained": None,
+                "rows_lost": None}
+    before, after = rows[name]
+    p = paired_diff(after.by_id(), before.by_id())
+    return {"per_row": True, "gain_se_paired": p["se"], "gain_z_paired": p["z"], "rows_gained": p["a_only"],
+            "rows_lost": p["b_only"]}
+
+
 def archive_runs(run_dirs: Sequence[str], archive_dir: str) -> List[str]:
-    """Copy each run's :data:`ARCHIVE_FILES` (those present) into ``archive_dir/<folder name>/``,
-    replacing an older copy of the same folder; returns the copies' folders."""
+    """Copy each run's :data:`ARCHIVE_FILES` (those present) and its per-row files
+    (``eval_rows/<data set>-step<N>.jsonl``, ``evaluation.find_eval_rows``) into
+    ``archive_dir/<folder name>/``, replacing an older copy of the same folder; returns the
+    copies' folders."""
     import shutil
+
+    from megatron_cegrpo.evaluation import ROWS_DIR, find_eval_rows
 
     out = []
     for d in run_dirs:
@@ -237,7 +416,83 @@ def archive_runs(run_dirs: Sequence[str], archive_dir: str) -> List[str]:
                 shutil.copyfile(src, os.path.join(dst, name))
             elif os.path.exists(os.path.join(dst, name)):
                 os.remove(os.path.join(dst, name))  # e.g. DONE of an older, finished copy
+        rows = find_eval_rows(d)
+        if os.path.isdir(os.path.join(dst, ROWS_DIR)):
+            shutil.rmtree(os.path.join(dst, ROWS_DIR))  # an older copy's files
+        if rows:
+            os.makedirs(os.path.join(dst, ROWS_DIR))
+            for src in rows.values():
+                shutil.copyfile(src, os.path.join(dst, ROWS_DIR, os.path.basename(src)))
         out.append(dst)
+    return out
+
+
+def _same_rows(x, ref) -> None:
+    """EvalRowsError unless the per-row files ``x`` and ``ref`` (EvalRows of two runs) hold the
+    same rows (equal ``rows_digest`` and row ids)."""
+    from megatron_cegrpo.evaluation import EvalRowsError
+
+    if x.header.get("rows_digest") != ref.header.get("rows_digest") or set(x.ids) != set(ref.ids):
+        raise EvalRowsError(f"{x.path}: rows digest {x.header.get('rows_digest')}, but {ref.path} has "
+                            f"{ref.header.get('rows_digest')}: the two runs did not score the same held-out rows "
+                            "(another --train-data, --num-holdout or --holdout-seed); fix: rerun the arm with the "
+                            "study's data flags (examples/study_cpu.sh), or move it out of the study folder and "
+                            "the archive")
+
+
+def compare_with_dense(arms: Sequence[Dict], rows: Dict) -> None:
+    """Set every arm's ``vs_dense``: its held-out accuracy after training against dense's at the
+    same seed, on the same rows (:func:`paired_diff` of the two after-evaluations: ``diff`` =
+    arm - dense, ``se``, ``z``, ``rows``, ``arm_only`` / ``dense_only`` right). None for dense
+    itself and where either run kept no per-row files (an arm whose logs are lost keeps the value
+    of the earlier summary). ``rows``: ``{(arm, seed): {data set:
+    (before, after)}}`` (:func:`run_rows`). Raises EvalRowsError when the two runs' rows differ."""
+    for a in arms:
+        if a.get("logs_lost"):
+            continue  # its row is kept as the earlier summary had it
+        a["vs_dense"] = None
+        mine = rows.get((a["arm"], a["seed"]), {}).get("holdout")
+        theirs = rows.get((DENSE_ARM, a["seed"]), {}).get("holdout")
+        if a["arm"] == DENSE_ARM or mine is None or theirs is None:
+            continue
+        _same_rows(mine[1], theirs[1])
+        p = paired_diff(mine[1].by_id(), theirs[1].by_id())
+        a["vs_dense"] = {"dense_seed": a["seed"], "diff": p["diff"], "se": p["se"], "z": p["z"], "rows": p["rows"],
+                         "arm_only": p["a_only"], "dense_only": p["b_only"]}
+
+
+def fractions_of_dense(arms: Sequence[Dict], rows: Dict, resamples: int = BOOTSTRAP_RESAMPLES,
+                       seed: int = BOOTSTRAP_SEED) -> List[Dict]:
+    """For every arm other than dense with a finished seed: its mean held-out gain over its
+    finished seeds as a fraction of dense's mean gain over dense's finished seeds (carried arms
+    included), ``{"arm", "seeds", "mean_gain", "dense_seeds", "dense_mean_gain", "fraction",
+    "low", "high", "resamples", "bootstrap_seed", "dense_nonpositive"}``. ``fraction`` None
+    without a dense mean gain > 0; the interval (:func:`bootstrap_fraction`) only with a
+    fraction and when every one of those runs kept its held-out per-row files (``rows`` as in
+    :func:`compare_with_dense`), else ``low``, ``high`` ... None. Raises EvalRowsError when the
+    runs' rows differ."""
+    dense = [a for a in arms if a["arm"] == DENSE_ARM and a.get("gain") is not None]
+    dense_gain = sum(a["gain"] for a in dense) / len(dense) if dense else None
+    out = []
+    for name in sorted({a["arm"] for a in arms if a["arm"] != DENSE_ARM}):
+        runs = [a for a in arms if a["arm"] == name and a.get("gain") is not None]
+        if not runs:
+            continue
+        mean = sum(a["gain"] for a in runs) / len(runs)
+        e = {"arm": name, "seeds": [a["seed"] for a in runs], "mean_gain": mean,
+             "dense_seeds": [a["seed"] for a in dense], "dense_mean_gain": dense_gain,
+             "fraction": mean / dense_gain if dense_gain is not None and dense_gain > 0 else None,
+             "low": None, "high": None, "resamples": None, "bootstrap_seed": None, "dense_nonpositive": None}
+        got = [rows.get((a["arm"], a["seed"]), {}).get("holdout") for a in runs + dense]
+        if e["fraction"] is not None and all(g is not None for g in got):
+            for g in got[1:]:
+                _same_rows(g[1], got[0][1])
+            order = sorted(got[0][1].ids)
+            gains = [[g[1].by_id()[i] - g[0].by_id()[i] for i in order] for g in got]
+            b = bootstrap_fraction(gains[:len(runs)], gains[len(runs):], resamples, seed)
+            e.update(low=b["low"], high=b["high"], resamples=b["resamples"], bootstrap_seed=b["seed"],
+                     dense_nonpositive=b["dense_nonpositive"])
+        out.append(e)
     return out
 
 
@@ -249,7 +504,15 @@ def _carried_arms(summary_path: str, have: Sequence[Dict]) -> List[Dict]:
     with open(summary_path, encoding="utf-8") as f:
         old = json.load(f).get("arms", [])
     keys = {(a["arm"], a["seed"]) for a in have}
-    return [dict(a, logs_lost=True, run_dir=None) for a in old if (a["arm"], a["seed"]) not in keys]
+    out = [dict(a, logs_lost=True, run_dir=None) for a in old if (a["arm"], a["seed"]) not in keys]
+    for a in out:  # a summary written before the paired statistics existed
+        for k in ("gain_se_paired", "gain_z_paired", "rows_gained", "rows_lost", "vs_dense"):
+            a.setdefault(k, None)
+        a.setdefault("per_row", False)
+        for o in a.get("other", {}).values():
+            o.setdefault("gain_se_paired", None)
+            o.setdefault("gain_z_paired", None)
+    return out
 
 
 def find_runs(study_dir: str) -> List[str]:
@@ -347,15 +610,116 @@ def _kept_notes(md_path: str) -> str:
     return "(no interpretation written yet)"
 
 
+def _cell(a: Dict, v, spec: str) -> str:
+    """A paired cell of arm ``a``: "n/a" where the run kept no per-row files, else ``_fmt``."""
+    return NA if not a.get("per_row") else _fmt(v, spec)
+
+
+def paired_table(arms: Sequence[Dict]) -> str:
+    """The markdown table of the paired statistics of ``arms`` (see ``method_lines``): the gain
+    with its paired standard error, McNemar's counts, and the after-accuracy against dense's at
+    the same seed. "n/a": the run kept no per-row files; "-": not applicable (dense against
+    itself, an unfinished arm)."""
+    head = ("| arm | seed | gain | paired SE | z paired | z unpaired | rows fixed / broken | "
+            "after - dense's after | paired SE | z | rows right in arm only / dense only |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for a in arms:
+        v = a.get("vs_dense")
+        if a["arm"] == DENSE_ARM:
+            vs = ["-"] * 4
+        elif v is None:
+            vs = [NA] * 4
+        else:
+            vs = [_fmt(v["diff"], "{:+.3f}"), _fmt(v["se"]), _fmt(v["z"], "{:+.1f}"),
+                  f"{_fmt(v['arm_only'], '{:d}')} / {_fmt(v['dense_only'], '{:d}')}"]
+        counts = NA if not a.get("per_row") else f"{_fmt(a['rows_gained'], '{:d}')} / {_fmt(a['rows_lost'], '{:d}')}"
+        cells = [str(a["arm"]), str(a["seed"]), _fmt(a.get("gain"), "{:+.3f}"),
+                 _cell(a, a.get("gain_se_paired"), "{:.3f}"), _cell(a, a.get("gain_z_paired"), "{:+.1f}"),
+                 _fmt(a.get("gain_z"), "{:+.1f}"), counts] + vs
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def fraction_table(fractions: Sequence[Dict]) -> str:
+    """The markdown table of :func:`fractions_of_dense`: each arm's mean gain over its seeds as a
+    fraction of dense's, with the bootstrap interval ("n/a" where a run kept no per-row files)."""
+    head = "| arm | seeds | mean gain | dense's mean gain (seeds) | fraction of dense's gain | 95 % interval |"
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for e in fractions:
+        seeds = ", ".join(str(x) for x in e["seeds"])
+        dense = (f"{_fmt(e['dense_mean_gain'], '{:+.3f}')} ({', '.join(str(x) for x in e['dense_seeds'])})"
+                 if e["dense_seeds"] else "-")
+        ci = "-" if e["fraction"] is None else NA if e["low"] is None else f"{e['low']:.2f} to {e['high']:.2f}"
+        lines.append(f"| {e['arm']} | {seeds} | {_fmt(e['mean_gain'], '{:+.3f}')} | {dense} | "
+                     f"{_fmt(e['fraction'], '{:.2f}')} | {ci} |")
+    return "\n".join(lines)
+
+
+def method_lines() -> List[str]:
+    """The method section of study.md: how each paired column is computed and where its data
+    come from (the unpaired columns are described in the opening paragraph)."""
+    return [
+        "## Method", "",
+        "Held-out accuracy: greedy pass@1 on the rows held out of the training file (`--num-holdout`, "
+        "`--holdout-seed`: the same rows in every arm and seed), at step 0 and after the last step; ± is one "
+        "standard error, sample std / sqrt(n). **gain (z)** in the first table: after - before, "
+        "z = gain / sqrt(se_before^2 + se_after^2), unpaired: it ignores that both evaluations score the same "
+        "rows, so it is usually conservative; it stays beside the paired z, and is all there is for the arms "
+        "that kept no per-row data.", "",
+        "The paired statistics use each run's per-row files (`eval_rows/holdout-step0.jsonl` and "
+        "`eval_rows/holdout-step<N>.jsonl` in the run's log dir, archived with it: each held-out row's 0/1 "
+        "correctness keyed by its line in the training file; about 6.7 kB per 300-row evaluation). **n/a**: "
+        "the run kept none (every arm run before the per-row files existed).", "",
+        "- **paired SE, z paired**: per row d = after - before; SE = sample std of d / sqrt(n), the standard "
+        "error of a mean of paired differences; z paired = gain / SE. Smaller than the unpaired error when "
+        "rows right before stay right after.",
+        "- **rows fixed / broken**: McNemar's discordant counts, rows wrong before and right after, and the "
+        "reverse; gain = (fixed - broken) / n.",
+        "- **after - dense's after, paired SE, z**: the arm against dense at the same seed on the same rows, "
+        "per row d = arm's after - dense's after, the same SE; **rows right in arm only / dense only**: "
+        "McNemar's counts of that pair.",
+        "- **fraction of dense's gain**: the arm's mean gain over its finished seeds divided by dense's mean "
+        "gain over dense's finished seeds (seeds whose logs were lost included, from their summary rows); "
+        "\"-\" when dense's mean gain is not above 0. "
+        "**95 % interval**: percentile "
+        f"bootstrap, {BOOTSTRAP_RESAMPLES} resamples of the held-out rows drawn with replacement "
+        f"(`numpy.random.default_rng({BOOTSTRAP_SEED})`), one draw shared by every run of the comparison; the "
+        "2.5 % and 97.5 % points of the resampled fractions (a resample in which dense did not gain counts "
+        "as an infinite fraction). It covers the sampling of rows, not the seed-to-seed spread; n/a unless "
+        "every one of those runs kept per-row files.",
+        "- Other data sets: their lines add the paired SE and z of the gain where the run kept per-row files.",
+        "",
+    ]
+
+
+def _summarize_archive(runs: Sequence[str], root: str, summary_path: str) -> Tuple[List[Dict], Dict]:
+    """Every archived run summarized (:func:`summarize_run`) plus the carried arms of the earlier
+    summary (:func:`_carried_arms`), sorted; and the runs' per-row files by (arm, seed)."""
+    arms, rows = [], {}
+    for d in runs:
+        kept: Dict = {}
+        a = summarize_run(d, kept)
+        a["run_dir"] = os.path.relpath(os.path.abspath(d), root)  # the archived copy, from the repo root
+        a["logs_lost"] = False
+        arms.append(a)
+        rows[(a["arm"], a["seed"])] = kept
+    arms += _carried_arms(summary_path, arms)
+    arms.sort(key=lambda a: (str(a["arm"]), str(a["seed"])))
+    return arms, rows
+
+
 def write_report(study_dir: Optional[str], docs_dir: str) -> Dict:
     """Archive every finished run under ``study_dir`` into ``<docs>/study/runs/`` (:func:`archive_runs`),
     summarize every archived run, carry the arms of the earlier ``summary.json`` whose logs are
-    gone (:func:`_carried_arms`), and write ``<docs>/study/summary.json``, the PNGs and
-    ``<docs>/study.md``. Only finished arms (a ``DONE`` file, written by study_cpu.sh when the
+    gone (:func:`_carried_arms`), compare every arm with dense on the same rows
+    (:func:`compare_with_dense`, :func:`fractions_of_dense`) and write ``<docs>/study/summary.json``,
+    the PNGs and ``<docs>/study.md``. Only finished arms (a ``DONE`` file, written by study_cpu.sh when the
     run exits cleanly) are archived: an arm still running or stopped is left out of the report
     (else its row, with no "after" value, would be committed and carried on). ``study_dir`` None
     or missing: the archive alone. Returns the summary dict plus ``unfinished`` (the live folders
-    left out). Raises FileNotFoundError when there is no run at all."""
+    left out). Raises FileNotFoundError when there is no run at all and EvalRowsError (a
+    ValueError; one line naming the file and the fix) for a per-row file that does not match its
+    run or the rows of the arm it is compared with."""
     out_dir = os.path.join(docs_dir, "study")
     archive = os.path.join(out_dir, "runs")
     live = find_runs(study_dir) if study_dir and os.path.isdir(study_dir) else []
@@ -365,19 +729,16 @@ def write_report(study_dir: Optional[str], docs_dir: str) -> Dict:
         archive_runs(live, archive)
     runs = find_runs(archive) if os.path.isdir(archive) else []
     root = os.path.dirname(os.path.abspath(docs_dir))
-    arms = []
-    for d in runs:
-        a = summarize_run(d)
-        a["run_dir"] = os.path.relpath(os.path.abspath(d), root)  # the archived copy, from the repo root
-        a["logs_lost"] = False
-        arms.append(a)
-    arms += _carried_arms(os.path.join(out_dir, "summary.json"), arms)
+    arms, rows = _summarize_archive(runs, root, os.path.join(out_dir, "summary.json"))
     if not arms:
         raise FileNotFoundError(f"{study_dir}: no arm folder with a metrics.jsonl (and nothing archived in {archive})")
-    arms.sort(key=lambda a: (str(a["arm"]), str(a["seed"])))
+    compare_with_dense(arms, rows)
+    fractions = fractions_of_dense(arms, rows)
     os.makedirs(out_dir, exist_ok=True)
     summary = {"study_dir": os.path.abspath(study_dir) if live else None, "archive": os.path.relpath(archive, root),
-               "fields": list(FIELDS), "arms": arms}
+               "fields": list(FIELDS), "arms": arms, "fraction_of_dense": fractions,
+               "bootstrap": {"resamples": BOOTSTRAP_RESAMPLES, "seed": BOOTSTRAP_SEED,
+                             "interval": "percentile, 2.5 % and 97.5 %", "resampled": "held-out rows"}}
     with open(os.path.join(out_dir, "summary.json"), "w", encoding="utf-8") as f:
         json.dump(summary, f, indent=2)
         f.write("\n")
@@ -387,12 +748,20 @@ def write_report(study_dir: Optional[str], docs_dir: str) -> Dict:
     acc = plot_accuracy(arms, out_dir)
     figs += [acc] if acc else []
     md = os.path.join(docs_dir, "study.md")
-    notes = _kept_notes(md)
+    lines = _report_lines(arms, fractions, figs, os.path.relpath(archive, docs_dir), _kept_notes(md))
+    with open(md, "w", encoding="utf-8") as f:
+        f.write("\n".join(lines))
+    return dict(summary, unfinished=unfinished)
+
+
+def _report_lines(arms: Sequence[Dict], fractions: Sequence[Dict], figs: Sequence[str], archive: str,
+                  notes: str) -> List[str]:
+    """The lines of study.md (``archive``: the archive folder relative to the docs folder)."""
     others = sorted({n for a in arms for n in a["other"]})
     lost = [f"{a['arm']} seed {a['seed']}" for a in arms if a["logs_lost"]]
     lines = ["# CPU study: does it learn? (issue 11)", "",
              "Written by `tools/study_report.py` from the arms' `metrics.jsonl`, archived in "
-             f"`{os.path.relpath(archive, docs_dir)}/` (runs of `examples/study_cpu.sh`). Held-out accuracy is "
+             f"`{archive}/` (runs of `examples/study_cpu.sh`). Held-out accuracy is "
              "greedy pass@1 on rows held out of the training file; ± is one standard error; the gain's z is "
              "unpaired (conservative).", "", table(arms), ""]
     dead = [f"{a['arm']} seed {a['seed']} (step {a['anchor_lost_step']})" for a in arms
@@ -408,15 +777,20 @@ def write_report(study_dir: Optional[str], docs_dir: str) -> Dict:
         for a in arms:
             o = a["other"].get(n)
             if o:
+                paired = ("" if o.get("gain_se_paired") is None else f"; gain's paired SE "
+                          f"{_fmt(o['gain_se_paired'])}, z {_fmt(o.get('gain_z_paired'), '{:+.1f}')}")
                 lines.append(f"- {a['arm']} seed {a['seed']}: {_fmt(o['acc_before'])} ± "
                              f"{_fmt(o['acc_before_stderr'])} -> {_fmt(o['acc_after'])} ± {_fmt(o['acc_stderr'])} "
-                             f"({_fmt(o['rows'], '{:d}')} rows)")
+                             f"({_fmt(o['rows'], '{:d}')} rows{paired})")
         lines.append("")
+    lines += ["## Paired statistics", "",
+              "The same held-out rows before and after training, and against dense at the same seed "
+              "(how each column is computed: Method, below).", "", paired_table(arms), "",
+              "Each arm's mean gain as a fraction of dense's mean gain:", "", fraction_table(fractions), ""]
+    lines += method_lines()
     lines += ["## Figures", ""] + [f"![{os.path.basename(p)[:-4]}](study/{os.path.basename(p)})" for p in figs]
     lines += ["", "## What the evidence says", "", NOTES_BEGIN, notes, NOTES_END, ""]
-    with open(md, "w", encoding="utf-8") as f:
-        f.write("\n".join(lines))
-    return dict(summary, unfinished=unfinished)
+    return lines
 
 
 def show_summary(docs_dir: str, intro: bool = False) -> str:
@@ -504,7 +878,7 @@ def main(argv=None) -> int:
         return rc
     try:
         s = write_report(args.study_dir, args.docs)
-    except FileNotFoundError as e:
+    except (FileNotFoundError, ValueError) as e:  # ValueError: evaluation.EvalRowsError, a per-row file
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(table(s["arms"]))

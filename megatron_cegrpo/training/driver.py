@@ -13,7 +13,7 @@ from typing import Dict, List, Optional
 import torch
 
 from megatron_cegrpo.data import PromptSampler, build_prompt, load_train_split, select_prompts
-from megatron_cegrpo.evaluation import evaluate, load_eval_datasets, parse_dataset_specs
+from megatron_cegrpo.evaluation import evaluate_detailed, load_eval_datasets, parse_dataset_specs, write_eval_rows
 from megatron_cegrpo.grpo import core_algos as ca
 from megatron_cegrpo.grpo.batch import pack_rollouts
 from megatron_cegrpo.metrics import build_writers, truncate_metrics
@@ -133,30 +133,51 @@ class Driver:
         self.rollout.update_weights(megatron_to_hf(stage_sds, self.hf_config, self.tf_config, self.pp_size))
 
     # ------------------------------------------------------------------ evaluation
-    def evaluate_holdout(self) -> Optional[Dict[str, float]]:
-        """Greedy accuracy of the dense sampler on the held-out training rows:
-        ``val/holdout/acc``, ``val/holdout/num_rows`` (None without held-out rows)."""
+    def evaluate_holdout(self, step: int) -> Optional[Dict[str, float]]:
+        """Greedy accuracy of the dense sampler on the held-out training rows at training step
+        ``step`` (0: before training): ``val/holdout/acc``, ``val/holdout/num_rows`` and friends
+        (None without held-out rows). Each row's correctness goes to
+        ``<log dir>/eval_rows/holdout-step<step>.jsonl`` (:meth:`_keep_rows`)."""
         if not self.holdout_records:
             return None
         with all_cores():
-            return evaluate(self.rollout, self.tokenizer, {"holdout": self.holdout_records}, modes="greedy",
-                            max_new_tokens=self.cfg.data.eval_max_new_tokens,
-                            batch_size=self.cfg.data.eval_batch_size, template=self.cfg.data.prompt_template,
-                            progress=False, seed=self.cfg.optim.seed)
+            report = evaluate_detailed(self.rollout, self.tokenizer, {"holdout": self.holdout_records},
+                                       modes="greedy", max_new_tokens=self.cfg.data.eval_max_new_tokens,
+                                       batch_size=self.cfg.data.eval_batch_size,
+                                       template=self.cfg.data.prompt_template, progress=False,
+                                       seed=self.cfg.optim.seed)
+        self._keep_rows(report, step)
+        return report.metrics
 
     def evaluate_suite(self, iteration: int) -> Optional[Dict[str, float]]:
-        """Dense-view evaluation on ``--eval-datasets`` (greedy or avg@k per data set):
-        ``val/<dataset>/acc`` and friends (``megatron_cegrpo.evaluation``); None without them."""
+        """Dense-view evaluation on ``--eval-datasets`` (greedy or avg@k per data set) at training
+        step ``iteration``: ``val/<dataset>/acc`` and friends (``megatron_cegrpo.evaluation``);
+        None without them. Each data set's per-row scores go to
+        ``<log dir>/eval_rows/<name>-step<iteration>.jsonl`` (:meth:`_keep_rows`)."""
         if not self.eval_sets:
             return None
         with all_cores():
-            ev = evaluate(self.rollout, self.tokenizer, self.eval_sets, modes=self.eval_modes,
-                          max_new_tokens=self.cfg.data.eval_max_new_tokens,
-                          batch_size=self.cfg.data.eval_batch_size, template=self.cfg.data.prompt_template,
-                          progress=self.cfg.logging.tqdm, seed=self.cfg.optim.seed)
+            report = evaluate_detailed(self.rollout, self.tokenizer, self.eval_sets, modes=self.eval_modes,
+                                       max_new_tokens=self.cfg.data.eval_max_new_tokens,
+                                       batch_size=self.cfg.data.eval_batch_size,
+                                       template=self.cfg.data.prompt_template, progress=self.cfg.logging.tqdm,
+                                       seed=self.cfg.optim.seed)
+        self._keep_rows(report, iteration)
+        ev = report.metrics
         accs = ", ".join(f"{k[4:-4]} {v:.3f}" for k, v in ev.items() if k.startswith("val/") and k.endswith("/acc"))
         log(f"dense-view evaluation at iteration {iteration}: {accs}")
         return ev
+
+    def _keep_rows(self, report, step: int) -> None:
+        """Every data set's per-row correctness of ``report`` into the log dir
+        (``evaluation.write_eval_rows``); a file that cannot be written is a warning, not the
+        end of the run (the evaluation's means are in metrics.jsonl all the same)."""
+        for res in report.datasets.values():
+            try:
+                write_eval_rows(self.cfg.logging.log_dir, res, step)
+            except OSError as e:
+                log(f"warning: the per-row scores of {res.name} at step {step} were not written ({e}); "
+                    "the paired statistics of tools/study_report.py will be missing for this run")
 
     # ------------------------------------------------------------------ log and state
     def write(self, record: Dict) -> None:

@@ -275,7 +275,7 @@ class GRPOTrainer:
         for c in self.circuits:
             c.finish(self.iteration, self.timers)
         if cfg.data.num_holdout:
-            after = self._driver_phase(lambda d: d.evaluate_holdout())
+            after = self._driver_phase(lambda d: d.evaluate_holdout(self.iteration))
             if after:
                 summary["final"] = after
                 self.driver.write({"step": self.iteration, **after})
@@ -295,7 +295,7 @@ class GRPOTrainer:
             if ev:
                 self.driver.write({"step": 0, **ev})
         if self.cfg.data.num_holdout:
-            before = self._driver_phase(lambda d: d.evaluate_holdout())
+            before = self._driver_phase(lambda d: d.evaluate_holdout(0))
             if before:
                 out["initial"] = before
                 self.driver.write({"step": 0, **before})

@@ -86,7 +86,8 @@ def test_summary_values(study, tmp_path):
     assert dense["gain"] == pytest.approx(0.10, abs=1e-15)
     assert dense["gain_z"] == pytest.approx(0.10 / math.sqrt(0.02 ** 2 + 0.03 ** 2), rel=1e-12)
     assert dense["other"] == {"mawps/singleop": {"acc_before": 0.25, "acc_after": 0.3, "acc_before_stderr": 0.025,
-                                                 "acc_stderr": 0.026, "rows": 300}}
+                                                 "acc_stderr": 0.026, "rows": 300, "gain_se_paired": None,
+                                                 "gain_z_paired": None}}  # no per-row files here
     assert {k: mask[k] for k in mod.FIELDS} == {
         "arm": "mask_anchor-s1", "seed": 1, "codec": "mask", "anchor": True, "iterations": 1,
         "wall_s": 41.0 + 70.0, "acc_before": 0.30, "acc_after": None, "acc_stderr": None, "heldout_rows": 300,
@@ -95,7 +96,7 @@ def test_summary_values(study, tmp_path):
 
     md = (docs / "study.md").read_text()
     assert "| dense | 1 | dense | no | 2 | 4.9 | 0.300 ± 0.020 | 0.400 ± 0.030 | +0.100 (+2.8) | 300 | 1.0000 |" in md
-    assert f"{mod.NOTES_BEGIN}\nThe dense arm learns.\n{mod.NOTES_END}" in md and "old" not in md
+    assert f"{mod.NOTES_BEGIN}\nThe dense arm learns.\n{mod.NOTES_END}" in md and "old" not in md.splitlines()
     pngs = {p.name for p in (docs / "study").glob("*.png")}
     assert pngs == {"reward.png", "mismatch.png", "fidelity_cos.png", "kl.png", "entropy.png",
                     "heldout_accuracy.png"}
@@ -252,3 +253,232 @@ def test_show_run_prints_the_runs_gain_then_the_study(study, tmp_path, capsys):
         mod.run_line(str(resumed))
     with pytest.raises(SystemExit):
         mod.main(["--run", str(run), "--docs", str(docs)])
+
+
+# ----------------------------------------------------------------------------- paired statistics (issue 33)
+
+
+def test_paired_diff_is_the_hand_computed_paired_standard_error():
+    """d = after - before = [1, 0, 0, -1, 1]: mean 0.2, sample variance (0.64 + 0.04 + 0.04 + 1.44 + 0.64) / 4
+    = 0.7, SE sqrt(0.7 / 5); McNemar's counts: rows 1 and 5 fixed, row 4 broken."""
+    mod = _tool()
+    before = {1: 0, 2: 0, 3: 1, 4: 1, 5: 0}
+    after = {1: 1, 2: 0, 3: 1, 4: 0, 5: 1}
+    p = mod.paired_diff(after, before)
+    assert p["diff"] == pytest.approx(0.2, abs=1e-15) and p["rows"] == 5
+    assert p["se"] == pytest.approx(math.sqrt(0.14), rel=1e-12) == 0.3741657386773941
+    assert p["z"] == pytest.approx(0.2 / math.sqrt(0.14), rel=1e-12)
+    assert (p["a_only"], p["b_only"]) == (2, 1)
+    # unpaired, the same two evaluations: se_before = sqrt(0.3 / 5), se_after = sqrt(0.3 / 5)
+    assert mod.gain_z(0.4, math.sqrt(0.06), 0.6, math.sqrt(0.06))[1] == pytest.approx(0.2 / math.sqrt(0.12))
+    avg = mod.paired_diff({1: 0.5, 2: 1.0}, {1: 0.0, 2: 0.5})  # avg@k scores: no McNemar counts
+    assert avg["diff"] == 0.5 and avg["se"] == 0.0 and avg["z"] is None and avg["a_only"] is None
+    assert mod.paired_diff({7: 1}, {7: 0})["se"] is None
+    with pytest.raises(ValueError, match="same, non-empty rows: 2 ids in only one"):
+        mod.paired_diff({1: 1, 2: 0}, {1: 1, 3: 0})
+
+
+def test_bootstrap_fraction_values():
+    mod = _tool()
+    # the arm's two seeds fix complementary rows: every resample's mean over seeds is 0.5, dense's 1
+    b = mod.bootstrap_fraction([[1, 0, 1, 0], [0, 1, 0, 1]], [[1, 1, 1, 1]])
+    assert b == {"fraction": 0.5, "low": 0.5, "high": 0.5, "resamples": 2000, "seed": 0, "dense_nonpositive": 0}
+    # two rows: a resample's fraction is 0, 0.5 or 1 (probabilities 1/4, 1/2, 1/4): the 2.5 % and 97.5 % points
+    b = mod.bootstrap_fraction([[1, 0]], [[1, 1]], resamples=2000, seed=3)
+    assert (b["fraction"], b["low"], b["high"], b["seed"]) == (0.5, 0.0, 1.0, 3)
+    # dense's gain is 0 in the resamples that draw only its second row (1/4): counted, and as +inf
+    b = mod.bootstrap_fraction([[1, 1]], [[1, 0]])
+    assert b["fraction"] == 2.0 and b["low"] == 1.0 and b["high"] == math.inf
+    assert 400 < b["dense_nonpositive"] < 600
+    assert mod.bootstrap_fraction([[1, 1]], [[1, 0]]) == b  # fixed seed: the same interval every time
+    with pytest.raises(ValueError, match="per-seed lists of the same rows"):
+        mod.bootstrap_fraction([[1, 0, 1]], [[1, 1]])
+
+
+#: Ten held-out rows (line numbers of the training file) and their 0/1 correctness.
+_IDS = [3, 7, 11, 12, 20, 31, 40, 41, 55, 60]
+_BEFORE = [0, 0, 0, 0, 0, 0, 0, 0, 1, 1]
+_AFTER = {("dense", 1): [1, 1, 1, 1, 0, 0, 0, 0, 1, 1], ("dense", 2): [1, 1, 0, 0, 0, 0, 0, 0, 1, 1],
+          ("mask_anchor", 1): [1, 1, 0, 0, 0, 0, 0, 0, 1, 0], ("mask_anchor", 2): [1, 0, 0, 0, 0, 0, 0, 0, 1, 1]}
+
+
+def _rows_file(run: Path, name, step, scores, ids=_IDS, digest="0000abcd"):
+    d = run / "eval_rows"
+    d.mkdir(exist_ok=True)
+    head = {"schema": "megatron_cegrpo.eval_rows/1", "eval": name, "step": step, "mode": "greedy", "k": 1,
+            "num_rows": len(ids), "acc": sum(scores) / len(scores), "rows_digest": digest}
+    path = d / f"{name.replace('/', ',')}-step{step}.jsonl"
+    path.write_text("\n".join([json.dumps(head)] + [json.dumps({"row": i, "score": s}) for i, s in zip(ids, scores)])
+                    + "\n")
+    return path
+
+
+def _se(scores):
+    m = sum(scores) / len(scores)
+    return math.sqrt(sum((x - m) ** 2 for x in scores) / (len(scores) - 1) / len(scores))
+
+
+def _paired_run(root: Path, arm, seed, after, rows=True):
+    recs = [{"step": 0, "val/holdout/acc": sum(_BEFORE) / 10, "val/holdout/acc_stderr": _se(_BEFORE),
+             "val/holdout/num_rows": 10, "timing_s/eval": 1.0},
+            _step(1, 0.1, 30, 70, 2000, 10.0), _step(2, 0.1, 30, 70, 2000, 10.0),
+            {"step": 2, "val/holdout/acc": sum(after) / 10, "val/holdout/acc_stderr": _se(after),
+             "val/holdout/num_rows": 10, "timing_s/eval": 1.0}]
+    run = root / f"{arm}-s{seed}"
+    _write_run(run, recs, arm={"arm": arm, "seed": seed, "codec": "dense" if arm == "dense" else "mask",
+                               "anchor": arm != "dense"})
+    if rows:
+        _rows_file(run, "holdout", 0, _BEFORE)
+        _rows_file(run, "holdout", 2, after)
+    return run
+
+
+@pytest.fixture()
+def paired_study(tmp_path):
+    root = tmp_path / "live"
+    for (arm, seed), after in _AFTER.items():
+        _paired_run(root, arm, seed, after)
+    _paired_run(root, "lowrank", 1, _BEFORE, rows=False)  # an arm that kept no per-row files
+    return root
+
+
+def test_report_with_per_row_files(paired_study, tmp_path):
+    """A synthetic study with per-row files: each arm's paired SE of its gain, the arm against dense
+    at the same seed, the fraction of dense's mean gain with its bootstrap interval; the arm without
+    per-row files shows n/a; the per-row files are archived and a report from the archive alone
+    gives the same summary."""
+    mod = _tool()
+    docs = tmp_path / "docs"
+    s = mod.write_report(str(paired_study), str(docs))
+    arms = {(a["arm"], a["seed"]): a for a in s["arms"]}
+    d1, m1, low = arms[("dense", 1)], arms[("mask_anchor", 1)], arms[("lowrank", 1)]
+    # dense seed 1: d = [1, 1, 1, 1, 0, 0, 0, 0, 0, 0]: mean 0.4, sample variance 2.4 / 9
+    assert d1["per_row"] is True and d1["gain"] == pytest.approx(0.4)
+    assert d1["gain_se_paired"] == pytest.approx(math.sqrt(2.4 / 9 / 10), rel=1e-12)
+    assert d1["gain_z_paired"] == pytest.approx(0.4 / math.sqrt(2.4 / 90), rel=1e-12)
+    assert (d1["rows_gained"], d1["rows_lost"], d1["vs_dense"]) == (4, 0, None)
+    assert d1["gain_z"] == pytest.approx(0.4 / math.hypot(_se(_BEFORE), _se(_AFTER[("dense", 1)])))  # unpaired kept
+    # mask + anchor seed 1: d = [1, 1, 0, 0, 0, 0, 0, 0, 0, -1]: mean 0.1, sample variance
+    # (2 x 0.81 + 7 x 0.01 + 1.21) / 9 = 2.9 / 9
+    assert m1["gain_se_paired"] == pytest.approx(math.sqrt(2.9 / 90), rel=1e-12)
+    assert (m1["rows_gained"], m1["rows_lost"]) == (2, 1)
+    # against dense seed 1 after training: arm - dense = [0, 0, -1, -1, 0, 0, 0, 0, 0, -1]: -0.3, variance 2.1 / 9
+    v = m1["vs_dense"]
+    assert v["dense_seed"] == 1 and v["rows"] == 10 and (v["arm_only"], v["dense_only"]) == (0, 3)
+    assert v["diff"] == pytest.approx(-0.3) and v["se"] == pytest.approx(math.sqrt(2.1 / 90), rel=1e-12)
+    assert v["z"] == pytest.approx(-0.3 / math.sqrt(2.1 / 90), rel=1e-12)
+    assert low["per_row"] is False and low["gain_se_paired"] is None and low["vs_dense"] is None
+    # fraction: mask + anchor gained 0.1 at both seeds, dense 0.4 and 0.2
+    frac = {e["arm"]: e for e in s["fraction_of_dense"]}
+    fa = frac["mask_anchor"]
+    assert fa["seeds"] == [1, 2] and fa["dense_seeds"] == [1, 2]
+    assert fa["mean_gain"] == pytest.approx(0.1) and fa["dense_mean_gain"] == pytest.approx(0.3)
+    assert fa["fraction"] == pytest.approx(1 / 3)
+    assert fa["resamples"] == 2000 and fa["bootstrap_seed"] == 0 and fa["low"] < 1 / 3 < fa["high"]
+    b = mod.bootstrap_fraction([[x - y for x, y in zip(_AFTER[("mask_anchor", k)], _BEFORE)] for k in (1, 2)],
+                               [[x - y for x, y in zip(_AFTER[("dense", k)], _BEFORE)] for k in (1, 2)])
+    assert (fa["low"], fa["high"], fa["dense_nonpositive"]) == (b["low"], b["high"], b["dense_nonpositive"])
+    assert frac["lowrank"]["fraction"] == 0.0 and frac["lowrank"]["low"] is None  # no per-row files: no interval
+    assert s["bootstrap"]["resamples"] == 2000
+
+    md = (docs / "study.md").read_text()
+    z1 = 0.4 / math.sqrt(2.4 / 90)
+    assert (f"| dense | 1 | +0.400 | {math.sqrt(2.4 / 90):.3f} | +{z1:.1f} | "
+            f"+{d1['gain_z']:.1f} | 4 / 0 | - | - | - | - |") in md
+    assert (f"| mask_anchor | 1 | +0.100 | 0.180 | +0.6 | +{m1['gain_z']:.1f} | 2 / 1 | -0.300 | 0.153 | -2.0 | "
+            "0 / 3 |") in md
+    assert "| lowrank | 1 | +0.000 | n/a | n/a | +0.0 | n/a | n/a | n/a | n/a | n/a |" in md
+    assert f"| mask_anchor | 1, 2 | +0.100 | +0.300 (1, 2) | 0.33 | {fa['low']:.2f} to {fa['high']:.2f} |" in md
+    assert "| lowrank | 1 | +0.000 | +0.300 (1, 2) | 0.00 | n/a |" in md
+    assert "## Method" in md and "2000 resamples of the held-out rows" in md
+
+    archived = docs / "study" / "runs" / "mask_anchor-s1" / "eval_rows"
+    assert sorted(p.name for p in archived.iterdir()) == ["holdout-step0.jsonl", "holdout-step2.jsonl"]
+    assert not (docs / "study" / "runs" / "lowrank-s1" / "eval_rows").exists()
+    import shutil
+    shutil.rmtree(paired_study)
+    again = mod.write_report(str(paired_study), str(docs))
+    assert again["arms"] == json.loads(json.dumps(s["arms"])) and again["fraction_of_dense"] == s["fraction_of_dense"]
+
+
+def test_other_data_sets_get_the_paired_gain(paired_study, tmp_path):
+    mod = _tool()
+    run = paired_study / "dense-s1"
+    recs = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
+    recs[0].update({"val/mawps/multiarith/acc": 0.0, "val/mawps/multiarith/acc_stderr": 0.0,
+                    "val/mawps/multiarith/num_rows": 4})
+    recs[2].update({"val/mawps/multiarith/acc": 0.5, "val/mawps/multiarith/acc_stderr": _se([1, 1, 0, 0]),
+                    "val/mawps/multiarith/num_rows": 4})
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    _rows_file(run, "mawps/multiarith", 0, [0, 0, 0, 0], ids=[1, 2, 3, 4])
+    _rows_file(run, "mawps/multiarith", 2, [1, 1, 0, 0], ids=[1, 2, 3, 4])
+    docs = tmp_path / "docs"
+    s = mod.write_report(str(paired_study), str(docs))
+    o = next(a for a in s["arms"] if (a["arm"], a["seed"]) == ("dense", 1))["other"]["mawps/multiarith"]
+    assert o["gain_se_paired"] == pytest.approx(_se([1, 1, 0, 0]), rel=1e-12)  # before all 0: d = after
+    assert o["gain_z_paired"] == pytest.approx(0.5 / _se([1, 1, 0, 0]), rel=1e-12)
+    md = (docs / "study.md").read_text()
+    assert (f"- dense seed 1: 0.000 ± 0.000 -> 0.500 ± {_se([1, 1, 0, 0]):.3f} (4 rows; gain's paired SE "
+            f"{_se([1, 1, 0, 0]):.3f}, z +{0.5 / _se([1, 1, 0, 0]):.1f})") in md
+    assert (docs / "study" / "runs" / "dense-s1" / "eval_rows" / "mawps,multiarith-step2.jsonl").is_file()
+
+
+@pytest.mark.parametrize("breakage, file, message", [
+    ("other_acc", "mask_anchor-s1/eval_rows/holdout-step2.jsonl",
+     ": 10 rows at accuracy 0.4000, but the run's metrics.jsonl logs 10 rows at 0.3000 for val/holdout at step 2: "
+     "not this run's rows; fix: put the run's own file there"),
+    ("other_rows", "mask_anchor-s1/eval_rows/holdout-step2.jsonl",
+     ": not the rows of "),
+    ("other_study", "mask_anchor-s1/eval_rows/holdout-step2.jsonl",
+     ": rows digest 99999999, but "),
+    ("cut", "mask_anchor-s1/eval_rows/holdout-step2.jsonl", ", line 10: not a {\"row\", \"score\"} object"),
+])
+def test_a_rows_file_that_does_not_match_is_one_error_line(paired_study, tmp_path, capsys, breakage, file,
+                                                           message):
+    """A per-row file of another run (its accuracy is not the one the run logged), of other rows
+    than its before-file, of other held-out rows than dense's (another --holdout-seed), or cut
+    short: main() prints one line naming the file and the fix and exits 2."""
+    mod = _tool()
+    run = paired_study / "mask_anchor-s1"
+    after = _AFTER[("mask_anchor", 1)]
+    if breakage == "other_acc":
+        _rows_file(run, "holdout", 2, _AFTER[("dense", 2)])
+    elif breakage == "other_rows":
+        _rows_file(run, "holdout", 2, after, ids=[i + 1 for i in _IDS], digest="0000abce")
+    elif breakage == "other_study":
+        _rows_file(run, "holdout", 0, _BEFORE, ids=[i + 1 for i in _IDS], digest="99999999")
+        _rows_file(run, "holdout", 2, after, ids=[i + 1 for i in _IDS], digest="99999999")
+    else:
+        p = run / "eval_rows" / "holdout-step2.jsonl"
+        p.write_text(p.read_text()[:-30])
+    docs = tmp_path / "docs"
+    assert mod.main([str(paired_study), "--docs", str(docs)]) == 2
+    err = capsys.readouterr().err
+    path = docs / "study" / "runs" / file  # the archived copy is what the report reads
+    assert err.startswith(f"error: {path}{message}"), err
+    assert len(err.splitlines()) == 1 and "fix: " in err
+
+
+def test_the_committed_archive_without_per_row_files_still_builds(tmp_path):
+    """The arms archived before issue 33 have no per-row files: the report builds from the archive
+    alone, every paired cell n/a, the unpaired columns and the main table unchanged, and each arm's
+    fraction of dense's mean gain from the logged gains, without an interval."""
+    import shutil
+    mod = _tool()
+    repo_docs = _TOOL.parents[1] / "docs"
+    docs = tmp_path / "docs"
+    shutil.copytree(repo_docs / "study" / "runs", docs / "study" / "runs")
+    shutil.copyfile(repo_docs / "study" / "summary.json", docs / "study" / "summary.json")
+    shutil.copyfile(repo_docs / "study.md", docs / "study.md")
+    committed = json.loads((repo_docs / "study" / "summary.json").read_text())
+    s = mod.write_report(str(tmp_path / "nonexistent"), str(docs))
+    assert [{k: a[k] for k in mod.FIELDS} for a in s["arms"]] == [{k: a[k] for k in mod.FIELDS}
+                                                                   for a in committed["arms"]]
+    assert all(a["per_row"] is False and a["gain_se_paired"] is None and a["vs_dense"] is None for a in s["arms"])
+    assert all(e["low"] is None and e["dense_seeds"] == [1234, 4321] for e in s["fraction_of_dense"])
+    dense_gain = sum(a["gain"] for a in committed["arms"] if a["arm"] == "dense") / 2
+    ma = next(e for e in s["fraction_of_dense"] if e["arm"] == "mask_anchor")
+    assert ma["fraction"] == pytest.approx(ma["mean_gain"] / dense_gain) and ma["seeds"] == [1234, 4321]
+    md = (docs / "study.md").read_text()
+    assert mod.table(s["arms"]) in md and mod.table(committed["arms"]) in md
+    assert "| mask_anchor | 4321 | +0.047 | n/a | n/a | +1.9 | n/a | n/a | n/a | n/a | n/a |" in md
