@@ -549,6 +549,9 @@ class LoggingConfig:
     wandb_mode: Optional[str] = option(None, "wandb mode (default: wandb's, or $WANDB_MODE)",
                                        choices=("online", "offline", "disabled"))
     tensorboard_dir: Optional[str] = option(None, "also log to TensorBoard event files here (Megatron)")
+    peak_tflops: Optional[float] = option(None, "the hardware's peak TFLOP/s in the compute dtype over all the "
+                                                "trainer's stage ranks: with it, perf/mfu/actor is logged "
+                                                "(training/perf.py; benchmarks/bench_iteration.py measures it)")
 
     RESUME = ()  # logging never changes the trajectory
 
@@ -557,6 +560,9 @@ class LoggingConfig:
         not a file, and the optional logging packages installed. Raises ConfigError."""
         if not isinstance(self.log_dir, str) or not self.log_dir.strip():
             raise ConfigError("--log-dir is empty; fix: pass a directory, e.g. --log-dir runs/my_run")
+        if self.peak_tflops is not None:
+            _check_float("--peak-tflops", self.peak_tflops, "e.g. --peak-tflops 1.2 (or leave it out)", low=0.0,
+                         low_open=True)
         if os.path.exists(self.log_dir) and not os.path.isdir(self.log_dir):
             raise ConfigError(f"--log-dir {self.log_dir} is a file, not a directory; fix: pass a directory path")
         _check_int("--log-interval", self.log_interval, 1, "e.g. --log-interval 1 (a console line every iteration)")

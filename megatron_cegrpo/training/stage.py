@@ -28,6 +28,7 @@ from megatron_cegrpo.pipeline.schedule import PipelineRunner
 from megatron_cegrpo.pipeline.tied_embedding import TiedEmbeddingSync
 from megatron_cegrpo.pipeline.weight_sync import build_weight_sync
 from megatron_cegrpo.training import data_parallel as dpx
+from megatron_cegrpo.training import perf
 
 __all__ = ["StageWorker", "boundary_bytes_ratio"]
 
@@ -66,6 +67,9 @@ class StageWorker:
         self.meter = ByteMeter()
         self.dp_group = ctx.dp_group  # this stage's data-parallel replicas (None at DP = 1; data_parallel.py)
         self.dp_bytes = 0  # comm/dp_grad_allreduce_bytes since the last stage_metrics
+        self.update_flops = 0  # model FLOPs of the update passes since then (training/perf.py)
+        lo, hi = stage_layer_range(self.tf_config, ctx.pp_rank, ctx.pp_size)
+        self.num_layers = hi - lo
         self.error_tracker = BoundaryErrorTracker(group=ctx.dp_group)  # codec/error_persistence (pipeline/boundary_error.py)
         self.comm = (CompressedP2PCommunicator(ctx.pp_group, self.tf_config, self.codec, self.meter,
                                                seed=cfg.optim.seed, tp_group=ctx.tp_group)
@@ -213,6 +217,8 @@ class StageWorker:
                 norms.append(self._step(t))
                 self.tied.after_step()
         self.scheduler.step()
+        self.update_flops += cfg.grpo.ppo_epochs * perf.update_pass_flops(
+            self.model, self.tf_config, self.num_layers, n, int(batch["tokens"].shape[1]))
         out = {"actor/grad_norm": float(sum(norms) / len(norms)), "actor/lr": self.optimizer.param_groups[0]["lr"],
                "actor/num_optimizer_steps": len(norms), "actor/skipped_steps": self.clip.num_skipped}
         if cfg.old_log_prob_from_update:
@@ -283,7 +289,7 @@ class StageWorker:
     @staticmethod
     def declare_metrics(reducer) -> None:
         """How the driver reduces :meth:`stage_metrics` over the stages."""
-        reducer.declare("comm/", "sum").declare("_weight/", "stages").derive(_weight_change)
+        reducer.declare("comm/", "sum").declare("_perf/", "sum").declare("_weight/", "stages").derive(_weight_change)
         reducer.derive(boundary_bytes_ratio)
         declare_error_persistence(reducer)
 
@@ -296,6 +302,7 @@ class StageWorker:
         out.update(self.tied.metrics())
         if self.dp_group is not None:
             out["comm/dp_grad_allreduce_bytes"], self.dp_bytes = self.dp_bytes, 0
+        out["_perf/update_flops"], self.update_flops = self.update_flops, 0
         return out
 
     @torch.no_grad()

@@ -43,6 +43,7 @@ from megatron_cegrpo.training.driver import Driver, log
 from megatron_cegrpo.training.drift_probe import DriftProbe
 from megatron_cegrpo.training.fidelity import GradFidelityProbe
 from megatron_cegrpo.training.ledger import whole_step_ledger
+from megatron_cegrpo.training.perf import perf_metrics
 from megatron_cegrpo.training.reduce import StageMetricsReducer
 from megatron_cegrpo.training.stage import StageWorker
 
@@ -243,6 +244,7 @@ class GRPOTrainer:
         m.update(whole_step_ledger(m))
         m.update(self.timers.snapshot_and_reset())
         m["timing_s/step"] = seconds
+        m.update(perf_metrics(m, self.cfg.logging.peak_tflops))
         every = self.cfg.data.eval_interval
         if every and t % every == 0:  # the other stages wait for the next batch meanwhile
             m.update(self.driver.evaluate_suite(t))
