@@ -3,7 +3,9 @@
 Runs ``examples/run_smollm2_mawps.sh`` (SmolLM2-135M-Instruct, MAWPS, PP=2, exact-k mask at 5 %,
 anchor c = K = 4: ``make demo``'s configuration, held-out evaluations off) once per variant, one
 after the other, and prints each variant's median ``timing_s/step`` over all its iterations (the
-anchor's fire iterations included) and its phases, then the ratio to the first variant:
+anchor's fire iterations included) and its phases, the ratio to the first variant, and the update
+pass's model TFLOP/s and utilisation against the bf16 matmul peak it measures first on all cores
+(``perf/mfu/actor``):
 
   fp32-separate   fp32 weights and activations, the old-logprob pass of its own (the path before)
   fp32            fp32, old log-probs from the update pass
@@ -36,11 +38,38 @@ EXTRA = {"fp32-separate": ["--recompute-old-log-prob"]}
 PHASES = ("gen", "old_log_prob", "update", "anchor", "sync", "probe", "broadcast")
 
 
+def measure_peak_tflops(dtype: str = "bf16", seconds: float = 2.0) -> float:
+    """This machine's matmul TFLOP/s in ``dtype`` on all its cores (a 512x576 @ 576x1536 product, the
+    shape of a SmolLM2 MLP matmul, repeated for ``seconds``): the peak ``perf/mfu/actor`` is taken
+    against (``--peak-tflops``)."""
+    import time
+
+    import torch
+
+    prev = torch.get_num_threads()
+    torch.set_num_threads(os.cpu_count() or 1)
+    dt = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
+    a, b = torch.randn(512, 576, dtype=dt), torch.randn(576, 1536, dtype=dt)
+    for _ in range(20):
+        a @ b
+    n, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        a @ b
+        n += 1
+    secs = time.perf_counter() - t0
+    torch.set_num_threads(prev)
+    return 2 * 512 * 576 * 1536 * n / secs / 1e12
+
+
 def summarize(records):
     """Median seconds per phase and per step over ``records`` (metrics.jsonl lines with a
     ``timing_s/step``); a phase a variant does not run is absent."""
     steps = [r for r in records if "timing_s/step" in r]
     out = {"step": statistics.median(r["timing_s/step"] for r in steps), "iterations": len(steps)}
+    for k in ("perf/flops/actor", "perf/mfu/actor"):
+        vals = [r[k] for r in steps if k in r]
+        if vals:
+            out[k] = statistics.median(vals)
     for ph in PHASES:
         vals = [r[f"timing_s/{ph}"] for r in steps if f"timing_s/{ph}" in r]
         if vals:
@@ -48,11 +77,11 @@ def summarize(records):
     return out
 
 
-def run_variant(name: str, iters: int, work: str, port: int) -> dict:
+def run_variant(name: str, iters: int, work: str, port: int, peak: float) -> dict:
     log = os.path.join(work, name)
     env = dict(os.environ, TRAIN_ITERS=str(iters), NUM_HOLDOUT="0", LOG_DIR=log, MASTER_PORT=str(port),
                **VARIANTS[name])
-    cmd = ["bash", "examples/run_smollm2_mawps.sh", "--no-tqdm", *EXTRA.get(name, [])]
+    cmd = ["bash", "examples/run_smollm2_mawps.sh", "--no-tqdm", "--peak-tflops", f"{peak:.4f}", *EXTRA.get(name, [])]
     print(f"[bench_iteration] {name}: {' '.join(cmd)} (log {log})", flush=True)
     p = subprocess.run(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     for line in p.stdout.splitlines():
@@ -72,15 +101,19 @@ def main(argv=None) -> int:
     ap.add_argument("--port", type=int, default=29591)
     args = ap.parse_args(argv)
     work = args.work_dir or tempfile.mkdtemp(prefix="bench_iteration_")
-    res = {v: run_variant(v, args.iters, work, args.port + i) for i, v in enumerate(args.variants)}
+    peak = measure_peak_tflops("bf16")
+    print(f"[bench_iteration] bf16 matmul peak on {os.cpu_count()} cores: {peak:.3f} TFLOP/s "
+          f"(fp32: {measure_peak_tflops('fp32'):.3f})", flush=True)
+    res = {v: run_variant(v, args.iters, work, args.port + i, peak) for i, v in enumerate(args.variants)}
     base = res[args.variants[0]]["step"]
     print(f"\nmedian seconds per iteration over {args.iters} iterations (fire iterations included); "
           f"ratio = step / {args.variants[0]}'s step")
     cols = [p for p in PHASES if any(p in r for r in res.values())]
-    print(f"{'variant':<15} {'step':>7} " + " ".join(f"{c:>12}" for c in cols) + f" {'ratio':>6}")
+    print(f"{'variant':<15} {'step':>7} " + " ".join(f"{c:>12}" for c in cols) + f" {'ratio':>6} {'update TFLOP/s':>14}"
+          f" {'MFU':>6}")
     for v, r in res.items():
         print(f"{v:<15} {r['step']:>7.1f} " + " ".join(f"{r[c]:>12.1f}" if c in r else f"{'-':>12}" for c in cols)
-              + f" {r['step'] / base:>6.2f}")
+              + f" {r['step'] / base:>6.2f} {r.get('perf/flops/actor', 0):>14.3f} {r.get('perf/mfu/actor', 0):>6.1%}")
     with open(os.path.join(work, "bench_iteration.json"), "w") as f:
         json.dump(res, f, indent=2)
     print(f"[bench_iteration] results: {os.path.join(work, 'bench_iteration.json')}")

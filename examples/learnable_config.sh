@@ -19,7 +19,9 @@
 # no KL term (the seeds' runs): no reference model, so no actor/kl_loss; KL_COEF=0.001 adds the
 # reference forward pass (about 15 % of a step)
 : "${KL_COEF:=0}"
-# mixed precision (issue 29): bf16 passes and boundaries over fp32 master weights and Adam moments
-# (--bf16), and a bf16 sampler synced by changed entries (--rollout-dtype bf16); PRECISION_FLAGS=""
-# runs the fp32 path of the study's first arms
-: "${PRECISION_FLAGS=--bf16 --rollout-dtype bf16}"
+# precision (issue 29): where the host computes bf16 natively (AMX or AVX512-BF16 CPUs, GPUs),
+# bf16 passes and boundaries over fp32 master weights and Adam moments (--bf16) and a bf16 sampler
+# synced by changed entries (--rollout-dtype bf16); elsewhere fp32, as the study's first arms ran
+# (PyTorch emulates bf16 on an AVX2-only CPU, 75x slower: megatron_cegrpo/compat/precision.py).
+# PRECISION_FLAGS="" forces fp32, PRECISION_FLAGS="--bf16 --rollout-dtype bf16" forces bf16.
+: "${PRECISION_FLAGS=$("${PYTHON:-python}" -m megatron_cegrpo.compat.precision)}"

@@ -141,3 +141,28 @@ def test_megatron_stage_runs_bf16_with_fp32_gradients(megatron_single_process):
         assert torch.equal(p, q), n  # the masters are the loaded fp32 weights, untouched
         cos = torch.nn.functional.cosine_similarity(p.grad.flatten(), q.grad.flatten(), dim=0)
         assert cos > 0.99, (n, float(cos))
+
+
+def test_precision_choice_follows_the_hosts_bf16_support(monkeypatch):
+    from types import SimpleNamespace
+
+    from megatron_cegrpo.compat import precision as pr
+
+    cfg = SimpleNamespace(model=SimpleNamespace(bf16=True, params_dtype="fp32"), rollout=SimpleNamespace(dtype="fp32"))
+    monkeypatch.setattr(pr.torch.cuda, "is_available", lambda: False)
+    for amx, avx, flags in ((False, False, ""), (True, False, pr.BF16_FLAGS), (False, True, pr.BF16_FLAGS)):
+        monkeypatch.setattr(pr.torch.cpu, "_is_amx_tile_supported", lambda v=amx: v)
+        monkeypatch.setattr(pr.torch.cpu, "_is_avx512_bf16_supported", lambda v=avx: v)
+        assert pr.recommended_precision_flags() == flags
+        warning = pr.precision_warning(cfg)
+        assert (warning == "") == bool(flags)
+        if warning:
+            assert warning.startswith("warning: --bf16 on a CPU without AMX or AVX512-BF16") and "fix: drop" in warning
+    cfg.model.bf16 = False
+    assert pr.precision_warning(cfg) == ""  # fp32: nothing to say
+
+
+def test_matmul_speed_is_measured():
+    from megatron_cegrpo.compat.precision import matmul_gflops
+
+    assert matmul_gflops(torch.float32, seconds=0.01) > 0

@@ -32,6 +32,7 @@ from tqdm import tqdm
 
 from megatron_cegrpo.arguments import TrainConfig
 from megatron_cegrpo.checkpointing import is_save_iteration
+from megatron_cegrpo.compat.precision import precision_warning
 from megatron_cegrpo.initialize import DistContext
 from megatron_cegrpo.metrics import PhaseTimers, format_progress
 from megatron_cegrpo.models.stage import build_policy_stage
@@ -71,6 +72,9 @@ class GRPOTrainer:
                                     num_layers_in_last=p.decoder_last_pipeline_num_layers,
                                     pg_collection=ctx.pg_collection, with_reference=cfg.grpo.kl_coef > 0,
                                     keep_hf_state_dict=ctx.is_driver, tp_rank=ctx.tp_rank, tp_size=ctx.tp_size)
+        warning = precision_warning(cfg)  # bf16 on a host that emulates it
+        if warning:
+            self._log(warning)
         self.stage = StageWorker(cfg, ctx, policy)
         self.drift_probe = DriftProbe(self.stage)
         self.circuits: List[Circuit] = circuits_of(cfg, ctx, self.stage)

@@ -14,7 +14,7 @@ REPO = Path(__file__).resolve().parents[2]
 SHARED = ("--model", "--train-data", "--prompt-template", "--num-holdout", "--holdout-seed", "--max-new-tokens",
           "--eval-max-new-tokens", "--eval-batch-size", "--pipeline-model-parallel-size", "--micro-batch-size",
           "--rollout-batch-size", "--num-generations", "--temperature", "--lr", "--kl-coef", "--boundary-codec",
-          "--boundary-keep-ratio", "--anchor-ranks", "--seed", "--deepspeed_config")
+          "--boundary-keep-ratio", "--anchor-ranks", "--seed", "--deepspeed_config", "--bf16", "--rollout-dtype")
 
 
 def _flags(argv):
