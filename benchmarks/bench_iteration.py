@@ -4,8 +4,8 @@ Runs ``examples/run_smollm2_mawps.sh`` (SmolLM2-135M-Instruct, MAWPS, PP=2, exac
 anchor c = K = 4: ``make demo``'s configuration, held-out evaluations off) once per variant, one
 after the other, and prints each variant's median ``timing_s/step`` over all its iterations (the
 anchor's fire iterations included) and its phases, the ratio to the first variant, and the update
-pass's model TFLOP/s and utilisation against the bf16 matmul peak it measures first on all cores
-(``perf/mfu/actor``):
+pass's model TFLOP/s and utilisation against the matmul peak it measures first on all cores, in
+the variant's compute dtype (``perf/mfu/actor``):
 
   fp32-separate   fp32 weights and activations, the old-logprob pass of its own (the path before)
   fp32            fp32, old log-probs from the update pass
@@ -101,10 +101,12 @@ def main(argv=None) -> int:
     ap.add_argument("--port", type=int, default=29591)
     args = ap.parse_args(argv)
     work = args.work_dir or tempfile.mkdtemp(prefix="bench_iteration_")
-    peak = measure_peak_tflops("bf16")
-    print(f"[bench_iteration] bf16 matmul peak on {os.cpu_count()} cores: {peak:.3f} TFLOP/s "
-          f"(fp32: {measure_peak_tflops('fp32'):.3f})", flush=True)
-    res = {v: run_variant(v, args.iters, work, args.port + i, peak) for i, v in enumerate(args.variants)}
+    peaks = {d: measure_peak_tflops(d) for d in ("fp32", "bf16")}
+    print(f"[bench_iteration] matmul peak on {os.cpu_count()} cores: fp32 {peaks['fp32']:.4f} TFLOP/s, "
+          f"bf16 {peaks['bf16']:.4f}", flush=True)
+    res = {v: run_variant(v, args.iters, work, args.port + i, peaks["bf16" if "--bf16" in VARIANTS[v]["PRECISION_FLAGS"]
+                                                                      else "fp32"])
+           for i, v in enumerate(args.variants)}
     base = res[args.variants[0]]["step"]
     print(f"\nmedian seconds per iteration over {args.iters} iterations (fire iterations included); "
           f"ratio = step / {args.variants[0]}'s step")
