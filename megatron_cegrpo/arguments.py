@@ -367,8 +367,9 @@ class GRPOConfig:
         return self.rollout_batch_size * self.num_generations
 
     def validate(self) -> None:
-        """Batch sizes >= 1, clip ratios, a finite KL coefficient >= 0, and a KL estimator
-        and loss aggregation mode registered in ``grpo/core_algos.py``. Raises ConfigError."""
+        """Batch sizes >= 1, clip ratios, a finite KL coefficient >= 0, a KL estimator and loss
+        aggregation mode registered in ``grpo/core_algos.py``, ``--max-num-gen-batches`` in
+        [1, MAX_GEN_BATCHES] and ``--filter-groups`` only with groups of 2 or more. Raises ConfigError."""
         from megatron_cegrpo.grpo import core_algos as ca
 
         _check_int("--rollout-batch-size", self.rollout_batch_size, 1, "e.g. --rollout-batch-size 4 (prompts per iteration)")
