@@ -12,6 +12,7 @@
 #   pcaq:lrq               the best codec pair of issue 10 (docs/codecs.md: forward PCA basis +
 #                          quantised coefficients, backward low-rank), BEST_PAIR     first seed
 #   pcaq:lrq_anchor        the same pair + anchor: the best compressed arm            SEEDS
+#   <arm>_filter           any arm with --filter-groups (DAPO's dynamic sampling),   only in ARMS=
 #   <codec>, <codec>_anchor  every other registered codec (lowrank, ...)             first seed
 #
 # Every arm: same seed(s), same data order, same held-out rows (--holdout-seed), no KL, no
@@ -47,6 +48,7 @@ SAVE_INTERVAL=${SAVE_INTERVAL:-8}
 FIDELITY_INTERVAL=${FIDELITY_INTERVAL:-$(( TRAIN_ITERS / 4 > 0 ? TRAIN_ITERS / 4 : 1 ))}
 MASTER_PORT=${MASTER_PORT:-29571}
 KEEP_CKPT=${KEEP_CKPT:-0}
+MAX_GEN_BATCHES=${MAX_GEN_BATCHES:-4}  # the *_filter arms' bound
 
 # The learnable configuration (issue 11, "What to build" 1; docs/study.md says how it was chosen),
 # shared with `make demo`: TRAIN_DATA TEMPLATE NUM_HOLDOUT HOLDOUT_SEED MAX_NEW_TOKENS ... KL_COEF
@@ -66,9 +68,11 @@ if [[ -z "${ARMS:-}" ]]; then
 fi
 MULTI_SEED=${MULTI_SEED:-"dense mask_anchor ${BEST_PAIR}_anchor"}  # the control and the best compressed arms
 
-# arm -> "codec anchor_ranks extra flags..."
+# arm -> "codec anchor_ranks extra flags..."; ARM_filter: ARM with DAPO's dynamic sampling
+# (--filter-groups, at most MAX_GEN_BATCHES generation rounds an iteration; docs/dynamic_sampling.md)
 arm_spec() {
   case "$1" in
+    *_filter) echo "$(arm_spec "${1%_filter}") --filter-groups --max-num-gen-batches $MAX_GEN_BATCHES" ;;
     dense) echo "dense 0" ;;
     mask) echo "mask 0" ;;
     mask_anchor) echo "mask 1" ;;

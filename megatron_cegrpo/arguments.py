@@ -349,17 +349,27 @@ class GRPOConfig:
     recompute_old_log_prob: bool = option(False, "run the separate forward pass for the old log-probs even when an "
                                                  "iteration makes one optimizer step over its whole batch (there "
                                                  "the update pass's own detached log-probs are the same numbers)")
+    filter_groups: bool = option(False, "DAPO's dynamic sampling (verl filter_groups): drop the groups whose scores "
+                                        "are all equal and draw more prompts until --rollout-batch-size groups "
+                                        "with mixed scores are drawn, at most --max-num-gen-batches rounds")
+    max_num_gen_batches: int = option(4, "--filter-groups: generation rounds of --rollout-batch-size prompts an "
+                                         "iteration may draw (verl); short of mixed groups then, the newest tied "
+                                         "groups fill the batch")
 
     RESUME = ("rollout_batch_size", "num_generations", "global_batch_size", "ppo_epochs", "clip_ratio_low",
-              "clip_ratio_high", "kl_coef", "kl_loss_type", "loss_agg_mode", "norm_adv_by_std")
+              "clip_ratio_high", "kl_coef", "kl_loss_type", "loss_agg_mode", "norm_adv_by_std", "filter_groups",
+              "max_num_gen_batches")
+    #: the largest --max-num-gen-batches (grpo/dynamic_sampling.py: the round's generation seed)
+    MAX_GEN_BATCHES = 64
 
     @property
     def sequences_per_iteration(self) -> int:
         return self.rollout_batch_size * self.num_generations
 
     def validate(self) -> None:
-        """Batch sizes >= 1, clip ratios, a finite KL coefficient >= 0, and a KL estimator
-        and loss aggregation mode registered in ``grpo/core_algos.py``. Raises ConfigError."""
+        """Batch sizes >= 1, clip ratios, a finite KL coefficient >= 0, a KL estimator and loss
+        aggregation mode registered in ``grpo/core_algos.py``, ``--max-num-gen-batches`` in
+        [1, MAX_GEN_BATCHES] and ``--filter-groups`` only with groups of 2 or more. Raises ConfigError."""
         from megatron_cegrpo.grpo import core_algos as ca
 
         _check_int("--rollout-batch-size", self.rollout_batch_size, 1, "e.g. --rollout-batch-size 4 (prompts per iteration)")
@@ -378,6 +388,16 @@ class GRPOConfig:
         if not isinstance(self.norm_adv_by_std, bool):
             raise ConfigError(f"norm_adv_by_std must be True or False, got {self.norm_adv_by_std!r}; "
                               "fix: pass --no-norm-adv-by-std or leave it out")
+        if not isinstance(self.filter_groups, bool):
+            raise ConfigError(f"--filter-groups must be a boolean, got {self.filter_groups!r}; "
+                              "fix: pass --filter-groups or leave it out")
+        _check_int("--max-num-gen-batches", self.max_num_gen_batches, 1,
+                   "e.g. --max-num-gen-batches 4 (generation rounds per iteration; unbounded is not offered)",
+                   maximum=self.MAX_GEN_BATCHES)
+        if self.filter_groups and self.num_generations < 2:
+            raise ConfigError(f"--filter-groups with --num-generations {self.num_generations}: a group of one "
+                              "response is always tied, none would be kept; fix: --num-generations 2 or more, or "
+                              "drop --filter-groups")
         if self.num_generations < 2:
             warnings.warn(
                 "--num-generations 1: every group-normalised advantage is 0, nothing will be learned"
@@ -771,7 +791,8 @@ class TrainConfig:
         Each sub-config lists its fields in ``RESUME``. An option is left out where it has
         no effect: ``--min-lr`` and ``--train-iters`` with ``--lr-decay-style constant`` (so a
         constant-LR run may be resumed with a larger ``--train-iters`` to train longer),
-        ``--kl-loss-type`` with ``--kl-coef 0``, and the anchor settings with
+        ``--kl-loss-type`` with ``--kl-coef 0``, ``--max-num-gen-batches`` without
+        ``--filter-groups``, and the anchor settings with
         ``--anchor-ranks 0``. ``--global-batch-size`` and ``--holdout-seed`` are recorded as
         their effective values,
         ``--no-norm-adv-by-std`` as whether it is given.
@@ -781,6 +802,8 @@ class TrainConfig:
             skip |= {("optim", "min_lr"), ("optim", "train_iters")}
         if self.grpo.kl_coef == 0:
             skip.add(("grpo", "kl_loss_type"))
+        if not self.grpo.filter_groups:
+            skip.add(("grpo", "max_num_gen_batches"))
         if self.anchor.anchor_ranks == 0:
             skip |= {("anchor", n) for n in AnchorConfig.RESUME if n != "anchor_ranks"}
         out: Dict[str, Any] = {}

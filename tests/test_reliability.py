@@ -471,6 +471,14 @@ CASES = [
          "circuit alone", launch=2,
          doc_input="deepspeed --num_gpus 2 megatron_cegrpo/train.py --pipeline-model-parallel-size 2 "
                    "(anchor on by default: needs 3)"),
+    # --- flags added later (kept at the end: the table's numbers stay) ---
+    Case("max-num-gen-batches-zero", "flag", ["--filter-groups", "--max-num-gen-batches", "0"],
+         "--max-num-gen-batches must be an integer in [1, 64], got 0; fix: e.g. --max-num-gen-batches 4 "
+         "(generation rounds per iteration; unbounded is not offered)"),
+    Case("filter-groups-one-response", "flag", ["--filter-groups", "--num-generations", "1", "--micro-batch-size",
+                                                "2"],
+         "--filter-groups with --num-generations 1: a group of one response is always tied, none would be kept; "
+         "fix: --num-generations 2 or more, or drop --filter-groups"),
 ]
 
 

@@ -26,6 +26,7 @@ import torch
 __all__ = [
     "TIE_RTOL_EPS",
     "compute_grpo_outcome_advantage",
+    "tied_groups",
     "logprobs_from_logits",
     "entropy_from_logits",
     "kl_penalty",
@@ -119,12 +120,40 @@ def compute_grpo_outcome_advantage(
         else:
             std = grouped.std(dim=1, keepdim=True)
         centred = centred / (std + epsilon)
+    centred = centred.masked_fill(_tied_rows(grouped), 0.0)
+    return centred.reshape(-1).to(out_dtype)
+
+
+def _tied_rows(grouped: torch.Tensor) -> torch.Tensor:
+    """bool [groups, 1]: the rows of ``grouped`` [groups, G] (fp32 or fp64) that are tied, i.e.
+    span at most ``TIE_RTOL_EPS`` units of the dtype's epsilon relative to their magnitude."""
     hi = grouped.amax(dim=1, keepdim=True)
     lo = grouped.amin(dim=1, keepdim=True)
-    tol = TIE_RTOL_EPS * torch.finfo(work.dtype).eps
-    tied = (hi - lo) <= tol * torch.maximum(hi.abs(), lo.abs())
-    centred = centred.masked_fill(tied, 0.0)
-    return centred.reshape(-1).to(out_dtype)
+    tol = TIE_RTOL_EPS * torch.finfo(grouped.dtype).eps
+    return (hi - lo) <= tol * torch.maximum(hi.abs(), lo.abs())
+
+
+def tied_groups(scores: torch.Tensor, group_size: int) -> torch.Tensor:
+    """bool [b / group_size]: True for each group whose scores are tied, the groups to which
+    :func:`compute_grpo_outcome_advantage` gives advantage 0 (the same rule, with or without
+    the std division). DAPO's dynamic sampling (Yu et al. 2025, section 3.2; verl's
+    ``filter_groups``, std > 0) keeps the others, here ``grpo/dynamic_sampling.py``.
+
+    Args:
+        scores: tensor [b], grouped contiguously as for the advantage; finite values.
+        group_size: G >= 1 (every group of one is tied).
+    Raises:
+        ValueError: group_size < 1 or b not a multiple of it.
+    """
+    if group_size < 1:
+        raise ValueError(f"group_size must be >= 1, got {group_size}")
+    if scores.dim() != 1 or scores.numel() % group_size:
+        raise ValueError(
+            f"scores must be 1-D with a length divisible by group_size={group_size}; "
+            f"got shape {tuple(scores.shape)}"
+        )
+    work = scores if scores.dtype in (torch.float32, torch.float64) else scores.float()
+    return _tied_rows(work.reshape(-1, group_size)).reshape(-1)
 
 
 def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -16,12 +16,13 @@ from megatron_cegrpo.data import PromptSampler, build_prompt, load_train_split, 
 from megatron_cegrpo.evaluation import evaluate_detailed, load_eval_datasets, parse_dataset_specs, write_eval_rows
 from megatron_cegrpo.grpo import core_algos as ca
 from megatron_cegrpo.grpo.batch import pack_rollouts
+from megatron_cegrpo.grpo.dynamic_sampling import enough_mixed, round_seed, select_groups
 from megatron_cegrpo.metrics import build_writers, truncate_metrics
 from megatron_cegrpo.models import load_tokenizer, megatron_to_hf
 from megatron_cegrpo.models.stage import PolicyStage
 from megatron_cegrpo.rewards import get_verifier, score_responses
 from megatron_cegrpo.rewards.custom import load_custom_reward_function
-from megatron_cegrpo.rollout.base import get_rollout_engine
+from megatron_cegrpo.rollout.base import RolloutOutput, get_rollout_engine
 
 __all__ = ["Driver", "log"]
 
@@ -65,6 +66,7 @@ class Driver:
                 f"{cfg.rollout.max_prompt_length} tokens")
         self.train_records, self.holdout_records = kept, split.holdout
         self.sampler = PromptSampler(len(kept), cfg.grpo.rollout_batch_size, cfg.optim.seed)
+        self._rollout_metrics: Dict[str, float] = {}  # --filter-groups: the last batch's (rollout_metrics)
         # training reward: the data set's verifier or a custom function; evaluation: the verifier
         custom = load_custom_reward_function(d.custom_reward_function) if d.custom_reward_function else None
         self.get_reward_fn = (lambda _name: custom) if custom is not None else get_verifier
@@ -92,24 +94,66 @@ class Driver:
     # ------------------------------------------------------------------ steps 1-3
     def generate_and_score(self, t: int, timers) -> Dict[str, torch.Tensor]:
         """Draw B prompts, generate G responses each with the dense sampler, score them,
-        group-normalise the advantages and pack the batch (``grpo/batch.py``)."""
+        group-normalise the advantages and pack the batch (``grpo/batch.py``).
+
+        With ``--filter-groups`` (DAPO's dynamic sampling, ``grpo/dynamic_sampling.py``): rounds
+        of B more prompts until B groups with mixed scores are drawn or ``--max-num-gen-batches``
+        rounds were; the batch is B of the groups drawn (:meth:`rollout_metrics` says which)."""
+        if not self.cfg.grpo.filter_groups:
+            idx = self.sampler.next_batch()
+            out, scores = self._generate_round(idx, t, 0, timers)
+            return self._pack(out, scores, timers)
+        B, G = self.cfg.grpo.rollout_batch_size, self.cfg.grpo.num_generations
+        rounds, tied = [], []
+        while not enough_mixed(tied, B) and len(rounds) < self.cfg.grpo.max_num_gen_batches:
+            out, scores = self._generate_round(self.sampler.next_batch(), t, len(rounds), timers)
+            rounds.append((out, scores))
+            tied.append(ca.tied_groups(scores, G))
+        sel = select_groups(tied, B)
+        rows = [(r, g * G + j) for r, g in sel.groups for j in range(G)]
+        out = RolloutOutput(*([getattr(rounds[r][0], k)[i] for r, i in rows]
+                              for k in ("prompt_ids", "response_ids", "response_logprobs", "texts")),
+                            finished=torch.stack([rounds[r][0].finished[i] for r, i in rows]))
+        scores = torch.stack([rounds[r][1][i] for r, i in rows])
+        self._rollout_metrics = sel.metrics()
+        self._rollout_metrics["batch/kept_groups"] = int((~ca.tied_groups(scores, G)).sum())  # of the batch itself
+        if sel.filled_with_tied:
+            log(f"iteration {t}: {sel.kept} groups of {B} with mixed scores after {sel.rounds} generation rounds "
+                f"(--max-num-gen-batches); {sel.filled_with_tied} tied groups fill the batch")
+        return self._pack(out, scores, timers)
+
+    def _generate_round(self, idx: List[int], t: int, r: int, timers):
+        """Generation round ``r`` of iteration ``t``: G responses to each prompt of ``idx``, scored.
+        Returns (the RolloutOutput, fp32 scores [len(idx) * G])."""
         cfg, G = self.cfg, self.cfg.grpo.num_generations
         with timers.phase("gen"):
-            idx = self.sampler.next_batch()
             prompts = [self.prompt_ids[i] for i in idx for _ in range(G)]
             with all_cores():
                 out = self.rollout.generate(prompts, max_new_tokens=cfg.rollout.max_new_tokens,
                                             temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
-                                            generator_seed=cfg.optim.seed * 1_000_003 + t)
+                                            generator_seed=round_seed(cfg.optim.seed, t, r))
         with timers.phase("reward"):
             recs = [self.train_records[i] for i in idx for _ in range(G)]
             scores = score_responses(self.get_reward_fn, cfg.data.custom_reward_function, recs, out.texts)
-            adv = ca.compute_grpo_outcome_advantage(scores, G, norm_adv_by_std=cfg.grpo.norm_adv_by_std)
+        return out, scores
+
+    def _pack(self, out, scores: torch.Tensor, timers) -> Dict[str, torch.Tensor]:
+        """Group-normalised advantages of ``scores`` and the packed batch of ``out``."""
+        with timers.phase("reward"):
+            adv = ca.compute_grpo_outcome_advantage(scores, self.cfg.grpo.num_generations,
+                                                    norm_adv_by_std=self.cfg.grpo.norm_adv_by_std)
         batch = pack_rollouts(out.prompt_ids, out.response_ids, out.response_logprobs, scores, adv,
                               pad_token_id=self.rollout.pad_token_id,
                               max_seq_length=int(self.hf_config.max_position_embeddings))
         batch["finished"] = out.finished.float()
         return batch
+
+    def rollout_metrics(self) -> Dict[str, float]:
+        """The last batch's ``batch/*`` metrics of ``--filter-groups`` (empty without it):
+        ``batch/num_gen_batches`` (rounds drawn), ``batch/kept_groups`` (groups of the batch with
+        mixed scores), ``batch/filled_with_tied`` (tied groups of the batch: the bound was hit),
+        ``batch/tied_groups_dropped``, ``batch/mixed_groups_unused`` (drawn, left out)."""
+        return dict(self._rollout_metrics)
 
     @staticmethod
     def batch_metrics(batch: Dict[str, torch.Tensor]) -> Dict[str, float]:

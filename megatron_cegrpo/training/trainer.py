@@ -2,7 +2,8 @@
 
 One iteration t, each phase in a named timer (``timing_s/<phase>``):
   gen, reward   the driver draws prompts, the dense sampler generates G responses each, the
-                verifier scores them; group-normalised advantages        (driver.py)
+                verifier scores them; group-normalised advantages        (driver.py); with
+                --filter-groups more rounds until B groups have mixed scores (bounded)
   broadcast     the packed batch goes to every stage; each stage starts deriving the
                 iteration's boundary masks on a background thread (pipeline/prefetch.py)
   anchor        a correction circuit sees the batch (circuit.py; none without an anchor)
@@ -240,7 +241,8 @@ class GRPOTrainer:
             dist.gather_object(local, gathered, dst=dist.get_global_rank(ctx.pp_group, 0), group=ctx.pp_group)
         if self.driver is None:
             return None
-        m = {"step": t, **Driver.batch_metrics(batch), **obj[0], **self.reducer.reduce(gathered)}
+        m = {"step": t, **Driver.batch_metrics(batch), **self.driver.rollout_metrics(), **obj[0],
+             **self.reducer.reduce(gathered)}
         for c in self.circuits:
             m.update(c.driver_metrics())
         m.update(self.stage.gatherer.metrics())

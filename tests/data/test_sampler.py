@@ -67,3 +67,19 @@ def test_load_state_rejects_mismatch():
         PromptSampler(10, 2, seed=2).load_state_dict(state)
     with pytest.raises(ValueError, match="position"):
         PromptSampler(10, 2, seed=1).load_state_dict({"epoch": 0, "position": 10, "seed": 1})
+
+
+def test_resume_after_extra_draws_continues_the_same_prompt_order():
+    """--filter-groups draws a varying number of batches per iteration; the state after any
+    number of draws resumes the uninterrupted order (the sampler's part of a bit-exact resume)."""
+    draws_per_iteration = [1, 3, 2, 4, 1]
+    straight = PromptSampler(num_records=9, batch_size=4, seed=7)
+    expected = [straight.next_batch() for _ in range(sum(draws_per_iteration))]
+    s = PromptSampler(num_records=9, batch_size=4, seed=7)
+    got = []
+    for n in draws_per_iteration:  # a checkpoint after every iteration, resumed by a fresh sampler
+        got += [s.next_batch() for _ in range(n)]
+        state = s.state_dict()
+        s = PromptSampler(num_records=9, batch_size=4, seed=7)
+        s.load_state_dict(state)
+    assert got == expected
