@@ -526,8 +526,12 @@ class CodecConfig:
     lowrank_q_owner: str = option("fast", "who refreshes the lowrank codec's basis Q: the sending stage every "
                                           "iteration (fast, Q shipped and metered) or the anchor at its fires "
                                           "(anchor)", choices=("fast", "anchor"))
+    dense_step_interval: int = option(0, "every N-th iteration (t divisible by N) runs all its passes with dense "
+                                         "boundaries and no sign blend: a clean step, billed as real boundary "
+                                         "bytes (docs/dense_steps.md; 0: never)")
 
-    RESUME = ()  # compared as meta["codec"] by checkpointing.check_compatible (the owner by the codec's state)
+    # the codec itself is compared as meta["codec"] by checkpointing.check_compatible (the owner by its state)
+    RESUME = ("dense_step_interval",)
 
     def validate(self) -> None:
         """A keep ratio in (0, 1], a known lowrank basis owner and a spec that
@@ -544,6 +548,8 @@ class CodecConfig:
             raise ConfigError(f"--boundary-codec {self.boundary_codec!r}: {one_line(e)}; fix: e.g. "
                               "--boundary-codec mask, or --boundary-codec pcaq:lrq") from None
         _check_choice("--lowrank-q-owner", self.lowrank_q_owner, ("fast", "anchor"))
+        _check_int("--dense-step-interval", self.dense_step_interval, 0,
+                   "e.g. --dense-step-interval 20 (a dense step every 20 iterations), or 0 for none")
 
 
 @dataclass
@@ -623,6 +629,9 @@ class AnchorConfig:
     anchor_forecast: str = option("secant", "the forecast: secant of the two newest checkpoints or a "
                                             "least-squares fit (lsq)", choices=("secant", "lsq"))
     anchor_forecast_points: int = option(4, "checkpoints in the least-squares fit (--anchor-forecast lsq)")
+    anchor_forecast_damping: float = option(1.0, "D, scales the secant's step: theta(s1) + D (t - s1)/(s1 - s0) "
+                                                 "(theta(s1) - theta(s0)) (1: the plain secant; the seeds' EXP-42: "
+                                                 "~0.53; anchor/forecast.py)")
     anchor_ema_decay: float = option(0.25, "a in M <- a M + (1 - a) G_anc")
     sign_blend_alpha: float = option(0.25, "alpha in G = alpha G_comp + beta |G_comp| sign(M)")
     sign_blend_beta: float = option(0.75, "beta in G = alpha G_comp + beta |G_comp| sign(M)")
@@ -652,7 +661,7 @@ class AnchorConfig:
     # everything but anchor_ranks only matters with an anchor (TrainConfig.resume_options)
     RESUME = ("anchor_ranks", "anchor_interval", "anchor_delay", "anchor_replay", "anchor_forecast",
               "anchor_forecast_points", "anchor_ema_decay", "sign_blend_alpha", "sign_blend_beta",
-              "sign_blend_magnitude", "sign_fold", "anchor_apply")
+              "sign_blend_magnitude", "sign_fold", "anchor_apply", "anchor_forecast_damping")
 
     def validate(self) -> None:
         """0 or 1 anchor rank, c >= 1, K a positive multiple of c (with an anchor), the EMA decay
@@ -672,6 +681,13 @@ class AnchorConfig:
                                    ("--anchor-ship", self.anchor_ship, ("fp32", "bf16-delta"))):
             _check_choice(flag, value, valid)
         _check_int("--anchor-forecast-points", self.anchor_forecast_points, 2, "e.g. --anchor-forecast-points 4")
+        _check_float("--anchor-forecast-damping", self.anchor_forecast_damping,
+                     "e.g. --anchor-forecast-damping 0.53, or 1 for the plain secant", low=0.0)
+        if self.anchor_forecast_damping != 1.0 and (self.anchor_replay, self.anchor_forecast) != ("forecast", "secant"):
+            raise ConfigError(f"--anchor-forecast-damping {self.anchor_forecast_damping:g} scales the secant "
+                              f"forecast's step, but this run replays with --anchor-replay {self.anchor_replay} "
+                              f"--anchor-forecast {self.anchor_forecast}; fix: drop --anchor-forecast-damping or use "
+                              "--anchor-replay forecast --anchor-forecast secant")
         _check_int("--anchor-nice", self.anchor_nice, 0, "e.g. --anchor-nice 10 (0: the stages' priority)", maximum=19)
         _check_float("--sign-blend-alpha", self.sign_blend_alpha, "e.g. --sign-blend-alpha 0.25", low=0.0)
         _check_float("--sign-blend-beta", self.sign_blend_beta, "e.g. --sign-blend-beta 0.75", low=0.0)
@@ -858,6 +874,7 @@ class TrainConfig:
                 "--grad-fidelity-interval or run with --pipeline-model-parallel-size >= 2"
             )
         self._validate_codec()
+        self._validate_dense_steps()
         self._validate_tensor_parallel()
         if world_size is not None:
             self._validate_data_parallel(world_size)
@@ -937,6 +954,22 @@ class TrainConfig:
                     f"--boundary-codec {c.boundary_codec} cannot split its payloads over the {tp} TP ranks; fix: "
                     "pass --boundary-codec mask")
             raise ConfigError(what + ", or --tensor-model-parallel-size 1")
+
+    def _validate_dense_steps(self) -> None:
+        """``--dense-step-interval`` needs a boundary to make dense (PP >= 2) and, with an anchor that
+        folds a sign only on its fire step, fires that are not all dense steps (a dense step blends no
+        sign). Raises ConfigError."""
+        n, a = self.codec.dense_step_interval, self.anchor
+        if n and self.parallel.pipeline_model_parallel_size == 1:
+            raise ConfigError(f"--dense-step-interval {n} makes nothing dense with --pipeline-model-parallel-size 1 "
+                              "(no stage boundary is compressed); fix: drop --dense-step-interval or run with "
+                              "--pipeline-model-parallel-size >= 2")
+        if (n and a.anchor_ranks and a.sign_fold == "fire-only" and a.anchor_apply == "fire-step"
+                and a.anchor_interval % n == 0):
+            raise ConfigError(f"--dense-step-interval {n} divides --anchor-interval {a.anchor_interval}: every fire "
+                              "is a dense step, which blends no sign, and --sign-fold fire-only drops the sign after "
+                              "it, so the anchor would never correct a step; fix: a --dense-step-interval that does "
+                              "not divide the anchor interval, or --sign-fold every-step")
 
     def _validate_codec(self) -> None:
         """An anchor-owned lowrank basis needs an anchor. Raises ConfigError."""

@@ -19,7 +19,7 @@ from typing import Dict, List, Optional
 import torch
 
 from megatron_cegrpo.anchor.basis import AnchorBasis
-from megatron_cegrpo.anchor.forecast import get_forecast
+from megatron_cegrpo.anchor.forecast import forecast_error, get_forecast
 from megatron_cegrpo.anchor.memory import AnchorMemory
 from megatron_cegrpo.anchor.ring import CheckpointRing
 from megatron_cegrpo.anchor.shipment import ShipmentDecoder
@@ -67,13 +67,15 @@ class AnchorWorker:
         self.params = dict(model.named_parameters())
         self.ring = CheckpointRing(capacity=ring_capacity(self.a), delay=self.a.anchor_delay)
         self.memory = AnchorMemory([(n, p.shape) for n, p in self.params.items()], decay=self.a.anchor_ema_decay)
-        opts = {"n_points": self.a.anchor_forecast_points} if self.a.anchor_forecast == "lsq" else {}
+        opts = ({"n_points": self.a.anchor_forecast_points} if self.a.anchor_forecast == "lsq"
+                else {"damping": self.a.anchor_forecast_damping})
         name = "matching" if self.a.anchor_replay == "matching" else self.a.anchor_forecast
         self.forecast = get_forecast(name, **opts)
         self.batches: Dict[int, dict] = {}  # iteration -> replayable batch
         self.bytes_in = self.bytes_out = 0
         self.num_replayed_sequences = 0  # sequences through the dense forward + backward, this run
         self.last_stats: Optional[dict] = None  # the newest fire's statistics (sent again after a resume)
+        self.forecast_errors: Dict[int, float] = {}  # fire step -> anchor/forecast_error, until reported
         self.dump_dir = self.a.anchor_debug_dir
         self._pending: List[list] = []  # isends in flight (the trainer may take its sign later)
         # names/shapes of every stage, in each stage's parameter order (sent once by the stages)
@@ -140,7 +142,25 @@ class AnchorWorker:
                 theta.setdefault(g, tensor.clone())  # the tied copy equals the embedding
         missing = set(self.params) - set(theta)
         assert not missing, f"checkpoint lacks {sorted(missing)[:4]}"
+        self._score_forecast(s, theta)
         self.ring.put(s, theta)
+
+    def _score_forecast(self, s: int, theta: Dict[str, torch.Tensor]) -> None:
+        """``anchor/forecast_error`` of the fire at ``s`` (``anchor/forecast.py:forecast_error``), now
+        that its true weights theta(s) have arrived: the fire's forecast is computed again (the ring
+        holds what it held at that fire: nothing is put between a fire and the next shipment, and a
+        resumed anchor restores the ring), and the ratio waits in ``forecast_errors`` for the fire
+        at s + K, the first whose no-peek horizon covers theta(s). Only forecasts proper are scored
+        (the fallback and matching replays are theta(s1) itself: 1.0 by definition)."""
+        c, K = self.a.anchor_interval, self.a.anchor_delay
+        if s < c or not is_fire_step(s, c) or self.a.anchor_replay != "forecast":
+            return
+        res = self.forecast(self.ring, s, K, c)
+        if res is None or res.branch != "forecast":
+            return
+        err = forecast_error(res.weights, self.ring.read(max(res.source_steps), s), theta)
+        if err is not None:
+            self.forecast_errors[s] = err
 
     def _receive_batch(self, t: int) -> None:
         batch, n = recv_object(self.stage_ranks[0], TAG_BATCH, self.group)
@@ -169,6 +189,12 @@ class AnchorWorker:
                 torch.save({"t": t, "weights": res.weights, "batch": batch, "grads": grads,
                             "signs": self.memory.signs(), "branch": res.branch},
                            os.path.join(self.dump_dir, f"anchor_fire_{t:05d}.pt"))
+        scored = sorted(s for s in self.forecast_errors if s <= t - K)
+        if scored:  # the newest forecast whose true weights the anchor may read now (s = t - K on schedule)
+            stats.update({"anchor/forecast_error": self.forecast_errors[scored[-1]],
+                          "anchor/forecast_error_step": scored[-1]})
+            for s in scored:
+                del self.forecast_errors[s]
         has = self.memory.is_set
         stats.update({
             "anchor/m_norm": self.memory.norm() if has else 0.0,
@@ -256,6 +282,7 @@ class AnchorWorker:
         return {"ring": self.ring.state_dict(), "memory": self.memory.state_dict(),
                 "batches": self.batches, "bytes_in": self.bytes_in, "bytes_out": self.bytes_out,
                 "last_stats": self.last_stats, "num_replayed_sequences": self.num_replayed_sequences,
+                "forecast_errors": dict(self.forecast_errors),
                 "basis": self.basis.state_dict() if self.basis is not None else None}
 
     def load_state_dict(self, state: dict) -> None:
@@ -265,6 +292,7 @@ class AnchorWorker:
         self.bytes_in, self.bytes_out = state["bytes_in"], state["bytes_out"]
         self.last_stats = state.get("last_stats")  # absent in checkpoints written before it existed
         self.num_replayed_sequences = state.get("num_replayed_sequences", 0)
+        self.forecast_errors = {int(s): float(e) for s, e in state.get("forecast_errors", {}).items()}
         if self.basis is not None and state.get("basis") is not None:
             self.basis.load_state_dict(state["basis"])
 

@@ -36,6 +36,7 @@ class ByteMeter:
         comm/basis_bytes                    of comm/fwd_bytes: bases shipped by the sender
                                             (``add_basis``; lowrank with a fast-owned basis)
         comm/total_wire_bytes               cumulative wire bytes since creation/restore
+        comm/total_dense_equiv_bytes        cumulative dense-equivalent bytes, the same span
 
     ``state_dict()`` holds the cumulative totals (``comm/total_wire_bytes``,
     ``comm/total_dense_equiv_bytes``) so they survive a checkpoint.
@@ -100,6 +101,7 @@ class ByteMeter:
             out[f"comm/boundary_{i}/fwd_bytes"] = self._per_boundary[i]["fwd"]
             out[f"comm/boundary_{i}/bwd_bytes"] = self._per_boundary[i]["bwd"]
         out["comm/total_wire_bytes"] = self._total_wire
+        out["comm/total_dense_equiv_bytes"] = self._total_dense
         self._reset_interval()
         return out
 

@@ -83,6 +83,7 @@ class StageWorker:
         self.optimizer = build_optimizer(self.params, cfg.optim)  # a cache without grad is never stepped
         self.scheduler = build_lr_scheduler(self.optimizer, cfg.optim)
         self.corrections: List[_PreStep] = []
+        self.dense_step = False  # set during a dense step (training/dense_step.py): no corrections, no error
         norm_group = ctx.pg_collection.mp if ctx.tp_size > 1 else ctx.pp_group if ctx.pp_size > 1 else None
         self.clip = GradClipHook(self.params, [p for p in self.params if not self.is_duplicate_tied_weight(p)
                                                and self.is_counted_on_tp_rank(p)],
@@ -128,7 +129,7 @@ class StageWorker:
         self.corrections.append(hook)
 
     def _pre_step(self, optimizer, args, kwargs) -> None:
-        for hook in self.corrections:
+        for hook in [] if self.dense_step else self.corrections:  # a dense gradient needs no correction
             hook(optimizer, args, kwargs)
         self.clip(optimizer, args, kwargs)
 
@@ -258,7 +259,8 @@ class StageWorker:
 
     def _tracking_error(self):
         """The codec update passes record their forward boundary error (``codec/error_persistence``)."""
-        return self.comm.tracking_error(self.error_tracker) if self.comm is not None else contextlib.nullcontext()
+        return (self.comm.tracking_error(self.error_tracker) if self.comm is not None and not self.dense_step
+                else contextlib.nullcontext())
 
     def _step(self, t: int) -> float:
         skipped = self.clip.num_skipped
@@ -343,6 +345,10 @@ def _weight_change(m: Dict) -> Dict[str, float]:
 
 
 def boundary_bytes_ratio(m: Dict) -> Dict[str, float]:
-    """``comm/bytes_ratio`` = boundary wire bytes (both directions) / their dense size."""
-    dense = m.get("comm/dense_equiv_bytes", 0)
-    return {"comm/bytes_ratio": (m.get("comm/fwd_bytes", 0) + m.get("comm/bwd_bytes", 0)) / dense if dense else 0.0}
+    """``comm/bytes_ratio`` = this iteration's boundary wire bytes (both directions) / their dense
+    size; ``comm/avg_boundary_ratio`` = the same over the run so far (the meters' cumulative
+    ``comm/total_wire_bytes`` / ``comm/total_dense_equiv_bytes``, checkpointed, so a resumed run
+    continues the average), dense steps included (training/dense_step.py). 0.0 without traffic."""
+    dense, total = m.get("comm/dense_equiv_bytes", 0), m.get("comm/total_dense_equiv_bytes", 0)
+    return {"comm/bytes_ratio": (m.get("comm/fwd_bytes", 0) + m.get("comm/bwd_bytes", 0)) / dense if dense else 0.0,
+            "comm/avg_boundary_ratio": m.get("comm/total_wire_bytes", 0) / total if total else 0.0}

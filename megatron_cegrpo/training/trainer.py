@@ -18,6 +18,8 @@ One iteration t, each phase in a named timer (``timing_s/<phase>``):
   update        megatron-core 1F1B forward+backward per mini-batch, optimizer step
                 (pre-step: the circuits' corrections, then global-norm clipping)
   sync          stage weights -> the driver's sampler
+every --dense-step-interval-th iteration the passes from old_log_prob to update run with dense
+boundaries and no correction (a dense step, dense_step.py; ``comm/dense_step`` 1);
 then metrics (reduced over the stages by declared rules, reduce.py) and, on the save
 cadence, a checkpoint (checkpointer.py).
 """
@@ -41,6 +43,7 @@ from megatron_cegrpo.grpo.batch import replica_rows
 from megatron_cegrpo.pipeline.broadcast import broadcast_metered, scatter_metered
 from megatron_cegrpo.training.checkpointer import Checkpointer, RNGState
 from megatron_cegrpo.training.circuit import Circuit, circuits_of
+from megatron_cegrpo.training.dense_step import DenseSteps
 from megatron_cegrpo.training.driver import Driver, log
 from megatron_cegrpo.training.drift_probe import DriftProbe
 from megatron_cegrpo.training.fidelity import GradFidelityProbe
@@ -77,7 +80,7 @@ class GRPOTrainer:
         if warning:
             self._log(warning)
         self.stage = StageWorker(cfg, ctx, policy)
-        self.drift_probe = DriftProbe(self.stage)
+        self.drift_probe, self.dense_steps = DriftProbe(self.stage), DenseSteps(cfg.codec.dense_step_interval, self.stage)
         self.circuits: List[Circuit] = circuits_of(cfg, ctx, self.stage)
         self.reducer = StageMetricsReducer()
         self.stage.declare_metrics(self.reducer)
@@ -144,31 +147,33 @@ class GRPOTrainer:
         t = self.iteration + 1
         t_start = time.perf_counter()
         full, batch = self.rollout(t)  # the whole batch (driver only) and this replica's share
-        stage.prefetch_codec(batch, t)  # masks of this iteration, on a background thread
+        if not self.dense_steps.is_dense(t):  # masks of this iteration, on a background thread
+            stage.prefetch_codec(batch, t)
         for c in self.circuits:
             with timers.phase(c.phase):
                 c.after_rollout(t, full if full is not None else batch)
-        stats = {}
-        if not self.cfg.old_log_prob_from_update:  # else the update pass's own (stage.update)
-            with timers.phase("old_log_prob"):
-                stats = stage.old_log_prob(batch, t)
-        if stage.ref_model is not None:
-            with timers.phase("ref"):
-                stage.ref_log_prob(batch, t)
-        probe = self.cfg.logging.drift_probe_interval
-        probed = bool(probe and t % probe == 0 and stage.comm is not None)
-        if probed:
-            with timers.phase("probe"):
-                self.drift_probe.run(batch, t)
-        every = self.cfg.logging.grad_fidelity_interval
-        fid = self.fidelity if every and t % every == 0 else None
-        if fid is not None:
-            with timers.phase("fidelity"):
-                fid.prepare(batch, t)
-        with timers.phase("update"):  # includes the probe's dense forward+backward when probed
-            for c in self.circuits:
-                c.before_optimizer_step(t, timers)
-            stats.update(stage.update(batch, t, probe=fid))
+        with self.dense_steps.iteration(t):  # a dense step: dense boundaries, no correction (dense_step.py)
+            stats = {}
+            if not self.cfg.old_log_prob_from_update:  # else the update pass's own (stage.update)
+                with timers.phase("old_log_prob"):
+                    stats = stage.old_log_prob(batch, t)
+            if stage.ref_model is not None:
+                with timers.phase("ref"):
+                    stage.ref_log_prob(batch, t)
+            probe = self.cfg.logging.drift_probe_interval
+            probed = bool(probe and t % probe == 0 and stage.comm is not None)
+            if probed:
+                with timers.phase("probe"):
+                    self.drift_probe.run(batch, t)
+            every = self.cfg.logging.grad_fidelity_interval
+            fid = self.fidelity if every and t % every == 0 else None
+            if fid is not None:
+                with timers.phase("fidelity"):
+                    fid.prepare(batch, t)
+            with timers.phase("update"):  # includes the probe's dense forward+backward when probed
+                for c in self.circuits:
+                    c.before_optimizer_step(t, timers)
+                stats.update(stage.update(batch, t, probe=fid))
         if probed:  # beside the compressed view's old log-probs, which may come from the update
             stats.update(self.drift_probe.metrics(batch))
         with timers.phase("sync"):
@@ -246,7 +251,7 @@ class GRPOTrainer:
         for c in self.circuits:
             m.update(c.driver_metrics())
         m.update(self.stage.gatherer.metrics())
-        m["comm/batch_bytes"] = self._batch_bytes
+        m["comm/batch_bytes"], m["comm/dense_step"] = self._batch_bytes, int(self.dense_steps.is_dense(t))
         m.update(whole_step_ledger(m))
         m.update(self.timers.snapshot_and_reset())
         m["timing_s/step"] = seconds

@@ -7,6 +7,7 @@ c = K = 2 over 6 iterations: fires at 2 (fallback: only theta(0) is old enough),
 - on every fire step each stage's optimizer consumed G = 0.25 G_comp + 0.75 |G_comp| sign(M)
   with exactly the anchor's sign(M) for that stage's parameters;
 - no-peek violations 0, staleness K, the replayed-sequence count, bytes per fire = 1 bit a parameter;
+- ``anchor/forecast_error`` of fire 4, logged at fire 6, against the dumped forecasts;
 - the shipments (an fp32 keyframe, then bf16 deltas: 2 bytes a parameter) and the whole-step
   ledger (every part's bytes, totals = sums of the parts) byte for byte.
 """
@@ -85,6 +86,7 @@ def test_anchor_gradient_signs_and_correction(tmp_path):
         assert numel // 8 + header <= m["anchor/bytes_out"] <= (numel + 7) // 8 + len(metas) + header + 4096
 
     _check_ledger(metrics, metas)
+    _check_forecast_error(fires, dump)
 
     for t in (2, 4, 6):
         a = torch.load(dump / f"anchor_fire_{t:05d}.pt", weights_only=True)
@@ -103,6 +105,23 @@ def test_anchor_gradient_signs_and_correction(tmp_path):
                 gname = global_param_name(name, meta["layer_offset"], meta["tied_output"])
                 assert torch.equal(sign, a["signs"][gname]), name
                 torch.testing.assert_close(g, 0.25 * g_comp + 0.75 * g_comp.abs() * sign, rtol=0, atol=0)
+
+
+def _check_forecast_error(fires, dump):
+    """``anchor/forecast_error`` (issue 31 item 4): fire 4's forecast, scored when theta(4) arrived,
+    logged at fire 6 = 4 + K. The true weights come back from the dumped forecasts (h = 1 at
+    c = K = 2): fire 2 replays theta(0), fire 4 theta(2) + (theta(2) - theta(0)), fire 6
+    theta(4) + (theta(4) - theta(2))."""
+    assert [("anchor/forecast_error" in m) for m in fires] == [False, False, True]
+    assert fires[2]["anchor/forecast_error_step"] == 4
+    f = {t: torch.load(dump / f"anchor_fire_{t:05d}.pt", weights_only=True)["weights"] for t in (2, 4, 6)}
+    num = den = 0.0
+    for k, theta0 in f[2].items():
+        theta2 = (f[4][k].double() + theta0.double()) / 2
+        theta4 = (f[6][k].double() + theta2) / 2
+        num += float((f[4][k].double() - theta4).square().sum())
+        den += float((theta2 - theta4).square().sum())
+    assert abs(fires[2]["anchor/forecast_error"] - (num / den) ** 0.5) < 1e-2 * (num / den) ** 0.5
 
 
 def _numel(meta):
