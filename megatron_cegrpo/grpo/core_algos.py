@@ -15,16 +15,21 @@ Sources:
   2017 (PPO) eq. (7); Yu et al. 2025 (DAPO) "clip-higher".
 - k3 KL estimator: J. Schulman, "Approximating KL Divergence" (2020); verl's
   ``low_var_kl`` clamps it to [-10, 10].
+- Log-ratio bound before ``exp``: verl ``trainer/ppo/core_algos.py``
+  (``compute_policy_loss_vanilla`` and ``kl_penalty`` "low_var_kl", commit 012be9d)
+  clamps the log-ratio to [-20, 20] "for numerical stability" (:data:`LOG_RATIO_CLAMP`).
 """
 
 from __future__ import annotations
 
-from typing import Callable, Dict
+from typing import Callable, Dict, Optional
 
 import torch
 
 __all__ = [
     "TIE_RTOL_EPS",
+    "LOG_RATIO_CLAMP",
+    "bounded_log_ratio",
     "compute_grpo_outcome_advantage",
     "tied_groups",
     "logprobs_from_logits",
@@ -182,6 +187,35 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     return -(logp.exp() * logp).sum(dim=-1)
 
 
+#: Bound on |log-ratio| before ``exp`` (verl ``trainer/ppo/core_algos.py``: the policy loss and
+#: the k3 KL clamp it to [-20, 20]). exp(20) = 4.85e8 is finite in fp32, whose ``exp`` overflows
+#: past 88.72: without the bound a log-ratio of 94 makes the ratio inf and ``0 * inf`` a NaN loss
+#: or gradient, even at a masked position.
+LOG_RATIO_CLAMP = 20.0
+
+
+def bounded_log_ratio(
+    logprob: torch.Tensor, other_logprob: torch.Tensor, mask: Optional[torch.Tensor] = None
+) -> torch.Tensor:
+    """``logprob - other_logprob`` clamped to [-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP] (verl's
+    ``torch.clamp(log_ratio, min=-20.0, max=20.0)``), and exactly 0 where ``mask`` is 0.
+
+    The value to pass to ``exp``: finite, with a finite gradient, for any finite inputs. Inside
+    the bound, at mask 1, value and gradient are those of the plain difference bit for bit
+    (clamp and ``where`` pass them through unchanged); outside it the gradient is 0.
+
+    Args:
+        logprob, other_logprob: float [b, s] log-probabilities (nats).
+        mask: [b, s] (float {0,1} or bool), 1 on response tokens; None: no position is masked.
+    Returns:
+        [b, s], the dtype of ``logprob - other_logprob``.
+    """
+    log_ratio = torch.clamp(logprob - other_logprob, min=-LOG_RATIO_CLAMP, max=LOG_RATIO_CLAMP)
+    if mask is not None:
+        log_ratio = torch.where(mask.bool(), log_ratio, torch.zeros_like(log_ratio))
+    return log_ratio
+
+
 _KL_PENALTIES: Dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {}
 
 
@@ -205,7 +239,7 @@ def available_kl_penalties():
 
 @register_kl_penalty("low_var_kl", "k3")
 def _kl_low_var(logprob, ref_logprob):
-    log_ratio = ref_logprob - logprob
+    log_ratio = bounded_log_ratio(ref_logprob, logprob)
     kl = torch.exp(log_ratio) - log_ratio - 1.0
     return torch.clamp(kl, min=-10.0, max=10.0)
 
@@ -226,17 +260,28 @@ def _kl_mse(logprob, ref_logprob):
 
 
 def kl_penalty(
-    logprob: torch.Tensor, ref_logprob: torch.Tensor, kind: str = "low_var_kl"
+    logprob: torch.Tensor,
+    ref_logprob: torch.Tensor,
+    kind: str = "low_var_kl",
+    mask: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Per-token KL(pi || pi_ref) estimate from log-probs of sampled tokens.
 
-    ``low_var_kl`` (k3, default): exp(ref - logp) - (ref - logp) - 1, clamped to
-    [-10, 10] as verl does; non-negative and unbiased for KL(pi||pi_ref) when
-    tokens are drawn from pi. ``kl`` (k1): logp - ref. ``abs``: |logp - ref|.
-    ``mse`` (k2): 0.5 (logp - ref)^2. More with :func:`register_kl_penalty`.
+    ``low_var_kl`` (k3, default): exp(r) - r - 1 with r = ref - logp clamped to
+    [-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP] before ``exp``, the result clamped to
+    [-10, 10], both as verl does (its ``kl_penalty``); non-negative and unbiased
+    for KL(pi||pi_ref) when tokens are drawn from pi. The log-ratio bound changes
+    no value (past |r| = 20 the result is 10 either way) and no finite gradient
+    (0 there either way); it turns ``0 * inf`` = NaN gradients at r > 88.7 into 0.
+    ``kl`` (k1): logp - ref. ``abs``: |logp - ref|. ``mse`` (k2): 0.5 (logp - ref)^2.
+    More with :func:`register_kl_penalty`.
 
     Args:
         logprob, ref_logprob: fp32 [b, s].
+        mask: [b, s] {0,1}, 1 on response tokens, or None. Both log-probs are set
+            to 0 where it is 0 before the estimator runs (log-ratio 0: every built-in
+            estimator gives 0 there, with gradient 0), so a masked position's values,
+            however extreme, cannot reach the result or the gradient.
     Returns:
         fp32 [b, s].
     Raises:
@@ -248,6 +293,10 @@ def kl_penalty(
         raise ValueError(
             f"unknown kl_penalty kind {kind!r}; valid: {', '.join(available_kl_penalties())}"
         ) from None
+    if mask is not None:
+        keep = mask.bool()
+        logprob = torch.where(keep, logprob, torch.zeros_like(logprob))
+        ref_logprob = torch.where(keep, ref_logprob, torch.zeros_like(ref_logprob))
     return fn(logprob, ref_logprob)
 
 
@@ -262,8 +311,12 @@ def compute_policy_loss(
 ) -> Dict[str, torch.Tensor]:
     """PPO/GRPO clipped-ratio surrogate per token.
 
-    ratio = exp(logprob - old_logprob);
+    ratio = exp(clamp(logprob - old_logprob, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)), with the
+    log-ratio set to 0 (ratio 1) where ``response_mask`` is 0 (:func:`bounded_log_ratio`;
+    the clamp is verl's ``compute_policy_loss_vanilla``);
     pg_losses = max(-A * ratio, -A * clip(ratio, 1 - eps_low, 1 + eps_high)).
+    Finite, with finite gradients, for any finite inputs; bit for bit the unbounded
+    formula at response tokens whose |log-ratio| <= 20.
 
     Args:
         old_logprob, logprob: fp32 [b, s] (old is detached by the caller).
@@ -272,9 +325,10 @@ def compute_policy_loss(
     Returns:
         dict with ``pg_losses`` [b, s] (unreduced, differentiable),
         ``pg_clipfrac`` (0-dim: fraction of response tokens where the clipped
-        branch was taken), ``ppo_kl`` (0-dim: masked mean of old - new).
+        branch was taken), ``ppo_kl`` (0-dim: masked mean of old - new, each
+        clamped to [-20, 20] as in verl).
     """
-    negative_approx_kl = logprob - old_logprob
+    negative_approx_kl = bounded_log_ratio(logprob, old_logprob, response_mask)
     ratio = torch.exp(negative_approx_kl)
     pg_losses1 = -advantages * ratio
     pg_losses2 = -advantages * torch.clamp(ratio, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high)

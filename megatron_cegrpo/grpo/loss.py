@@ -2,7 +2,8 @@
 the link benchmark all call :func:`grpo_token_loss` (DESIGN.md section 2, step 7).
 
 loss = agg( max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high)) + beta KL(pi || pi_ref) ),
-r = exp(log pi(y) - log pi_old(y)), log-probs of the logits divided by the sampling
+r = exp(log pi(y) - log pi_old(y)) (the log-ratio clamped to [-20, 20] and 0 at masked positions
+before ``exp``: ``core_algos.bounded_log_ratio``), log-probs of the logits divided by the sampling
 temperature (the sampler's distribution), KL by ``kl_loss_type`` (k3 by default).
 Sources: PPO (Schulman et al. 2017) eq. (7), DAPO's clip-higher and token-mean
 aggregation (Yu et al. 2025), GRPO (Shao et al. 2024) eq. (3); ``grpo/core_algos.py``.
@@ -63,7 +64,7 @@ def grpo_token_loss(
              "clip_sum": pol["pg_clipfrac"] * ntok, "ppo_kl_sum": pol["ppo_kl"] * ntok, "tokens": ntok,
              "logprobs_detached": logp.detach()}
     if ref_logprobs is not None and grpo.kl_coef > 0:
-        kl = ca.kl_penalty(logp, ref_logprobs, grpo.kl_loss_type)
+        kl = ca.kl_penalty(logp, ref_logprobs, grpo.kl_loss_type, mask)
         loss_mat = loss_mat + grpo.kl_coef * kl
         stats["kl_sum"] = (kl.detach() * mask).sum()
     loss = ca.agg_loss(loss_mat, mask, grpo.loss_agg_mode, global_num_tokens=num_tokens, global_num_seqs=num_seqs)

@@ -23,12 +23,18 @@ Division of labour:
 
 Error policy: a malformed *ground truth* is a data bug and raises
 ``ValueError`` naming the value; a *response* without an extractable answer is
-a normal model failure and scores ``0.0``.
+a normal model failure and scores ``0.0``.  So does a box that math-verify
+would read only in part (its LaTeX parser cannot read the box whole and a
+fallback takes a number from it, ``3\\sqrt(5)`` read as 3), unless its whole
+text is the answer's: a WARNING on this module's logger names the box
+(:func:`_parse_box`).  A policy learns to write such boxes when they score.
+Stray ``$`` inside a box are ignored.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import re
 import threading
@@ -37,6 +43,7 @@ from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple, 
 
 import sympy
 
+from math_verify import LatexExtractionConfig
 from math_verify import parse as _mv_parse
 from math_verify import verify as _mv_verify
 
@@ -57,6 +64,8 @@ __all__ = [
 ]
 
 Verifier = Callable[[str, str], float]
+
+_log = logging.getLogger(__name__)
 
 _VERIFIERS: Dict[str, Verifier] = {}
 
@@ -328,21 +337,28 @@ def _box_value(box: str) -> Optional[_Value]:
     In order: a plain number (:func:`parse_number` rules); the value after the
     last '=' ("x = 14"); math-verify's reading of a LaTeX expression that is
     one finite real number ("\\frac{1}{2^{80}}", "\\sqrt{2}", "-2^{3}",
-    "14 \\text{ apples}"); a single number among plain words ("\\text{14
-    apples}").  "2x", "3 \\text{ and } 4" or "\\{1, 2\\}" hold no single number.
+    "14 \\text{ apples}"), read whole (:func:`_parse_box`); a single number
+    among plain words ("\\text{14 apples}").  "2x", "3 \\text{ and } 4" or
+    "\\{1, 2\\}" hold no single number.  Stray ``$`` change nothing: every rule
+    reads the box without them.  A box that math-verify cannot read whole and
+    no other rule reads ("3\\sqrt(5)", whose part "3" math-verify's fallback
+    took) holds no number, and a WARNING names it.
     """
     v = _parse_exact(box)
     if v is not None:
         return v
     if "=" in box:
         return _box_value(box.rsplit("=", 1)[1])
-    v = _mv_number(_parse_answer(box))
+    parsed, why = _parse_box(box)
+    v = _mv_number(parsed)
     if v is not None:
         return v
     tokens = _clean_number_text(box).split()
     nums = [t for t in tokens if _NUM_FULL_RE.fullmatch(t)]
     if len(nums) == 1 and all(t in nums or _WORD_RE.fullmatch(t) for t in tokens):
         return _parse_exact(nums[0])
+    if why:
+        _log.warning("%s: no number; the response scores 0", why)
     return None
 
 
@@ -372,7 +388,8 @@ def extract_numeric_answer(response: str) -> Optional[float]:
     1. the content of the last ``\\boxed{...}`` (a boxed answer is binding:
        if it holds no number, there is no answer), read as in
        :func:`_box_value` (plain number, value after '=', math-verify for
-       LaTeX such as ``\\frac{1}{2^{80}}``, a lone number among words);
+       LaTeX such as ``\\frac{1}{2^{80}}``, a lone number among words; a box
+       math-verify would read only in part holds none);
     2. else the number after the last anchor "####" (GSM8K), "answer is" or
        "Answer:" (CoT phrasing);
     3. else the last number anywhere in the response, not counting
@@ -444,9 +461,11 @@ def _timeout() -> Optional[int]:
     return 5 if threading.current_thread() is threading.main_thread() else None
 
 
-def _mv_parse_safe(text: str) -> list:
+def _mv_parse_safe(text: str, extraction_config=None) -> list:
+    """``math_verify.parse`` (its default extraction, or ``extraction_config``); [] if it raises."""
+    kwargs = {} if extraction_config is None else {"extraction_config": extraction_config}
     try:
-        return _mv_parse(text, parsing_timeout=_timeout())
+        return _mv_parse(text, parsing_timeout=_timeout(), **kwargs)
     except Exception:  # math-verify raises on pathological LaTeX / timeouts
         return []
 
@@ -532,13 +551,61 @@ def _latex_for_parse(expr: str) -> str:
 
 
 def _parse_answer(expr: str) -> list:
-    """math-verify parse of one answer expression (a box content or a data
-    set answer).  If it holds stray ``$`` signs that break the parse (Minerva
-    line 73 boxes ``...+$ $\\dot{x}_0...``), retry with them removed."""
+    """math-verify parse of one data set answer (a response's box is read by
+    :func:`_parse_box`).  If it holds stray ``$`` signs that break the parse
+    (Minerva line 73 boxes ``...+$ $\\dot{x}_0...``), retry with them removed."""
     parsed = _mv_parse_safe(_latex_for_parse(expr))
     if not parsed and "$" in expr:
         parsed = _mv_parse_safe(_latex_for_parse(expr.replace("$", " ")))
     return parsed
+
+
+# a '$' that is not the dollar sign '\$': inside a box, already math, it only splits the box in pieces
+_STRAY_DOLLAR_RE = re.compile(r"(?<!\\)\$")
+_LATEX_ONLY = [LatexExtractionConfig()]
+
+
+def _parse_box(box: str) -> Tuple[list, str]:
+    """math-verify's reading of a box's whole content: ``(parsed, "")``, or
+    ``(text, why)`` when math-verify would read only a part of it.
+
+    The box is read as one ``$...$`` span with its stray ``$`` removed (not
+    ``\\$``): kept, they made math-verify pick one piece, the last number of
+    ``12 $ and $13`` (13).  A value counts only from math-verify's LaTeX parse
+    of the whole span.  When that parse fails, math-verify's plain-expression
+    fallback finds a number in the text and returns it: a part of the box
+    (``3\\sqrt(5)``: its normalisation writes ``3\\\\sqrt{5}``, the LaTeX parse
+    fails and the fallback gives 3, which scored 1 against the answer 3;
+    ``3 ) 5``: 5): such a box has no value, only its whole text, which
+    ``math_verify.verify`` compares as a string (as it does for a box that
+    math-verify reads no value from at all, ``np.arcsin(10/13)``, a Minerva
+    answer), and ``why`` names it.
+
+    Args:
+        box: a box's content (:func:`extract_boxed`).
+    Returns:
+        (parsed, why): math-verify's parse list (a sympy value first, or only
+        the box's normalised text) and "" or, for a box math-verify would read
+        in part, the box's normalised text ([] or one string) and one line
+        naming the box and the part.
+    """
+    text = _STRAY_DOLLAR_RE.sub(" ", box).strip()
+    if not text:
+        return [], ""
+    span = f"${_normalise_numbers(text)}$"
+    parsed = _mv_parse_safe(span, _LATEX_ONLY)
+    if parsed and not isinstance(parsed[0], str):
+        return parsed, ""
+    partial = _mv_parse_safe(span)  # math-verify's default: LaTeX, then plain expressions
+    if partial and not isinstance(partial[0], str):
+        return parsed, (f"math-verify reads only {_one_line(partial[0], 40)!r} of the box {_one_line(box, 80)!r} "
+                        "(its LaTeX parser cannot read the box whole)")
+    return parsed, ""
+
+
+def _one_line(text: str, limit: int) -> str:
+    text = " ".join(str(text).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _parse_gold(ground_truth: str) -> list:
@@ -553,17 +620,22 @@ def _parse_gold(ground_truth: str) -> list:
 
 def _response_candidates(response: str) -> List[list]:
     """Parsed answers of a response, most specific first: the last boxed
-    expression, then (for several boxes) all boxes together, then
-    math-verify's own extraction of the whole response if nothing is boxed.
-    None if the last box is unterminated (see :func:`_final_box_cut_off`)."""
+    expression (:func:`_parse_box`), then (for several boxes) all boxes
+    together, then math-verify's own extraction of the whole response if
+    nothing is boxed.  None if the last box is unterminated (see
+    :func:`_final_box_cut_off`).  A last box that math-verify would read only
+    in part is its text alone (logged), and then the only candidate."""
     boxes, cut = _scan_boxes(response)
     if cut:
         return []
     boxes = [b for b in boxes if b]
     cands: List[list] = []
     if boxes:
-        cands.append(_parse_answer(boxes[-1]))
-        if len(boxes) > 1:
+        last, why = _parse_box(boxes[-1])
+        cands.append(last)
+        if why:
+            _log.warning("%s: it is compared as text only (it scores 0 unless it is the answer's text)", why)
+        elif len(boxes) > 1:
             # "\boxed{69}, \boxed{84}" for a two-value answer
             cands.append(_mv_parse_response(response))
     else:
@@ -610,9 +682,11 @@ def boxed_verifier(response: str, ground_truth: str) -> float:
 
     The ground truth is a LaTeX answer (Minerva: the last ``\\boxed{}`` of the
     reference solution, extracted by the loader).  The response's last
-    ``\\boxed{}`` expression is parsed with ``math_verify.parse``; if nothing
-    is boxed, math-verify's own extraction of the whole response is used; a
-    response whose last box is cut off has no answer.  Numbers in e-notation
+    ``\\boxed{}`` expression is parsed with ``math_verify.parse``, whole, its
+    stray ``$`` ignored (a box read only in part is compared as its text,
+    :func:`_parse_box`); if nothing is boxed, math-verify's own extraction of
+    the whole response is used; a response whose last box is cut off has no
+    answer.  Numbers in e-notation
     ("4.5e33", Minerva's form) and with ``\\,`` thousands separators are
     rewritten first so that math-verify reads them as numbers.  Equivalence
     is ``math_verify.verify(gold, pred)``; when both sides are numbers they
@@ -673,7 +747,7 @@ def olympiad_list_verifier(response: str, ground_truth: str) -> float:
         return 0.0
     boxes = [b for b in boxes if b]
     if len(boxes) >= len(golds):
-        preds = [_parse_answer(b) for b in boxes[-len(golds) :]]
+        preds = [_parse_box(b)[0] for b in boxes[-len(golds) :]]
         if _perfect_match(golds, preds):
             return 1.0
     # (b) one expression holding all answers, compared as a set.

@@ -70,5 +70,7 @@ class DriftProbe:
             ref = torch.cat([o["logprobs"] for o in dense_ref])
             kind = st.cfg.grpo.kl_loss_type
             names += ["probe/kl_to_ref", "probe/kl_to_ref_compressed"]
-            vals += [ca.kl_penalty(lp, ref, kind), ca.kl_penalty(batch["old_logprobs"], batch["ref_logprobs"], kind)]
+            mask = batch["loss_mask"]
+            vals += [ca.kl_penalty(lp, ref, kind, mask),
+                     ca.kl_penalty(batch["old_logprobs"], batch["ref_logprobs"], kind, mask)]
         return dict(zip(names, dpx.masked_means(vals, batch["loss_mask"], st.dp_group)))

@@ -5,10 +5,11 @@
   per iteration, r = floor(0.05 * 64 * 384 / (384 + 64)) = 2).
 - anchor-owned basis, anchor c = K = 1 (a fire every iteration): the anchor's bases reach both
   stages (anchor/bytes_out counts them), and the straight run's iteration 4 equals iteration 4
-  resumed from its checkpoint at 3, bit for bit (metrics and weights). (Resuming at iteration 3 would
-  not be bit-exact with any codec: DeepSpeedCPUAdam's C++ side recomputes beta2^3 with
+  resumed from its checkpoint at 3, bit for bit (metrics and weights). (Resuming at iteration 3 was
+  not bit-exact with any codec: DeepSpeedCPUAdam's C++ side recomputed beta2^3 with
   ``pow`` after a restart instead of its running product, 1 ulp apart in fp32 for 0.999;
-  deepspeed/ops/csrc/includes/cpu_adam.h ``IncrementStep``. At step 4 both agree.)
+  deepspeed/ops/csrc/includes/cpu_adam.h ``IncrementStep``. The optimizer now replays the
+  product on load: optim/factory.replay_cpu_adam_bias_correction.)
 """
 
 import json

@@ -8,9 +8,9 @@
 - with RESUME=1, ``resumed``: sparse for 1 iteration (saves at the end), then a new trainer loads
   that checkpoint and trains iterations 2 and 3 (saving at 2 and 3, as ``sparse`` does). Why
   after 1: DeepSpeedCPUAdam's C++ side keeps beta^t as a running product and a fresh optimizer
-  recomputes it with pow(beta, t); in fp32 0.999^3 differs in the last bit between the two
-  (0.9970031 vs 0.997003), so a resume at step 3 of any run is off by an ulp, independently
-  of the embedding exchange; steps 2, 4 and 5 agree.
+  recomputed it with pow(beta, t); in fp32 0.999^3 differs in the last bit between the two
+  (0.9970031 vs 0.997003), so a resume at step 3 of any run was off by an ulp, independently
+  of the embedding exchange (now replayed on load: optim/factory.replay_cpu_adam_bias_correction).
 
 Each trainer rank writes ``OUT/<run>/rank<r>.pt``: its stage's final parameters, the driver's
 sampler weights (rank 0), and the bytes it really passed to ``torch.distributed.send`` on the

@@ -215,3 +215,145 @@ def test_token_mean_over_microbatches_equals_minibatch():
     torch.testing.assert_close(sm, hand)
     with pytest.raises(ValueError, match="token-mean"):
         ca.agg_loss(loss, mask, "bogus")
+
+
+# --------------------------------------------------------------------------
+# log-ratio bound (issue 35 item 5): no NaN loss or gradient from finite log-probs
+# --------------------------------------------------------------------------
+def _policy_loss_before_bound(old, new, adv, lo=0.2, hi=0.2):
+    """compute_policy_loss's pg_losses before the log-ratio bound (exp of the raw difference)."""
+    ratio = torch.exp(new - old)
+    return torch.maximum(-adv * ratio, -adv * torch.clamp(ratio, 1.0 - lo, 1.0 + hi))
+
+
+def _k3_before_bound(logp, ref):
+    r = ref - logp
+    return torch.clamp(torch.exp(r) - r - 1.0, min=-10.0, max=10.0)
+
+
+def _verl_policy_loss(old, new, adv, mask, lo=0.2, hi=0.2):
+    """verl's compute_policy_loss_vanilla (trainer/ppo/core_algos.py, commit 012be9d) without
+    its dual clip, token-mean: the log-ratio clamped to [-20, 20] before exp, masked mean."""
+    neg_kl = torch.clamp(new - old, min=-20.0, max=20.0)
+    ratio = torch.exp(neg_kl)
+    pg = torch.maximum(-adv * ratio, -adv * torch.clamp(ratio, 1 - lo, 1 + hi))
+    return (pg * mask).sum() / mask.sum()
+
+
+def test_issue_example_gives_verls_value_not_nan():
+    old = torch.tensor([[-5.0, -95.0]])
+    new = torch.tensor([[-5.1, -1.0]], requires_grad=True)
+    adv, mask = torch.tensor([[1.0, 0.0]]), torch.tensor([[1.0, 0.0]])
+    # before: exp(94) overflows fp32 to inf, and the masked position's 0 * inf is NaN
+    assert torch.isnan(ca.agg_loss(_policy_loss_before_bound(old, new.detach(), adv), mask))
+    loss = ca.agg_loss(ca.compute_policy_loss(old, new, adv, mask)["pg_losses"], mask)
+    d = torch.float64  # verl's formula on the exact inputs
+    verl = _verl_policy_loss(torch.tensor([[-5.0, -95.0]], dtype=d), torch.tensor([[-5.1, -1.0]], dtype=d),
+                             adv.to(d), mask.to(d))
+    assert verl.item() == pytest.approx(-math.exp(-0.1), abs=1e-12)  # -0.904837
+    assert loss.item() == pytest.approx(verl.item(), abs=1e-6)
+    assert round(loss.item(), 3) == -0.905
+    (g,) = torch.autograd.grad(loss, new)
+    # d/dnew of -A exp(new - old) at the response token (ratio 0.905, unclipped); 0 at the masked one
+    torch.testing.assert_close(g, torch.tensor([[-math.exp(-0.1), 0.0]]), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("masked", [True, False])
+def test_k3_gradient_is_finite_past_fp32_exp_overflow(masked):
+    # ref - logp = 100 > 88.7: exp overflows; the old k3 was clamped to 10 but its gradient was
+    # 0 * inf = NaN, at a masked position too
+    logp = torch.tensor([[-0.5, -100.0]], requires_grad=True)
+    ref = torch.tensor([[-1.0, 0.0]])
+    mask = torch.tensor([[1.0, 0.0 if masked else 1.0]])
+    (g_old,) = torch.autograd.grad(ca.agg_loss(_k3_before_bound(logp, ref), mask), logp)
+    assert torch.isnan(g_old[0, 1])
+    kl = ca.kl_penalty(logp, ref, "k3", mask)
+    assert kl[0, 1].item() == (0.0 if masked else 10.0)
+    (g,) = torch.autograd.grad(ca.agg_loss(kl, mask), logp)
+    # d/dlogp [exp(ref - logp) - (ref - logp) - 1] = 1 - exp(ref - logp); the clamp at 10 has gradient 0
+    n = mask.sum().item()
+    torch.testing.assert_close(g, torch.tensor([[(1 - math.exp(-0.5)) / n, 0.0]]), rtol=0, atol=1e-7)
+
+
+def _reference_loss(old, new, ref, adv, mask, kind, mode):
+    """Float64 statement of the bounded loss: the log-ratios clamped to [-20, 20] (verl) and 0 at
+    masked positions before exp; every KL estimator on zeroed masked positions."""
+    m = mask.bool()
+    z = torch.zeros_like(new)
+    lr = torch.where(m, torch.clamp(new - old, -20.0, 20.0), z)
+    ratio = torch.exp(lr)
+    pg = torch.maximum(-adv * ratio, -adv * torch.clamp(ratio, 0.8, 1.2))
+    lp, rf = torch.where(m, new, z), torch.where(m, ref, z)
+    if kind in ("low_var_kl", "k3"):
+        r = torch.clamp(rf - lp, -20.0, 20.0)
+        kl = torch.clamp(torch.exp(r) - r - 1.0, -10.0, 10.0)
+    elif kind in ("kl", "k1"):
+        kl = lp - rf
+    elif kind == "abs":
+        kl = (lp - rf).abs()
+    else:
+        kl = 0.5 * (lp - rf) ** 2
+    return ca.agg_loss(pg + 0.01 * kl, mask, mode)
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"])
+@pytest.mark.parametrize("kind", ["low_var_kl", "k1", "abs", "k2"])
+def test_no_nan_loss_or_gradient_for_log_ratios_up_to_1000(kind, mode):
+    """Property: random finite log-probs whose log-ratios reach +-1000 (nine in ten past the
+    +-88.7 where fp32 exp overflows) give a finite loss and finite gradients, equal to a float64
+    statement of the formula, gradients to its autograd."""
+    gen = torch.Generator().manual_seed(35)
+    for _ in range(25):
+        b, s = 3, 8
+        old = -torch.rand(b, s, generator=gen) * 20
+        new = old + (torch.rand(b, s, generator=gen) * 2 - 1) * 1000
+        ref = new + (torch.rand(b, s, generator=gen) * 2 - 1) * 1000
+        adv = torch.randn(b, 1, generator=gen).expand(b, s) * 3
+        mask = (torch.rand(b, s, generator=gen) > 0.3).float()
+        mask[0, 0] = 1.0
+        new32 = new.clone().requires_grad_(True)
+        pg = ca.compute_policy_loss(old, new32, adv, mask)["pg_losses"]
+        loss = ca.agg_loss(pg + 0.01 * ca.kl_penalty(new32, ref, kind, mask), mask, mode)
+        (g,) = torch.autograd.grad(loss, new32)
+        assert torch.isfinite(loss) and bool(torch.isfinite(g).all())
+        new64 = new.double().requires_grad_(True)
+        want = _reference_loss(old.double(), new64, ref.double(), adv.double(), mask.double(), kind, mode)
+        (g64,) = torch.autograd.grad(want, new64)
+        torch.testing.assert_close(loss.double(), want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(g.double(), g64, rtol=1e-5, atol=1e-5)
+        assert torch.equal(g[mask == 0], torch.zeros(int((mask == 0).sum())))
+
+
+@pytest.mark.parametrize("kind", ["low_var_kl", "k1", "abs", "k2"])
+def test_in_range_loss_and_gradient_are_bit_identical_to_the_unbounded_formula(kind):
+    """|log-ratio| <= 20 at response tokens (every real run): the bound changes no bit of the
+    loss or of the gradient."""
+    old_kl = {"low_var_kl": _k3_before_bound, "k1": lambda a, b: a - b, "abs": lambda a, b: (a - b).abs(),
+              "k2": lambda a, b: 0.5 * (a - b).square()}[kind]
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(10):
+        old = -torch.rand(4, 16, generator=gen) * 8
+        new = old + torch.randn(4, 16, generator=gen) * 0.5
+        new[0, :4] = old[0, :4] + torch.tensor([19.5, -19.5, 3.0, -3.0])  # near the bound, past the PPO clip
+        ref = new + torch.randn(4, 16, generator=gen) * 0.3
+        adv = torch.randn(4, 1, generator=gen).expand(4, 16)
+        mask = (torch.rand(4, 16, generator=gen) > 0.25).float()
+        mask[0, :4] = 1.0
+        a, b = new.clone().requires_grad_(True), new.clone().requires_grad_(True)
+        loss_a = ca.agg_loss(_policy_loss_before_bound(old, a, adv) + 0.01 * old_kl(a, ref), mask)
+        out = ca.compute_policy_loss(old, b, adv, mask)
+        loss_b = ca.agg_loss(out["pg_losses"] + 0.01 * ca.kl_penalty(b, ref, kind, mask), mask)
+        assert torch.equal(_bits(loss_a.detach()), _bits(loss_b.detach()))
+        (ga,), (gb,) = torch.autograd.grad(loss_a, a), torch.autograd.grad(loss_b, b)
+        assert torch.equal(ga, gb)
+        keep = mask.bool()
+        assert torch.equal(_bits(_policy_loss_before_bound(old, new, adv)[keep]), _bits(out["pg_losses"].detach()[keep]))
+        assert out["ppo_kl"].item() == ca.masked_mean(old - new, mask).item()
+
+
+def test_bounded_log_ratio_values():
+    a = torch.tensor([[0.0, 0.0, 0.0, 0.0]])
+    b = torch.tensor([[-1000.0, 1000.0, 0.25, float("-inf")]])
+    assert ca.bounded_log_ratio(a, b).tolist() == [[20.0, -20.0, -0.25, 20.0]]
+    assert ca.bounded_log_ratio(a, b, torch.tensor([[1, 1, 1, 0]])).tolist() == [[20.0, -20.0, -0.25, 0.0]]
+    assert ca.LOG_RATIO_CLAMP == 20.0

@@ -393,6 +393,26 @@ _ANSWER_CASES = [
     ("numeric", "\\boxed{(-2)^{2}}", "4", 1.0),
     ("numeric", "\\boxed{-\\frac{3}{4}}", "-0.75", 1.0),
     ("numeric", "\\boxed{-.5}", "-1/2", 1.0),
+    # --- a box math-verify reads only in part is no answer (issue 35 item 5): its plain-expression
+    # fallback read the 3 of 3\sqrt(5) (after its normalisation made \sqrt( a line break) and the 5 of "3 ) 5"
+    ("numeric", "\\boxed{3\\sqrt(5)}", "3", 0.0),
+    ("boxed", "\\boxed{3\\sqrt(5)}", "3", 0.0),
+    ("olympiad_list", "\\boxed{3\\sqrt(5)}", '["3"]', 0.0),
+    ("numeric", "\\boxed{3\\sqrt(5) + 1}", "1", 0.0),
+    ("numeric", "\\boxed{3 ) 5}", "5", 0.0),
+    ("boxed", "\\boxed{3 ) 5}", "5", 0.0),
+    ("numeric", "The answer is 3. \\boxed{3\\sqrt(5)}", "3", 0.0),  # the box is binding
+    ("boxed", "\\boxed{3\\sqrt{5}}", "3\\sqrt{5}", 1.0),  # read whole: as before
+    ("numeric", "\\boxed{3\\sqrt{5}}", "6.7082039", 1.0),
+    ("boxed", "\\boxed{np.arcsin(10/13)}", "np.arcsin(10/13)", 1.0),  # no value at all: its text, compared whole
+    # --- stray $ inside a box: read as the box without them
+    ("numeric", "$\\boxed{12 $ and $13 }. $", "13", 0.0),
+    ("numeric", "$\\boxed{12 $ and $13 }. $", "12", 0.0),
+    ("boxed", "$\\boxed{12 $ and $13 }. $", "13", 0.0),
+    ("olympiad_list", "$\\boxed{12 $ and $13 }. $", '["12", "13"]', 1.0),
+    ("numeric", "\\boxed{$\\frac{1}{2}$}", "0.5", 1.0),
+    ("boxed", "\\boxed{$\\frac{1}{2}$}", "\\frac{1}{2}", 1.0),
+    ("numeric", "\\boxed{\\$1,080}", "1080", 1.0),  # \$ is a dollar sign, not a delimiter
 ]
 
 
@@ -466,3 +486,30 @@ def test_math_verify_verifiers_work_off_the_main_thread():
             ("numeric", "The answer is 72.", "72"),
         ]))
     assert got == [1.0, 0.0, 1.0, 1.0]
+
+
+def test_a_box_read_in_part_is_logged_in_one_line(caplog):
+    with caplog.at_level("WARNING", logger="megatron_cegrpo.rewards.verifiers"):
+        assert numeric("so \\boxed{3\\sqrt(5)}", "3") == 0.0
+        assert boxed("\\boxed{3 ) 5}", "5") == 0.0
+    assert [r.getMessage() for r in caplog.records] == [
+        "math-verify reads only '3' of the box '3\\\\sqrt(5)' (its LaTeX parser cannot read the box whole): "
+        "no number; the response scores 0",
+        "math-verify reads only '5' of the box '3 ) 5' (its LaTeX parser cannot read the box whole): "
+        "it is compared as text only (it scores 0 unless it is the answer's text)"]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="megatron_cegrpo.rewards.verifiers"):
+        assert numeric("\\boxed{2x}", "2") == 0.0  # read whole, holds no number: nothing to report
+        assert numeric("\\boxed{14}", "14") == 1.0
+    assert caplog.records == []
+
+
+@pytest.mark.parametrize("box", ["12 and 13", "x = 14", "\\frac{1}{2}", "14 \\text{ apples}", "3,4", "2^{10}", "-7",
+                                 "\\sqrt{2}", "3\\sqrt(5)", "1,000"])
+def test_stray_dollars_in_a_box_change_nothing(box):
+    """A box reads the same with '$' around it, around its first token, or between its tokens."""
+    first, _, rest = box.partition(" ")
+    variants = [f"${box}$", f"{box} $", f"${first}$ {rest}", " $ $ ".join(box.split(" "))]
+    want = extract_numeric_answer(f"\\boxed{{{box}}}")
+    for v in variants:
+        assert extract_numeric_answer(f"$\\boxed{{{v}}}$.") == want, v
