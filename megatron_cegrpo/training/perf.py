@@ -12,7 +12,8 @@ only looks rows up in; an output layer, tied or not, counts), ``h`` the attentio
 each per layer and sequence (megatron's local attention computes the full S x S scores, the causal
 mask then discards half; counted whole as computed). Recomputation (none here) would add to it.
 
-``perf/flops/actor`` (TFLOP/s) = the stages' update FLOPs summed / ``timing_s/update``;
+``perf/update_flops`` = the stages' update FLOPs of the iteration, summed;
+``perf/flops/actor`` (TFLOP/s) = ``perf/update_flops`` / ``timing_s/update``;
 ``perf/mfu/actor`` = that / ``--peak-tflops`` (the hardware's peak over all the trainer's stage
 ranks in the compute dtype), logged only when the peak is given: a CPU has no datasheet number
 that holds under this load, so ``benchmarks/bench_iteration.py`` measures it and passes it.
@@ -54,8 +55,8 @@ def update_pass_flops(model: torch.nn.Module, tf_config, num_layers: int, n: int
 
 def perf_metrics(m: Dict, peak_tflops: Optional[float]) -> Dict[str, float]:
     """``perf/flops/actor`` and, with a peak, ``perf/mfu/actor`` from the reduced metrics ``m``
-    (``_perf/update_flops`` summed over the stages, ``timing_s/update``); {} without either."""
-    flops, secs = m.get("_perf/update_flops"), m.get("timing_s/update")
+    (``perf/update_flops`` summed over the stages, ``timing_s/update``); {} without either."""
+    flops, secs = m.get("perf/update_flops"), m.get("timing_s/update")
     if not flops or not secs:
         return {}
     out = {"perf/flops/actor": flops / secs / 1e12}

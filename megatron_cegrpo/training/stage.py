@@ -291,7 +291,7 @@ class StageWorker:
     @staticmethod
     def declare_metrics(reducer) -> None:
         """How the driver reduces :meth:`stage_metrics` over the stages."""
-        reducer.declare("comm/", "sum").declare("_perf/", "sum").declare("_weight/", "stages").derive(_weight_change)
+        reducer.declare("comm/", "sum").declare("perf/", "sum").declare("_weight/", "stages").derive(_weight_change)
         reducer.derive(boundary_bytes_ratio)
         declare_error_persistence(reducer)
 
@@ -304,7 +304,7 @@ class StageWorker:
         out.update(self.tied.metrics())
         if self.dp_group is not None:
             out["comm/dp_grad_allreduce_bytes"], self.dp_bytes = self.dp_bytes, 0
-        out["_perf/update_flops"], self.update_flops = self.update_flops, 0
+        out["perf/update_flops"], self.update_flops = self.update_flops, 0
         return out
 
     @torch.no_grad()

@@ -48,7 +48,7 @@ RUNS = {
                 "resume_at": None},
 }
 #: keys that measure time, not behaviour
-VOLATILE_PREFIXES = ("timing_s/",)
+VOLATILE_PREFIXES = ("timing_s/", "perf/flops/", "perf/mfu/")
 
 
 def _launch(work: str, args, *extra) -> subprocess.CompletedProcess:

@@ -37,7 +37,7 @@ def test_update_flops_match_torch_flop_counter(megatron_single_process, pp_rank)
 
 
 def test_perf_metrics_arithmetic():
-    m = {"_perf/update_flops": 6e12, "timing_s/update": 3.0}
+    m = {"perf/update_flops": 6e12, "timing_s/update": 3.0}
     assert perf_metrics(m, None) == {"perf/flops/actor": 2.0}
     assert perf_metrics(m, 4.0) == {"perf/flops/actor": 2.0, "perf/mfu/actor": 0.5}
     assert perf_metrics({"timing_s/update": 3.0}, 4.0) == {}
