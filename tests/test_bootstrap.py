@@ -22,7 +22,7 @@ ENTRY_POINTS = {
     "tools/codec_fidelity.py", "tools/codec_emulation.py", "tools/codec_frontier.py",
     "tools/study_report.py", "tools/study_baseline.py", "tools/build_ops.py",
     "benchmarks/bench_codec.py", "benchmarks/bench_basis.py", "benchmarks/bench_link.py", "benchmarks/_link_worker.py",
-    "benchmarks/projection.py",
+    "benchmarks/projection.py", "benchmarks/bench_peer.py", "benchmarks/_peer_trl_worker.py",
 }
 #: top-level modules that emit the known warnings while they are imported
 WARN_AT_IMPORT = ("megatron.core", "benchmarks.link_model", "megatron_cegrpo.pipeline")
