@@ -54,6 +54,7 @@ def preflight(cfg) -> None:
     * ``--model`` resolves; its config fits ``--pipeline-model-parallel-size`` and the uneven
       split, ``--tensor-model-parallel-size`` divides its heads, KV heads, FFN and vocabulary,
       and ``--max-prompt-length + --max-new-tokens`` fits its positions;
+    * ``--rollout-engine vllm``: ``--rollout-kv-cache-mb`` holds one longest sequence;
     * ``--boundary-codec``'s bytes fit the ``--boundary-keep-ratio`` it claims (PP >= 2);
     * ``--custom-reward-function`` loads and takes ``(response, ground_truth)``;
     * ``--train-data`` resolves and loads, ``--num-holdout`` leaves a training prompt, and
@@ -94,6 +95,11 @@ def preflight(cfg) -> None:
             f"{cfg.model.model}; fix: lower one of them so that their sum is at most {positions}")
 
     _check_codec_budget(cfg, hf_config)
+    if r.engine == "vllm":  # its KV cache must hold the longest sequence (vLLM would refuse it after loading)
+        from megatron_cegrpo.rollout.vllm_config import check_kv_cache, max_model_len
+
+        check_kv_cache(hf_config, r.dtype, r.kv_cache_mb,
+                       max_model_len(r.max_prompt_length, r.max_new_tokens, cfg.data.eval_max_new_tokens, positions))
     d = cfg.data
 
     def encode(question):

