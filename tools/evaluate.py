@@ -85,13 +85,15 @@ def build_engine(args, hf_config, hf_sd, tokenizer):
     (vLLM not installed, its KV cache too small for ``--max-prompt-length + --max-new-tokens``)."""
     if args.engine == "hf":
         return HFRolloutEngine(hf_config, hf_sd, tokenizer, dtype=args.dtype)
-    from megatron_cegrpo.rollout.vllm_config import check_vllm_installed, max_model_len
+    from megatron_cegrpo.rollout.vllm_config import check_kv_cache, check_vllm_installed, max_model_len
 
-    check_vllm_installed()
-    from megatron_cegrpo.rollout.vllm_engine import VLLMRolloutEngine
-
+    check_vllm_installed("--engine")
     length = max_model_len(args.max_prompt_length, args.max_new_tokens, args.max_new_tokens,
                            int(getattr(hf_config, "max_position_embeddings", 0) or 0))
+    check_kv_cache(hf_config, args.dtype, args.kv_cache_mb, length, flag="--kv-cache-mb",
+                   lengths="--max-prompt-length / --max-new-tokens")
+    from megatron_cegrpo.rollout.vllm_engine import VLLMRolloutEngine
+
     return VLLMRolloutEngine(hf_config, hf_sd, tokenizer, dtype=args.dtype, max_model_len=length,
                              kv_cache_mb=args.kv_cache_mb, seed=args.seed)
 

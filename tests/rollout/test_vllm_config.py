@@ -59,6 +59,8 @@ def test_kv_cache_too_small_names_the_flag_and_a_size_that_fits():
     msg = str(e.value)
     _one_line(msg)
     assert msg.startswith("--rollout-kv-cache-mb 256:") and "needs 360.0 MiB" in msg and "at least 360" in msg
+    with pytest.raises(ConfigError, match=r"^--kv-cache-mb 256: .* fix: pass --kv-cache-mb 1440 .* lower --max-new-tokens$"):
+        vllm_config.check_kv_cache(cfg, "fp32", 256, 8192, flag="--kv-cache-mb", lengths="--max-new-tokens")
 
 
 def test_preflight_rejects_a_kv_cache_too_small_before_any_process_group(no_vllm):
@@ -128,5 +130,5 @@ def test_entry_point_prints_one_line_when_the_kv_cache_is_too_small(monkeypatch,
     assert entry_point(argv) == 2
     out, err = capsys.readouterr()
     assert err == ("[cegrpo] error: --rollout-kv-cache-mb 1: vLLM's KV cache cannot hold one sequence of 2048 tokens "
-                   "(prompt + response) at --rollout-dtype fp32, which needs 2.0 MiB; fix: pass --rollout-kv-cache-mb "
+                   "(prompt + response) at fp32, which needs 2.0 MiB; fix: pass --rollout-kv-cache-mb "
                    "64 (at least 2), or lower --max-prompt-length / --max-new-tokens / --eval-max-new-tokens\n"), err
