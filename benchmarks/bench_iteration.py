@@ -28,6 +28,8 @@ import subprocess
 import sys
 import tempfile
 
+from megatron_cegrpo.bootstrap import bootstrap
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 VARIANTS = {
@@ -100,6 +102,7 @@ def main(argv=None) -> int:
     ap.add_argument("--work-dir", default=None, help="where the runs' logs go (default: a new temporary folder)")
     ap.add_argument("--port", type=int, default=29591)
     args = ap.parse_args(argv)
+    bootstrap()
     work = args.work_dir or tempfile.mkdtemp(prefix="bench_iteration_")
     peaks = {d: measure_peak_tflops(d) for d in ("fp32", "bf16")}
     print(f"[bench_iteration] matmul peak on {os.cpu_count()} cores: fp32 {peaks['fp32']:.4f} TFLOP/s, "

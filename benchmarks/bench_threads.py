@@ -25,6 +25,8 @@ import subprocess
 import sys
 import time
 
+from megatron_cegrpo.bootstrap import bootstrap
+
 COMPETITOR = r"""
 import os, sys, torch
 os.nice(int(sys.argv[1]))
@@ -57,6 +59,7 @@ def main(argv=None) -> int:
     ap.add_argument("--data", default=os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "mawps",
                                                    "singleop.jsonl"))
     args = ap.parse_args(argv)
+    bootstrap()
 
     import torch
 

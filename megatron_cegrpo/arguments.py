@@ -411,8 +411,9 @@ class RolloutConfig:
 
     GROUP = "rollout"
 
-    engine: str = option("hf", "the dense sampler (a vLLM engine is planned for GPU hosts)",
-                         flag="--rollout-engine", dest="rollout_engine", choices=("hf",))
+    engine: str = option("hf", "the dense sampler: hf (transformers' generate) or vllm (vLLM in the driver's "
+                               "process; docs/vllm.md)",
+                         flag="--rollout-engine", dest="rollout_engine", choices=("hf", "vllm"))
     max_prompt_length: int = option(256, "longest prompt in tokens (verl); longer training prompts are skipped "
                                          "with a warning")
     max_new_tokens: int = option(128, "longest response in tokens (verl response_length)")
@@ -421,16 +422,31 @@ class RolloutConfig:
     dtype: str = option("fp32", "the sampler's weights: fp32 (every stage's parameters sent in fp32 after each "
                                 "step) or bf16 (the trainer's rounded to bf16, only changed entries sent)",
                         flag="--rollout-dtype", dest="rollout_dtype", choices=("fp32", "bf16"))
+    kv_cache_mb: int = option(256, "--rollout-engine vllm: its KV cache in MiB, allocated at start-up (SmolLM2-135M: "
+                                   "22.5 KiB a token in bf16, 45 in fp32)",
+                              flag="--rollout-kv-cache-mb", dest="rollout_kv_cache_mb")
+    compile: bool = option(False, "--rollout-engine vllm: torch.compile the model (a faster decode step for about "
+                                  "40 s more start-up); default eager",
+                           flag="--rollout-compile", dest="rollout_compile")
 
     RESUME = ("engine", "max_prompt_length", "max_new_tokens", "temperature", "top_p", "dtype")
-    ENGINES = ("hf",)
+    ENGINES = ("hf", "vllm")
 
     def validate(self) -> None:
-        """Lengths >= 1, a finite temperature > 0, top-p in (0, 1], a known engine
-        (prompt + response against the model's positions: once the model is known).
-        Raises ConfigError."""
+        """Lengths >= 1, a finite temperature > 0, top-p in (0, 1], a known engine that is
+        installed (vllm), a KV cache >= 1 MiB (its fit to the model: ``train.preflight``),
+        ``--rollout-compile`` only with vllm (prompt + response against the model's positions:
+        once the model is known). Raises ConfigError."""
         _check_choice("--rollout-engine", self.engine, self.ENGINES)
         _check_choice("--rollout-dtype", self.dtype, ("fp32", "bf16"))
+        _check_int("--rollout-kv-cache-mb", self.kv_cache_mb, 1, "e.g. --rollout-kv-cache-mb 256")
+        if self.engine == "vllm":
+            from megatron_cegrpo.rollout.vllm_config import check_vllm_installed
+
+            check_vllm_installed()  # one line naming the flag and the install command
+        elif self.compile:
+            raise ConfigError("--rollout-compile applies to --rollout-engine vllm only, got --rollout-engine "
+                              f"{self.engine}; fix: drop --rollout-compile or pass --rollout-engine vllm")
         _check_int("--max-prompt-length", self.max_prompt_length, 1, "e.g. --max-prompt-length 256 (tokens)")
         _check_int("--max-new-tokens", self.max_new_tokens, 1, "e.g. --max-new-tokens 128 (tokens)")
         if _num(self.temperature) and self.temperature == 0:

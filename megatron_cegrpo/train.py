@@ -53,7 +53,7 @@ def preflight(cfg) -> None:
 
     * ``--model`` resolves; its config fits ``--pipeline-model-parallel-size`` and the uneven
       split, ``--tensor-model-parallel-size`` divides its heads, KV heads, FFN and vocabulary,
-      and ``--max-prompt-length + --max-new-tokens`` fits its positions;
+      and ``--max-prompt-length + --max-new-tokens`` fits its positions (and vllm's KV cache);
     * ``--boundary-codec``'s bytes fit the ``--boundary-keep-ratio`` it claims (PP >= 2);
     * ``--custom-reward-function`` loads and takes ``(response, ground_truth)``;
     * ``--train-data`` resolves and loads, ``--num-holdout`` leaves a training prompt, and
@@ -94,6 +94,7 @@ def preflight(cfg) -> None:
             f"{cfg.model.model}; fix: lower one of them so that their sum is at most {positions}")
 
     _check_codec_budget(cfg, hf_config)
+    _check_rollout_engine(cfg, hf_config)
     d = cfg.data
 
     def encode(question):
@@ -139,6 +140,19 @@ def _check_resume_tensor_parallel(meta: dict, cfg, ckpt_dir: str) -> None:
             f"per TP shard; it cannot continue at --tensor-model-parallel-size {tp}; fix: pass "
             f"--tensor-model-parallel-size {saved}, or convert it to weights only (tools/checkpoint/convert.py "
             f"--target-tp-size {tp}) to start a new run from it")
+
+
+def _check_rollout_engine(cfg, hf_config) -> None:
+    """``--rollout-engine vllm``: ``--rollout-kv-cache-mb`` holds one longest sequence (vLLM would
+    refuse to start only after loading the model). Raises ConfigError naming the flag."""
+    r = cfg.rollout
+    if r.engine != "vllm":
+        return
+    from megatron_cegrpo.rollout.vllm_config import check_kv_cache, max_model_len
+
+    positions = int(getattr(hf_config, "max_position_embeddings", 0) or 0)
+    check_kv_cache(hf_config, r.dtype, r.kv_cache_mb,
+                   max_model_len(r.max_prompt_length, r.max_new_tokens, cfg.data.eval_max_new_tokens, positions))
 
 
 def _check_codec_budget(cfg, hf_config) -> None:

@@ -37,7 +37,7 @@ ARGVS = {
         "--rollout-batch-size", "8", "--num-generations", "2", "--global-batch-size", "8",
         "--ppo-epochs", "2", "--clip-ratio-low", "0.1", "--clip-ratio-high", "0.28", "--kl-coef", "0",
         "--kl-loss-type", "k3", "--loss-agg-mode", "seq-mean-token-mean", "--no-norm-adv-by-std",
-        "--rollout-engine", "hf", "--max-prompt-length", "64", "--max-new-tokens", "32",
+        "--rollout-engine", "hf", "--rollout-kv-cache-mb", "128", "--max-prompt-length", "64", "--max-new-tokens", "32",
         "--temperature", "0.7", "--top-p", "0.9",
         "--train-data", "gsm8k/train", "--train-data-format", "gsm8k", "--prompt-template", "boxed",
         "--custom-reward-function", "r.py:f", "--num-holdout", "4", "--eval-max-new-tokens", "16",

@@ -23,6 +23,8 @@ ENTRY_POINTS = {
     "tools/study_report.py", "tools/study_baseline.py", "tools/build_ops.py",
     "benchmarks/bench_codec.py", "benchmarks/bench_basis.py", "benchmarks/bench_link.py", "benchmarks/_link_worker.py",
     "benchmarks/projection.py", "benchmarks/bench_peer.py", "benchmarks/_peer_trl_worker.py",
+    "benchmarks/bench_threads.py", "benchmarks/bench_iteration.py", "benchmarks/bench_rollout.py",
+    "megatron_cegrpo/compat/precision.py",
 }
 #: top-level modules that emit the known warnings while they are imported
 WARN_AT_IMPORT = ("megatron.core", "benchmarks.link_model", "megatron_cegrpo.pipeline")

@@ -298,9 +298,9 @@ CASES = [
          "--nproc-per-node 4`)", env={"WORLD_SIZE": "2"},
          doc_input="2 processes (WORLD_SIZE=2) for --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2"),
     Case("codec-over-budget", "flag", ["--pipeline-model-parallel-size", "2", "--boundary-codec", "dense:lrq"],
-         "--boundary-codec dense:lrq exceeds --boundary-keep-ratio 0.05: forward sends 2359296 B per step "
-         "(100.00% of dense) > the budget 147456 B (6.25%) of keep ratio 0.05 at micro-batch shape (384, 4, 64) "
-         "x 6; fix: lower the halves' rank/share parameters or raise --boundary-keep-ratio",
+         "--boundary-codec dense:lrq exceeds --boundary-keep-ratio 0.05: forward sends 1572864 B per step "
+         "(100.00% of dense) > the budget 98304 B (6.25%) of keep ratio 0.05 at micro-batch shape (384, 4, 64) "
+         "x 4; fix: lower the halves' rank/share parameters or raise --boundary-keep-ratio",
          env={"WORLD_SIZE": "2"}),
     # --- data (data.check_train_data / check_eval_data, from train.preflight) ---
     Case("train-data-missing-file", "data", ["--train-data", "{tmp}/typo.jsonl"],

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Evaluate a model on the math benchmarks with the dense HF sampler; print a table, write JSON.
+"""Evaluate a model on the math benchmarks with a dense sampler; print a table, write JSON.
 
     python tools/evaluate.py --model smollm2-135m-instruct --datasets mawps,gsm8k/test \\
         --limit 50 --out results.json
@@ -19,6 +19,10 @@ with the checkpoint tools' loader, ``megatron_cegrpo/conversion/loader_megatron.
 (sha256-verified, stages merged to one HF state dict); the tokenizer is the checkpoint's ``tokenizer/`` directory, else that of its
 ``model_name``, else ``--model``'s.
 
+``--engine``: ``hf`` (transformers' generate, the default) or ``vllm`` (vLLM in this process,
+``--kv-cache-mb``; the engine ``--rollout-engine vllm`` trains with; ``docs/vllm.md``), at
+``--dtype`` fp32 (default) or bf16.
+
 Weights come from :func:`load_model`, which returns ``(hf_config, hf_state_dict,
 tokenizer, meta)``: the one place that knows where weights come from.
 """
@@ -36,6 +40,7 @@ from megatron_cegrpo.bootstrap import bootstrap
 from megatron_cegrpo.conversion import loader_megatron
 from megatron_cegrpo.conversion.plugin_common import load_tokenizer_from_source
 from megatron_cegrpo.data import DEFAULT_TEMPLATE, available_templates
+from megatron_cegrpo.errors import ConfigError, one_line
 from megatron_cegrpo.evaluation import (
     evaluate_detailed,
     format_table,
@@ -75,6 +80,24 @@ def _load_checkpoint(args):
     return payload.hf_config, payload.state_dict, tokenizer, meta
 
 
+def build_engine(args, hf_config, hf_sd, tokenizer):
+    """The sampler of ``--engine`` (``--dtype``) holding these weights. Raises ConfigError
+    (vLLM not installed, its KV cache too small for ``--max-prompt-length + --max-new-tokens``)."""
+    if args.engine == "hf":
+        return HFRolloutEngine(hf_config, hf_sd, tokenizer, dtype=args.dtype)
+    from megatron_cegrpo.rollout.vllm_config import check_kv_cache, check_vllm_installed, max_model_len
+
+    check_vllm_installed("--engine")
+    length = max_model_len(args.max_prompt_length, args.max_new_tokens, args.max_new_tokens,
+                           int(getattr(hf_config, "max_position_embeddings", 0) or 0))
+    check_kv_cache(hf_config, args.dtype, args.kv_cache_mb, length, flag="--kv-cache-mb",
+                   lengths="--max-prompt-length / --max-new-tokens")
+    from megatron_cegrpo.rollout.vllm_engine import VLLMRolloutEngine
+
+    return VLLMRolloutEngine(hf_config, hf_sd, tokenizer, dtype=args.dtype, max_model_len=length,
+                             kv_cache_mb=args.kv_cache_mb, seed=args.seed)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -91,6 +114,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--template", default=DEFAULT_TEMPLATE, choices=available_templates())
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    p.add_argument("--engine", default="hf", choices=("hf", "vllm"),
+                   help="the sampler: hf (transformers' generate) or vllm (vLLM in this process; docs/vllm.md)")
+    p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"), help="the sampler's weights and compute dtype")
+    p.add_argument("--kv-cache-mb", type=int, default=256, help="--engine vllm: its KV cache in MiB")
+    p.add_argument("--max-prompt-length", type=int, default=1024,
+                   help="--engine vllm: longest prompt in tokens (sizes the engine's sequences)")
     p.add_argument("--out", default=None, help="write the JSON summary here")
     p.add_argument("--label", default=None, help="name of this model in plots (default: --model / --load)")
     p.add_argument("--num-examples", type=int, default=3,
@@ -118,7 +147,10 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     datasets = load_eval_datasets(list(specs), limit=args.limit)
     hf_config, hf_sd, tokenizer, meta = load_model(args)
-    engine = HFRolloutEngine(hf_config, hf_sd, tokenizer)
+    try:
+        engine = build_engine(args, hf_config, hf_sd, tokenizer)
+    except ConfigError as e:
+        raise SystemExit(f"error: {one_line(e)}")
     del hf_sd
     load_s = time.perf_counter() - t0
     what = f"{args.load} (iteration {meta.get('iteration')})" if args.load else args.model
@@ -131,6 +163,7 @@ def main(argv=None) -> int:
     print(format_table(report), flush=True)
     if args.out:
         meta.update(label=args.label or args.model or os.path.basename(os.path.normpath(args.load)), limit=args.limit, load_seconds=load_s,
+                    engine=args.engine, dtype=args.dtype,
                     torch_threads=torch.get_num_threads(), command=" ".join(sys.argv))
         path = write_summary(args.out, report, meta, num_examples=args.num_examples)
         print(f"[evaluate] wrote {path}", flush=True)

@@ -20,6 +20,8 @@ from typing import Tuple
 
 import torch
 
+from megatron_cegrpo.bootstrap import bootstrap
+
 __all__ = ["native_bf16", "matmul_gflops", "recommended_precision_flags", "precision_warning"]
 
 BF16_FLAGS = "--bf16 --rollout-dtype bf16"
@@ -75,6 +77,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description="print the precision flags for this host (bf16 where native)")
     ap.add_argument("--explain", action="store_true", help="say why, with both dtypes' measured GFLOP/s, on stderr")
     args = ap.parse_args(argv)
+    bootstrap()
     flags = recommended_precision_flags()
     if args.explain:
         ok, why = native_bf16()

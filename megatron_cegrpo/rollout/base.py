@@ -1,8 +1,9 @@
 """The rollout engine interface: a dense sampler that generates responses and takes new weights.
 
 DESIGN.md section 1: the rollout engine is colocated with trainer rank 0 (the
-driver); HF transformers on CPU, vLLM on GPU. It always runs the dense model:
-compression is applied to the trainer only (status 2026-07-31 section 3).
+driver); HF transformers (``--rollout-engine hf``, ``hf_engine.py``) or vLLM in the driver's
+process (``--rollout-engine vllm``, ``vllm_engine.py``; ``docs/vllm.md``). It always runs the
+dense model: compression is applied to the trainer only (status 2026-07-31 section 3).
 """
 
 from __future__ import annotations
@@ -73,6 +74,8 @@ def get_rollout_engine(name: str, **kwargs) -> RolloutEngine:
     """Build a registered engine. Raises ValueError listing the valid names."""
     if name == "hf":
         from megatron_cegrpo.rollout import hf_engine  # noqa: F401  (registers itself)
+    if name == "vllm":
+        from megatron_cegrpo.rollout import vllm_engine  # noqa: F401  (registers itself; vllm imported when built)
     if name not in _ENGINES:
         raise ValueError(f"unknown rollout engine {name!r}; valid: {sorted(_ENGINES)}")
     return _ENGINES[name](**kwargs)

@@ -24,12 +24,26 @@ from megatron_cegrpo.rewards import get_verifier, score_responses
 from megatron_cegrpo.rewards.custom import load_custom_reward_function
 from megatron_cegrpo.rollout.base import RolloutOutput, get_rollout_engine
 
-__all__ = ["Driver", "log"]
+__all__ = ["Driver", "log", "rollout_engine_options"]
 
 
 def log(msg: str) -> None:
     """A driver line on stdout (``[cegrpo] ...``)."""
     print(f"[cegrpo] {msg}", flush=True)
+
+
+def rollout_engine_options(cfg, hf_config) -> Dict:
+    """The keyword arguments of ``--rollout-engine`` beyond those every engine takes: for vllm
+    the longest sequence (``vllm_config.max_model_len``), ``--rollout-kv-cache-mb``,
+    ``--rollout-compile`` and the run's seed; none for hf."""
+    r = cfg.rollout
+    if r.engine != "vllm":
+        return {}
+    from megatron_cegrpo.rollout.vllm_config import max_model_len
+
+    return dict(max_model_len=max_model_len(r.max_prompt_length, r.max_new_tokens, cfg.data.eval_max_new_tokens,
+                                            int(getattr(hf_config, "max_position_embeddings", 0) or 0)),
+                kv_cache_mb=r.kv_cache_mb, compile=r.compile, seed=cfg.optim.seed)
 
 
 class all_cores:
@@ -72,7 +86,7 @@ class Driver:
         self.get_reward_fn = (lambda _name: custom) if custom is not None else get_verifier
         self.rollout = get_rollout_engine(cfg.rollout.engine, hf_config=policy.hf_config,
                                           hf_state_dict=policy.hf_state_dict, tokenizer=self.tokenizer,
-                                          dtype=cfg.rollout.dtype)
+                                          dtype=cfg.rollout.dtype, **rollout_engine_options(cfg, policy.hf_config))
         lg = cfg.logging
         self.writer = build_writers(lg.log_dir, wandb_project=lg.wandb_project, tensorboard_dir=lg.tensorboard_dir,
                                     config=cfg.to_dict(), resume=bool(cfg.checkpoint.load),
