@@ -24,4 +24,4 @@
 # synced by changed entries (--rollout-dtype bf16); elsewhere fp32, as the study's first arms ran
 # (PyTorch emulates bf16 on an AVX2-only CPU, 75x slower: megatron_cegrpo/compat/precision.py).
 # PRECISION_FLAGS="" forces fp32, PRECISION_FLAGS="--bf16 --rollout-dtype bf16" forces bf16.
-: "${PRECISION_FLAGS=$("${PYTHON:-python}" -m megatron_cegrpo.compat.precision)}"
+: "${PRECISION_FLAGS=$("${PYTHON:-python}" -m megatron_cegrpo.compat.precision 2>/dev/null)}"

@@ -102,6 +102,9 @@ run_arm() {  # run_arm ARM SEED
   fi
   # shellcheck disable=SC2206
   local extra_flags=(${extra:-})
+  if [[ "$codec" == rpq* ]]; then  # rpq codes the old-logprob pass's crossing once and its repeat: keep that pass
+    extra_flags+=(--recompute-old-log-prob)
+  fi
   if [[ "$codec" != dense && "$FIDELITY_INTERVAL" != 0 ]]; then
     extra_flags+=(--grad-fidelity-interval "$FIDELITY_INTERVAL")
   fi
