@@ -162,8 +162,9 @@ def test_both_ends_in_separate_processes_hold_the_same_state(tmp_path):
 
 
 def test_start_up_rejects_rpq_over_budget_naming_the_flags(monkeypatch, capsys):
-    """--kl-coef 0 leaves 2 forward passes: rpq (planned for 3) is over --boundary-keep-ratio
-    at start-up, one line naming --boundary-codec and --boundary-keep-ratio."""
+    """--kl-coef 0 leaves 1 forward pass (the update's: its old log-probs come from it), 2 with
+    --recompute-old-log-prob: rpq planned for more passes is over --boundary-keep-ratio at start-up,
+    one line naming --boundary-codec and --boundary-keep-ratio."""
     import megatron_cegrpo.initialize
     from megatron_cegrpo.train import main
 
@@ -179,5 +180,9 @@ def test_start_up_rejects_rpq_over_budget_naming_the_flags(monkeypatch, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("[cegrpo] error: --boundary-codec rpq:lrq exceeds --boundary-keep-ratio 0.05: forward")
-    with pytest.raises(AssertionError, match="start-up passed"):
-        main(argv[:-5] + ["rpq/passes=2:lrq", "--kl-coef", "0", "--log-dir", "/tmp/rpq_never_used"])
+    passes2 = argv[:-5] + ["rpq/passes=2:lrq", "--kl-coef", "0", "--log-dir", "/tmp/rpq_never_used"]
+    assert main(passes2) == 2
+    assert capsys.readouterr().err.startswith("[cegrpo] error: --boundary-codec rpq/passes=2:lrq exceeds")
+    for ok in (passes2 + ["--recompute-old-log-prob"], argv[:-5] + ["rpq/passes=1:lrq", "--kl-coef", "0"]):
+        with pytest.raises(AssertionError, match="start-up passed"):
+            main(ok)
