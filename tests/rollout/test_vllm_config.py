@@ -26,9 +26,10 @@ def _one_line(msg: str) -> None:
 
 
 def test_vllm_not_installed_is_one_line_at_validation(no_vllm):
-    cfg = build_config(parse_args(["--rollout-engine", "vllm"]))
+    cfg = build_config(parse_args(["--rollout-engine", "vllm", "--pipeline-model-parallel-size", "1",
+                                   "--anchor-ranks", "0"]))
     with pytest.raises(ConfigError) as e:
-        cfg.validate(world_size=2)
+        cfg.validate(world_size=1)
     msg = str(e.value)
     _one_line(msg)
     assert msg.startswith("--rollout-engine vllm: vLLM is not installed")
@@ -132,3 +133,19 @@ def test_entry_point_prints_one_line_when_the_kv_cache_is_too_small(monkeypatch,
     assert err == ("[cegrpo] error: --rollout-kv-cache-mb 1: vLLM's KV cache cannot hold one sequence of 2048 tokens "
                    "(prompt + response) at fp32, which needs 2.0 MiB; fix: pass --rollout-kv-cache-mb "
                    "64 (at least 2), or lower --max-prompt-length / --max-new-tokens / --eval-max-new-tokens\n"), err
+
+
+def test_vllm_beside_a_multi_rank_trainer_is_refused(monkeypatch):
+    """In-process vLLM takes torch.distributed's default world: beside a trainer of 2+ ranks its
+    start-up waits forever (seen at PP = 2), so such a launch stops at start-up with one line."""
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a, **k: real("json") if name == "vllm" else real(name, *a, **k))
+    cfg = build_config(parse_args(["--rollout-engine", "vllm"]))  # PP = 2 + 1 anchor rank by default
+    with pytest.raises(ConfigError, match=r"^--rollout-engine vllm runs only in a one-rank run for now "
+                                          r"\(this launch has 3 ranks") as e:
+        cfg.validate(world_size=3)
+    _one_line(str(e.value))
+    one = build_config(parse_args(["--rollout-engine", "vllm", "--pipeline-model-parallel-size", "1",
+                                   "--anchor-ranks", "0"]))
+    one.validate(world_size=1)
