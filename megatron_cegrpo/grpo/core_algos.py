@@ -59,6 +59,17 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 TIE_RTOL_EPS = 4
 
 
+def _check_groups(scores: torch.Tensor, group_size: int) -> None:
+    """``scores`` 1-D and split into whole groups of ``group_size`` >= 1; else ValueError."""
+    if group_size < 1:
+        raise ValueError(f"group_size must be >= 1, got {group_size}")
+    if scores.dim() != 1 or scores.numel() % group_size:
+        raise ValueError(
+            f"scores must be 1-D with a length divisible by group_size={group_size}; "
+            f"got shape {tuple(scores.shape)}"
+        )
+
+
 def compute_grpo_outcome_advantage(
     scores: torch.Tensor,
     group_size: int,
@@ -97,13 +108,7 @@ def compute_grpo_outcome_advantage(
         ValueError: group_size < 1; b not a multiple of ``group_size``; a
             NaN or +-inf score (names the first bad row and its group).
     """
-    if group_size < 1:
-        raise ValueError(f"group_size must be >= 1, got {group_size}")
-    if scores.dim() != 1 or scores.numel() % group_size:
-        raise ValueError(
-            f"scores must be 1-D with a length divisible by group_size={group_size}; "
-            f"got shape {tuple(scores.shape)}"
-        )
+    _check_groups(scores, group_size)
     finite = torch.isfinite(scores)
     if not bool(finite.all()):
         i = int((~finite).nonzero()[0, 0])
@@ -150,13 +155,7 @@ def tied_groups(scores: torch.Tensor, group_size: int) -> torch.Tensor:
     Raises:
         ValueError: group_size < 1 or b not a multiple of it.
     """
-    if group_size < 1:
-        raise ValueError(f"group_size must be >= 1, got {group_size}")
-    if scores.dim() != 1 or scores.numel() % group_size:
-        raise ValueError(
-            f"scores must be 1-D with a length divisible by group_size={group_size}; "
-            f"got shape {tuple(scores.shape)}"
-        )
+    _check_groups(scores, group_size)
     work = scores if scores.dtype in (torch.float32, torch.float64) else scores.float()
     return _tied_rows(work.reshape(-1, group_size)).reshape(-1)
 
