@@ -25,7 +25,17 @@ from typing import Dict, Optional
 
 import torch
 
-__all__ = ["matmul_params", "update_pass_flops", "perf_metrics"]
+__all__ = ["WALL_CLOCK_PREFIXES", "without_wall_clock", "matmul_params", "update_pass_flops", "perf_metrics"]
+
+#: Metric keys that depend on wall-clock time: they differ between two runs of the same seeds, so
+#: equality checks (resume, equivalence records, DP/TP parity) leave them out.
+WALL_CLOCK_PREFIXES = ("timing_s/", "perf/flops/", "perf/mfu/")
+
+
+def without_wall_clock(m: Dict, extra: tuple = ()) -> Dict:
+    """``m`` without the keys under :data:`WALL_CLOCK_PREFIXES` (and the prefixes in ``extra``)."""
+    drop = WALL_CLOCK_PREFIXES + tuple(extra)
+    return {k: v for k, v in m.items() if not k.startswith(drop)}
 
 
 def matmul_params(model: torch.nn.Module) -> int:

@@ -26,6 +26,7 @@ import pytest
 import torch
 
 from distributed_util import PARITY_REWARD, REPO, run_ranks
+from megatron_cegrpo.training.perf import WALL_CLOCK_PREFIXES
 from megatron_cegrpo.arguments import build_config, parse_args
 from megatron_cegrpo.errors import ConfigError
 from megatron_cegrpo.grpo.batch import replica_rows
@@ -52,7 +53,7 @@ def runs(tmp_path_factory):
 
 def _load(d, run, ranks):
     lines = [json.loads(x) for x in (d / run / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    metrics = {m["step"]: {k: v for k, v in m.items() if not k.startswith("timing_s/")} for m in lines}
+    metrics = {m["step"]: {k: v for k, v in m.items() if not k.startswith(WALL_CLOCK_PREFIXES)} for m in lines}
     return metrics, [torch.load(d / run / f"rank{r}.pt") for r in ranks]
 
 

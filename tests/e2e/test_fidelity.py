@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from distributed_util import PARITY_REWARD, REPO, free_port
+from megatron_cegrpo.training.perf import WALL_CLOCK_PREFIXES
 
 ARGS = [
     "--model", "tiny-llama", "--train-data", "mawps/singleop", "--pipeline-model-parallel-size", "2",
@@ -53,8 +54,8 @@ def test_probe_adds_fidelity_metrics_and_changes_nothing_else(tmp_path):
         added = {k for k in b if k not in a}
         assert added - {"timing_s/fidelity"} == {"fidelity/cos", "fidelity/cos/stage_0", "fidelity/cos/stage_1",
                                                  "fidelity/sign_agreement", "fidelity/norm_ratio"}
-        strip = {k: v for k, v in b.items() if k in a and not k.startswith("timing_s/")}
-        assert strip == {k: v for k, v in a.items() if not k.startswith("timing_s/")}
+        strip = {k: v for k, v in b.items() if k in a and not k.startswith(WALL_CLOCK_PREFIXES)}
+        assert strip == {k: v for k, v in a.items() if not k.startswith(WALL_CLOCK_PREFIXES)}
         assert b["actor/num_optimizer_steps"] == 2
         for k in ("fidelity/cos", "fidelity/cos/stage_0", "fidelity/cos/stage_1"):
             assert -1.0 <= b[k] <= 1.0 and b[k] < 1.0 - 1e-6, (k, b[k])  # the mask changes the gradient

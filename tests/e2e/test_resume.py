@@ -21,6 +21,7 @@ from safetensors.torch import load_file
 
 from distributed_util import REPO, free_port
 from distributed_util import PARITY_REWARD as REWARD, launcher as _launcher
+from megatron_cegrpo.training.perf import WALL_CLOCK_PREFIXES
 
 ARGS = [
     "--model", "tiny-llama", "--train-data", "mawps/singleop", "--pipeline-model-parallel-size", "2",
@@ -46,7 +47,7 @@ def _metrics(path):
     out = {}
     for line in open(path):
         m = json.loads(line)
-        out[m["step"]] = {k: v for k, v in m.items() if not k.startswith("timing_s/")}
+        out[m["step"]] = {k: v for k, v in m.items() if not k.startswith(WALL_CLOCK_PREFIXES)}
     return out
 
 

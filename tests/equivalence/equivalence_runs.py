@@ -36,6 +36,8 @@ sys.path.insert(0, os.path.dirname(HERE))  # tests/: distributed_util
 
 from distributed_util import PARITY_REWARD, free_port, launcher  # noqa: E402
 
+from megatron_cegrpo.training.perf import WALL_CLOCK_PREFIXES  # noqa: E402
+
 COMMON = ["--pipeline-model-parallel-size", "2", "--micro-batch-size", "4", "--rollout-batch-size", "2",
           "--num-generations", "4", "--lr", "1e-4", "--temperature", "1.0", "--kl-coef", "0.01",
           "--boundary-codec", "mask", "--anchor-ranks", "1", "--anchor-interval", "2", "--anchor-delay", "2",
@@ -48,7 +50,7 @@ RUNS = {
                 "resume_at": None},
 }
 #: keys that measure time, not behaviour
-VOLATILE_PREFIXES = ("timing_s/", "perf/flops/", "perf/mfu/")
+VOLATILE_PREFIXES = WALL_CLOCK_PREFIXES
 
 
 def _launch(work: str, args, *extra) -> subprocess.CompletedProcess:
