@@ -419,9 +419,14 @@ class RolloutConfig:
     max_new_tokens: int = option(128, "longest response in tokens (verl response_length)")
     temperature: float = option(1.0, "sampling temperature, > 0 (verl)")
     top_p: float = option(1.0, "nucleus sampling cut in (0, 1], 1: none (verl)")
-    dtype: str = option("fp32", "the sampler's weights: fp32 (every stage's parameters sent in fp32 after each "
-                                "step) or bf16 (the trainer's rounded to bf16, only changed entries sent)",
+    dtype: str = option("bf16", "the sampler's weights: bf16 (the trainer's rounded to bf16, only changed entries "
+                                "sent after each step) or fp32 (every stage's parameters sent in fp32)",
                         flag="--rollout-dtype", dest="rollout_dtype", choices=("fp32", "bf16"))
+    compute_dtype: str = option("auto", "the dtype the hf sampler runs in: auto (bf16 where --rollout-dtype bf16 "
+                                        "and the host has native bf16 matmuls, else fp32 holding the bf16 values "
+                                        "exactly), fp32 or bf16; vllm runs in --rollout-dtype",
+                                flag="--rollout-compute-dtype", dest="rollout_compute_dtype",
+                                choices=("auto", "fp32", "bf16"))
     kv_cache_mb: int = option(256, "--rollout-engine vllm: its KV cache in MiB, allocated at start-up (SmolLM2-135M: "
                                    "22.5 KiB a token in bf16, 45 in fp32)",
                               flag="--rollout-kv-cache-mb", dest="rollout_kv_cache_mb")
@@ -439,6 +444,13 @@ class RolloutConfig:
         once the model is known). Raises ConfigError."""
         _check_choice("--rollout-engine", self.engine, self.ENGINES)
         _check_choice("--rollout-dtype", self.dtype, ("fp32", "bf16"))
+        _check_choice("--rollout-compute-dtype", self.compute_dtype, ("auto", "fp32", "bf16"))
+        if self.dtype == "fp32" and self.compute_dtype == "bf16":
+            raise ConfigError("--rollout-compute-dtype bf16 needs --rollout-dtype bf16 (the weights are rounded to "
+                              "bf16 to run in it); fix: pass --rollout-dtype bf16")
+        if self.engine == "vllm" and self.compute_dtype not in ("auto", self.dtype):
+            raise ConfigError(f"--rollout-compute-dtype {self.compute_dtype} with --rollout-engine vllm: vLLM runs in "
+                              f"--rollout-dtype ({self.dtype}); fix: drop --rollout-compute-dtype")
         _check_int("--rollout-kv-cache-mb", self.kv_cache_mb, 1, "e.g. --rollout-kv-cache-mb 256")
         if self.engine == "vllm":
             from megatron_cegrpo.rollout.vllm_config import check_vllm_installed
@@ -659,10 +671,16 @@ class AnchorConfig:
                                           "sign arrives", choices=("every-step", "fire-only"))
     anchor_apply: str = option("fire-step", "the trainer waits for a fire's sign on the fire step or the next "
                                             "one", choices=("fire-step", "next-step"))
-    anchor_ship: str = option("bf16-delta", "how theta(s) travels to the anchor: fp32 (4 bytes a parameter) or, "
-                                            "after one fp32 keyframe a run, bf16 deltas against a mirror both "
-                                            "ends keep (2 bytes a parameter; anchor/shipment.py)",
-                              choices=("fp32", "bf16-delta"))
+    anchor_ship: str = option("int4-delta", "how theta(s) travels to the anchor: fp32 (4 bytes a parameter) or "
+                                            "deltas against a mirror both ends keep, with error feedback: "
+                                            "bf16-delta (2 bytes a parameter), int8-delta (1.02), int4-delta "
+                                            "(0.52); no keyframe when the anchor holds the weights "
+                                            "(anchor/shipment.py)",
+                              choices=("fp32", "bf16-delta", "int8-delta", "int4-delta"))
+    anchor_ship_check: bool = option(False, "debug: the stages also send the exact fp32 weights and every fire "
+                                            "replays them too, logging anchor/ship_sign_agreement (sign(M) from "
+                                            "the shipped weights against the exact ones, same batch); doubles "
+                                            "the anchor's work, its bytes stay out of the ledger")
     anchor_timeout_minutes: float = option(
         0.0, "minutes a stage waits at most for one fire's signs before it goes on without the anchor (0: "
              "as long as the anchor process lives; a dead anchor is noticed at once by its closed connection)")
@@ -694,7 +712,8 @@ class AnchorConfig:
                                    ("--sign-fold", self.sign_fold, ("every-step", "fire-only")),
                                    ("--sign-blend-magnitude", self.sign_blend_magnitude, ("grad", "mean")),
                                    ("--anchor-apply", self.anchor_apply, ("fire-step", "next-step")),
-                                   ("--anchor-ship", self.anchor_ship, ("fp32", "bf16-delta"))):
+                                   ("--anchor-ship", self.anchor_ship,
+                                    ("fp32", "bf16-delta", "int8-delta", "int4-delta"))):
             _check_choice(flag, value, valid)
         _check_int("--anchor-forecast-points", self.anchor_forecast_points, 2, "e.g. --anchor-forecast-points 4")
         _check_float("--anchor-forecast-damping", self.anchor_forecast_damping,

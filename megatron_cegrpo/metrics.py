@@ -328,7 +328,7 @@ def _mb(v) -> str:
 
 def format_progress(m: Dict, total_iters: int) -> str:
     """One console line per iteration: the whole-step bytes (``comm/total_bytes``, its ratio to
-    dense-everything) before the boundary ratio."""
+    dense-everything, and the run's ratio so far, ``comm/run_total_ratio``) before the boundary ratio."""
     def g(k, fmt="{:.3f}"):
         v = m.get(k)
         return fmt.format(v) if isinstance(v, (int, float)) else "-"
@@ -339,7 +339,8 @@ def format_progress(m: Dict, total_iters: int) -> str:
         f"ent {g('actor/entropy', '{:.2f}')} | gnorm {g('actor/grad_norm', '{:.3f}')} | "
         f"mismatch {g('mismatch/abs_logprob_diff_mean', '{:.3f}')} | "
         f"resp_len {g('response_length/mean', '{:.0f}')} | "
-        f"comm {_mb(m.get('comm/total_bytes'))} MB, {g('comm/total_ratio', '{:.4f}')} of dense | "
+        f"comm {_mb(m.get('comm/total_bytes'))} MB, {g('comm/total_ratio', '{:.4f}')} of dense "
+        f"(run {g('comm/run_total_ratio', '{:.4f}')}) | "
         f"boundary {g('comm/bytes_ratio', '{:.4f}')} | "
         f"{g('timing_s/step', '{:.1f}')} s"
     )

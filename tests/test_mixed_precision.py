@@ -148,7 +148,8 @@ def test_precision_choice_follows_the_hosts_bf16_support(monkeypatch):
 
     from megatron_cegrpo.compat import precision as pr
 
-    cfg = SimpleNamespace(model=SimpleNamespace(bf16=True, params_dtype="fp32"), rollout=SimpleNamespace(dtype="fp32"))
+    cfg = SimpleNamespace(model=SimpleNamespace(bf16=True, params_dtype="fp32"),
+                          rollout=SimpleNamespace(dtype="bf16", compute_dtype="auto", engine="hf"))
     monkeypatch.setattr(pr.torch.cuda, "is_available", lambda: False)
     for amx, avx, flags in ((False, False, ""), (True, False, pr.BF16_FLAGS), (False, True, pr.BF16_FLAGS)):
         monkeypatch.setattr(pr.torch.cpu, "_is_amx_tile_supported", lambda v=amx: v)
@@ -158,8 +159,18 @@ def test_precision_choice_follows_the_hosts_bf16_support(monkeypatch):
         assert (warning == "") == bool(flags)
         if warning:
             assert warning.startswith("warning: --bf16 on a CPU without AMX or AVX512-BF16") and "fix: drop" in warning
+        # the sampler holds bf16 weights; under auto it runs in bf16 only where that is native
+        assert pr.rollout_compute_dtype(cfg.rollout) == ("bf16" if flags else "fp32")
     cfg.model.bf16 = False
-    assert pr.precision_warning(cfg) == ""  # fp32: nothing to say
+    assert pr.precision_warning(cfg) == ""  # fp32 passes, fp32 sampler compute: nothing to say
+    monkeypatch.setattr(pr.torch.cpu, "_is_avx512_bf16_supported", lambda: False)  # a host that emulates bf16
+    cfg.rollout.compute_dtype = "bf16"  # asked for explicitly
+    assert pr.rollout_compute_dtype(cfg.rollout) == "bf16"
+    assert pr.precision_warning(cfg).startswith("warning: a bf16 sampler (--rollout-compute-dtype) on a CPU without")
+    cfg.rollout = SimpleNamespace(dtype="fp32", compute_dtype="auto", engine="hf")
+    assert pr.rollout_compute_dtype(cfg.rollout) == "fp32"
+    cfg.rollout = SimpleNamespace(dtype="bf16", compute_dtype="auto", engine="vllm")
+    assert pr.rollout_compute_dtype(cfg.rollout) == "bf16"  # vLLM runs in its weights' dtype
 
 
 def test_matmul_speed_is_measured():

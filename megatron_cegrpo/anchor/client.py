@@ -23,8 +23,8 @@ from megatron_cegrpo.anchor.dp_fanout import held_signs
 from megatron_cegrpo.anchor.shipment import ShipmentEncoder
 from megatron_cegrpo.anchor.signs import packed_nbytes, unpack_bits, unpack_sign_list
 from megatron_cegrpo.anchor.transport import (
-    META_TAG, TAG_BASIS, TAG_BATCH, TAG_PARAMS, TAG_SAVE, TAG_SAVE_DONE, TAG_SIGN_HDR, TAG_SIGN_INFO, TAG_SIGNS,
-    TAG_STATS, flatten_params, is_fire_step, is_ship_step, isend_object, recv_object, recv_tensor, send_object,
+    META_TAG, TAG_BASIS, TAG_BATCH, TAG_MIRROR_ACK, TAG_PARAMS, TAG_PARAMS_EXACT, TAG_SAVE, TAG_SAVE_DONE, TAG_SIGN_HDR,
+    TAG_SIGN_INFO, TAG_SIGNS, TAG_STATS, flatten_params, is_fire_step, is_ship_step, isend_object, recv_object, recv_tensor, send_object,
 )
 
 __all__ = ["AnchorClient", "ANCHOR_BATCH_KEYS"]
@@ -78,9 +78,10 @@ class AnchorClient:
         self._fresh_for: Optional[int] = None
         self.bytes_in = 0  # to the anchor
         self.bytes_out = 0  # from the anchor
-        self.shipment = ShipmentEncoder(self.a.anchor_ship)  # theta(s) as fp32 or bf16 deltas
+        self.shipment = ShipmentEncoder(self.a.anchor_ship)  # theta(s) as fp32 or deltas (anchor/shipment.py)
         self.ship_bytes = 0  # the weight shipments' part of bytes_in
         self.ship_dense_bytes = 0  # the same shipments in fp32 (the ledger's dense baseline)
+        self.ship_check_bytes = 0  # --anchor-ship-check's exact copies (debug, not in the ledger)
         self.stats: Dict = {}
         self.bases = bases
         self._now = 0  # the iteration whose before_optimizer_step (or finish) receives signs
@@ -116,10 +117,16 @@ class AnchorClient:
     def connect(self) -> None:
         """Send this stage's parameter names/shapes and, after a resume, the fire whose signs it
         still awaits (the anchor sends those again). Call once, after ``load_state_dict``."""
-        meta = dict(self._meta, awaiting=self._awaiting)
+        digest = self.shipment.start(flatten_params(self.params))
+        meta = dict(self._meta, awaiting=self._awaiting, mirror_digest=digest)
 
         def hello():
             self.bytes_in += send_object(meta, self.anchor, META_TAG, self.group)
+            if digest is not None:  # the anchor's answer: does it hold the mirror already?
+                ack = torch.zeros(1, dtype=torch.uint8)
+                recv_tensor(ack, self.anchor, TAG_MIRROR_ACK, self.group, self.timeout)
+                self.bytes_out += 1
+                self.shipment.agreed(bool(int(ack)))
 
         self._guard("hello", hello)
 
@@ -141,13 +148,18 @@ class AnchorClient:
 
             def ship():
                 flat = flatten_params(self.params)
-                payload = self.shipment.encode(flat)
-                self._pending.append([[dist.isend(payload, dst=self.anchor, tag=TAG_PARAMS, group=self.group)],
-                                      payload])
-                n = payload.numel() * payload.element_size()
-                self.bytes_in += n
-                self.ship_bytes += n
+                payload = self.shipment.encode(flat)  # None: theta(0), which the anchor holds
+                if payload is not None:
+                    self._pending.append([[dist.isend(payload, dst=self.anchor, tag=TAG_PARAMS, group=self.group)],
+                                          payload])
+                    n = payload.numel() * payload.element_size()
+                    self.bytes_in += n
+                    self.ship_bytes += n
                 self.ship_dense_bytes += flat.numel() * 4
+                if self.a.anchor_ship_check:  # debug: the exact weights too, outside the ledger
+                    self._pending.append([[dist.isend(flat, dst=self.anchor, tag=TAG_PARAMS_EXACT, group=self.group)],
+                                          flat])
+                    self.ship_check_bytes += flat.numel() * 4
                 if self.is_driver:
                     self._send_batch(t, batch)
 
@@ -270,5 +282,7 @@ class AnchorClient:
                "anchor/bytes_in": self.bytes_in, "anchor/bytes_out": self.bytes_out,
                "anchor/bytes_ship": self.ship_bytes, "anchor/bytes_ship_fp32": self.ship_dense_bytes,
                "anchor/alive": int(self.alive)}
-        self.bytes_in = self.bytes_out = self.ship_bytes = self.ship_dense_bytes = 0
+        if self.a.anchor_ship_check:
+            out["anchor/bytes_ship_check"] = self.ship_check_bytes
+        self.bytes_in = self.bytes_out = self.ship_bytes = self.ship_dense_bytes = self.ship_check_bytes = 0
         return out

@@ -18,7 +18,7 @@ plain bf16 weights.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Dict, List, Mapping, Tuple
+from typing import Dict, List, Mapping, Optional, Tuple
 
 import torch
 
@@ -96,6 +96,13 @@ class CheckpointRing:
     def steps(self) -> List[int]:
         """All held steps, oldest first (readable or not; for logging only)."""
         return list(self._ckpts)
+
+    def newest(self) -> Optional[Tuple[int, Dict[str, torch.Tensor]]]:
+        """(step, theta(step)) of the newest checkpoint held (the ring's own storage), or None."""
+        if not self._ckpts:
+            return None
+        step = next(reversed(self._ckpts))
+        return step, self._ckpts[step]
 
     def __len__(self) -> int:
         return len(self._ckpts)

@@ -1,73 +1,156 @@
-"""How a stage's weights travel to the anchor: fp32, or bf16 deltas against a shared mirror (issue 12 item 4).
+"""How a stage's weights travel to the anchor: fp32, or deltas against a shared mirror (issues 12, 30).
 
-``--anchor-ship fp32`` sends theta(s) as one flat fp32 buffer (4 bytes a parameter), as
-before. ``--anchor-ship bf16-delta`` (the default) sends, after one fp32 keyframe,
-only ``bf16(theta(s) - mirror)``: 2 bytes a parameter, half of fp32. Both ends keep the
-same fp32 *mirror* (the anchor's reconstruction) and advance it by the same operation,
+``--anchor-ship fp32`` sends theta(s) as one flat fp32 buffer (4 bytes a parameter). The delta
+modes send only the change against a *mirror* both ends keep and advance by the same operation:
 
-    delta      = (theta(s) - mirror).to(bfloat16)            # what crosses the wire
-    mirror     = mirror + delta.float()                      # on both ends, bit-identical
+    delta      = theta(s) - mirror                           # fp32, on the stage
+    payload    = encode(delta)                               # what crosses the wire
+    mirror     = mirror + decode(payload)                    # on both ends, bit-identical
     theta_hat(s) = mirror                                    # what the anchor's ring holds
 
-so the rounding error does not accumulate (closed loop): ``|theta_hat(s) - theta(s)|`` is
-about ``2^-9 |theta(s) - theta_hat(s - c)|`` elementwise (bf16 keeps 8 significand bits;
-plus fp32's own rounding of the sum), i.e. relative to one shipment's movement, not to
-the weights. Why not plain bf16 weights: the
+- ``bf16-delta``: ``decode(encode(x)) = bf16(x)``, 2 bytes a parameter;
+- ``int8-delta`` / ``int4-delta``: blocks of :data:`BLOCK` values, each sent as its largest
+  magnitude ``a`` (fp32) and ``round(x / (a / q))`` in ``[-q, q]`` (``q`` = 127 / 7; 1 byte / half
+  a byte a value), ``decode = round(x q / a) (a / q)``: 1.016 / 0.516 bytes a parameter.
+
+Because the mirror is advanced by what was decoded, what one payload leaves out is part of the
+next delta (error feedback, closed loop): ``|theta_hat(s) - theta(s)|`` is at most one payload's
+rounding of one shipment's movement (``2^-9 |d|`` elementwise for bf16, ``a / 2q`` per block for
+the integer codes), never an accumulation over the run. Why not plain bf16 weights: the
 forecasts difference checkpoints (``theta(s1) - theta(s0)``) that move by ~0.1 % over the
 seeds' 20-step horizon, below bf16's resolution of a weight (2^-9 ~ 0.2 %), so a bf16 copy
-would erase the secant; the delta keeps ~0.2 % of the secant itself.
+would erase the secant; the delta keeps a small fraction of the secant itself.
 
-The first shipment of each process lifetime (a new run, and after a resume) is the fp32
-keyframe: on a new run theta(0) itself; after a resume the restored mirror advanced by the
-delta, ``mirror + bf16(theta - mirror)``, which are the values the uninterrupted run's
-anchor would hold, so a resume stays bit-identical. The stage's mirror is part of its
-checkpoint (:meth:`ShipmentEncoder.state_dict`); the anchor's is rebuilt from the keyframe.
+**No keyframe to an anchor that holds the weights** (issue 30). At start-up the stage seeds its
+mirror (:meth:`ShipmentEncoder.start`: on a new run theta(0) as loaded; after a resume the mirror of
+its checkpoint) and sends the mirror's :func:`mirror_digest`; the anchor compares it with what it
+can load itself (its own copy of the base model on a new run, the newest checkpoint of its
+restored ring after a resume) and answers agreed or not (``anchor/worker.py``). Agreed: the
+anchor seeds its decoder with that copy, and on a new run the first shipment (theta(0), which both
+hold) is not sent at all. Not agreed (a different base file, an anchor that lost its state): the
+first shipment is the fp32 keyframe, as before: on a new run theta(0); after a resume the restored
+mirror advanced by the delta, the values the uninterrupted run's anchor would hold, so a resume
+stays bit-identical either way.
 
 Pure tensor code, no torch.distributed.
 """
 
 from __future__ import annotations
 
+import hashlib
+import math
 from typing import Dict, Optional
 
 import torch
 
-__all__ = ["SHIP_MODES", "ShipmentEncoder", "ShipmentDecoder", "shipment_nbytes"]
+__all__ = ["SHIP_MODES", "BLOCK", "ShipmentEncoder", "ShipmentDecoder", "shipment_nbytes", "mirror_digest"]
 
-SHIP_MODES = ("fp32", "bf16-delta")
+SHIP_MODES = ("fp32", "bf16-delta", "int8-delta", "int4-delta")
+#: values per scale of the integer delta codes
+BLOCK = 256
+_QMAX = {"int8-delta": 127, "int4-delta": 7}
 
 
 def shipment_nbytes(numel: int, mode: str, keyframe: bool) -> int:
     """Bytes of one stage's shipment of ``numel`` parameters: 4 a parameter in fp32 or for a
-    keyframe, 2 a parameter for a bf16 delta.
+    keyframe; 2 for a bf16 delta; for an int8 / int4 delta one fp32 scale per :data:`BLOCK`
+    values plus 1 / half a byte a value (the last block padded).
 
     Raises ValueError for an unknown ``mode``.
     """
     if mode not in SHIP_MODES:
         raise ValueError(f"unknown anchor shipment mode {mode!r}; one of {', '.join(SHIP_MODES)}")
-    return numel * (4 if mode == "fp32" or keyframe else 2)
+    if mode == "fp32" or keyframe:
+        return numel * 4
+    if mode == "bf16-delta":
+        return numel * 2
+    blocks = math.ceil(numel / BLOCK)
+    return blocks * 4 + (blocks * BLOCK if mode == "int8-delta" else blocks * BLOCK // 2)
+
+
+def mirror_digest(flat: torch.Tensor) -> str:
+    """BLAKE2b-128 (hex) of a flat fp32 buffer's bytes: what the two ends compare at start-up."""
+    return hashlib.blake2b(flat.detach().contiguous().view(torch.uint8).numpy().data, digest_size=16).hexdigest()
+
+
+def _encode_int(delta: torch.Tensor, mode: str):
+    """(payload uint8 [shipment_nbytes], decoded fp32 [numel]) of the fp32 delta ``delta`` [numel]."""
+    q, n = _QMAX[mode], delta.numel()
+    blocks = math.ceil(n / BLOCK)
+    x = torch.zeros(blocks * BLOCK, dtype=torch.float32)
+    x[:n] = delta
+    x = x.view(blocks, BLOCK)
+    amax = x.abs().amax(dim=1)
+    inv = torch.where(amax > 0, q / amax.clamp_min(torch.finfo(torch.float32).tiny), torch.zeros_like(amax))
+    codes = torch.round(x * inv[:, None]).clamp_(-q, q).to(torch.int8)
+    if mode == "int8-delta":
+        body = codes.view(-1).view(torch.uint8)
+    else:
+        u = (codes.view(-1) + 8).to(torch.uint8)  # 1 .. 15
+        body = u[0::2] | (u[1::2] << 4)
+    payload = torch.cat([amax.view(torch.uint8), body])
+    return payload, _decode_int(payload, mode, n)
+
+
+def _decode_int(payload: torch.Tensor, mode: str, n: int) -> torch.Tensor:
+    """The fp32 values [n] an integer-coded payload stands for (the same operations on both ends)."""
+    q = _QMAX[mode]
+    blocks = math.ceil(n / BLOCK)
+    amax = payload[:blocks * 4].view(torch.float32)
+    body = payload[blocks * 4:]
+    if mode == "int8-delta":
+        codes = body.view(torch.int8)
+    else:
+        codes = torch.stack([(body & 15).to(torch.int8) - 8, (body >> 4).to(torch.int8) - 8], dim=1).view(-1)
+    return (codes.view(blocks, BLOCK).float() * (amax / q)[:, None]).view(-1)[:n]
 
 
 class ShipmentEncoder:
     """The stage's end: what to send for theta(s).
 
     Args:
-        mode: ``"fp32"`` or ``"bf16-delta"`` (``SHIP_MODES``).
+        mode: one of ``SHIP_MODES``.
     """
 
     def __init__(self, mode: str):
         shipment_nbytes(0, mode, False)  # validates the mode
         self.mode = mode
         self.mirror: Optional[torch.Tensor] = None  # fp32 [numel]: what the anchor holds
-        self._sent_keyframe = False  # in this process lifetime
+        self._sent_keyframe = False  # in this process lifetime (or the anchor agreed on the mirror)
+        self._seeded = False  # start() set a new run's mirror to theta(0)
+        self.skip_next = False  # the next shipment is theta(0), which the anchor holds: not sent
 
     @torch.no_grad()
-    def encode(self, flat: torch.Tensor) -> torch.Tensor:
+    def start(self, flat: torch.Tensor) -> Optional[str]:
+        """At start-up, before the first shipment: the digest of the mirror the deltas would start
+        from (``None`` in fp32 mode: nothing to agree on). ``flat`` [numel] fp32: the stage's
+        parameters now (theta(0) on a new run; ignored when a checkpoint restored the mirror)."""
+        if self.mode == "fp32":
+            return None
+        if self.mirror is None:
+            self.mirror, self._seeded = flat.detach().float().clone(), True
+        return mirror_digest(self.mirror)
+
+    def agreed(self, ok: bool) -> None:
+        """The anchor's answer to :meth:`start`'s digest: agreed, deltas from the first shipment
+        (on a new run the first, theta(0), is skipped); not agreed, an fp32 keyframe first."""
+        if self.mode == "fp32":
+            return
+        self._sent_keyframe = ok
+        self.skip_next = ok and self._seeded
+        if not ok and self._seeded:
+            self.mirror = None  # a new run's keyframe is theta(0) itself
+        self._seeded = False
+
+    @torch.no_grad()
+    def encode(self, flat: torch.Tensor) -> Optional[torch.Tensor]:
         """The payload for the flat fp32 parameters ``flat`` [numel].
 
-        Returns a new fp32 [numel] tensor (fp32 mode, or the keyframe) or a bf16 [numel]
-        delta; the mirror advances to what the anchor will hold.
-        Raises ValueError for a non-fp32 or non-1-D ``flat`` or a size that changed.
+        Returns a new fp32 [numel] tensor (fp32 mode, or the keyframe), a bf16 [numel] delta, a
+        uint8 [``shipment_nbytes``] integer-coded delta, or None when the shipment is skipped
+        (:attr:`skip_next`); the mirror advances to what the anchor will hold.
+        Raises ValueError for a non-fp32 or non-1-D ``flat`` or a size that changed, and
+        RuntimeError when a skipped shipment's ``flat`` is not the agreed mirror.
         """
         if flat.dtype != torch.float32 or flat.dim() != 1:
             raise ValueError(f"shipments take a flat fp32 buffer, got {flat.dtype} {tuple(flat.shape)}")
@@ -75,13 +158,24 @@ class ShipmentEncoder:
             return flat
         if self.mirror is not None and self.mirror.numel() != flat.numel():
             raise ValueError(f"shipment of {flat.numel()} parameters against a mirror of {self.mirror.numel()}")
+        if self.skip_next:
+            self.skip_next = False
+            if not torch.equal(flat, self.mirror):
+                raise RuntimeError("anchor shipment: theta(0) changed between start-up and the first shipment; "
+                                   "the anchor's copy would be wrong")
+            return None
         if self.mirror is None:
             self.mirror = flat.clone()
         else:
-            delta = (flat - self.mirror).to(torch.bfloat16)
-            self.mirror.add_(delta.float())
+            delta = flat - self.mirror
+            if self.mode == "bf16-delta":
+                payload = delta.to(torch.bfloat16)
+                self.mirror.add_(payload.float())
+            else:
+                payload, decoded = _encode_int(delta, self.mode)
+                self.mirror.add_(decoded)
             if self._sent_keyframe:
-                return delta
+                return payload
         self._sent_keyframe = True
         return self.mirror.clone()
 
@@ -93,7 +187,7 @@ class ShipmentEncoder:
         """Restore :meth:`state_dict` (None or another mode: start without a mirror)."""
         ok = state is not None and state.get("mode") == self.mode and self.mode != "fp32"
         self.mirror = state["mirror"].clone() if ok and state["mirror"] is not None else None
-        self._sent_keyframe = False
+        self._sent_keyframe = self._seeded = self.skip_next = False
 
 
 class ShipmentDecoder:
@@ -108,11 +202,27 @@ class ShipmentDecoder:
         shipment_nbytes(numel, mode, False)
         self.mode, self.numel = mode, numel
         self.mirror: Optional[torch.Tensor] = None
+        self.skip_next = False  # the next shipment is theta(0), agreed at start-up: nothing to receive
+
+    def agree(self, digest: Optional[str], candidate: Optional[torch.Tensor], new_run: bool) -> bool:
+        """Start-up: whether the stage's mirror (its ``digest``) equals ``candidate`` (fp32 [numel]:
+        the anchor's own copy of the stage, None when it has none). Agreed: the decoder is seeded
+        with it and, on a new run, skips the first shipment. Returns the answer for the stage."""
+        ok = (digest is not None and candidate is not None and candidate.numel() == self.numel
+              and mirror_digest(candidate) == digest)
+        if ok:
+            self.mirror = candidate.detach().float().clone()
+            self.skip_next = new_run
+        return ok
 
     def buffer(self) -> torch.Tensor:
-        """An empty receive buffer of the next payload's dtype and size ([numel])."""
+        """An empty receive buffer of the next payload's dtype and size."""
         keyframe = self.mode == "fp32" or self.mirror is None
-        return torch.empty(self.numel, dtype=torch.float32 if keyframe else torch.bfloat16)
+        if keyframe:
+            return torch.empty(self.numel, dtype=torch.float32)
+        if self.mode == "bf16-delta":
+            return torch.empty(self.numel, dtype=torch.bfloat16)
+        return torch.empty(shipment_nbytes(self.numel, self.mode, False), dtype=torch.uint8)
 
     @torch.no_grad()
     def decode(self, payload: torch.Tensor) -> torch.Tensor:
@@ -121,13 +231,20 @@ class ShipmentDecoder:
         Raises ValueError when ``payload``'s dtype or size is not the expected one.
         """
         want = self.buffer()
-        if payload.dtype != want.dtype or payload.numel() != self.numel:
+        if payload.dtype != want.dtype or payload.numel() != want.numel():
             raise ValueError(f"anchor shipment of {payload.numel()} {payload.dtype}, expected "
-                             f"{self.numel} {want.dtype}")
+                             f"{want.numel()} {want.dtype}")
         if self.mode == "fp32":
             return payload
         if self.mirror is None:
             self.mirror = payload.clone()
-        else:
+        elif self.mode == "bf16-delta":
             self.mirror.add_(payload.float())
+        else:
+            self.mirror.add_(_decode_int(payload, self.mode, self.numel))
+        return self.mirror
+
+    def skip(self) -> torch.Tensor:
+        """theta(0) of a new run agreed at start-up (nothing was sent): the seeded mirror."""
+        self.skip_next = False
         return self.mirror

@@ -4,8 +4,10 @@ Both sides follow one deterministic schedule (DESIGN.md section 4), so no header
 needed: for iteration t,
 
 - ship (t - 1 = s is a multiple of c): every stage sends theta(s) (its parameters, one
-  flat buffer, tag ``TAG_PARAMS``: fp32, or after one fp32 keyframe per process lifetime
-  a bf16 delta, ``--anchor-ship``, ``anchor/shipment.py``) with ``isend`` (the trainer does not wait), and the
+  flat buffer, tag ``TAG_PARAMS``: fp32, or a delta against the mirror both ends keep,
+  ``--anchor-ship``, ``anchor/shipment.py``; a new run's theta(0) is not sent when the start-up
+  digests agreed; with ``--anchor-ship-check`` the exact fp32 buffer follows, ``TAG_PARAMS_EXACT``,
+  metered apart in ``anchor/bytes_ship_check``) with ``isend`` (the trainer does not wait), and the
   driver sends the rollout batch of iteration t, the one theta(s) generated (``TAG_BATCH``);
 - fire (t is a multiple of c): the driver sends batch(t) unless it went out at ship time;
   the anchor answers each stage with a header (``TAG_SIGN_HDR``: bit 0 = signs follow,
@@ -19,8 +21,10 @@ needed: for iteration t,
   (``TAG_SAVE_DONE``); the stages' checkpoint collectives never include the anchor, so a
   dead anchor cannot block a save.
 
-Once, at start-up, every stage sends its parameter names and shapes and, on a resume, the
-fire whose signs it still awaits (``META_TAG``): the anchor sends those signs again.
+Once, at start-up, every stage sends its parameter names and shapes, the digest of the mirror its
+weight deltas start from and, on a resume, the fire whose signs it still awaits (``META_TAG``):
+the anchor answers the digest with one byte, 1 agreed / 0 not (``TAG_MIRROR_ACK``;
+``anchor/shipment.py``: no keyframe when agreed) and sends the awaited signs again.
 
 Every message goes over the anchor group (``DistContext.anchor_group``), whose timeout is
 the peers' lifetime (``initialize.PEER_LIFETIME_TIMEOUT``): the anchor waits c iterations
@@ -43,11 +47,11 @@ import torch.distributed as dist
 from megatron_cegrpo.pipeline.weight_sync import flatten_params, unflatten  # noqa: F401  (re-exported)
 
 __all__ = ["TAG_PARAMS", "TAG_BATCH", "TAG_SIGN_HDR", "TAG_SIGNS", "TAG_STATS", "META_TAG", "TAG_SAVE",
-           "TAG_SAVE_DONE", "TAG_BASIS", "TAG_SIGN_INFO", "is_ship_step", "is_fire_step", "send_object", "recv_object", "recv_tensor", "isend_object",
+           "TAG_SAVE_DONE", "TAG_BASIS", "TAG_SIGN_INFO", "TAG_MIRROR_ACK", "TAG_PARAMS_EXACT", "is_ship_step", "is_fire_step", "send_object", "recv_object", "recv_tensor", "isend_object",
            "flatten_params", "unflatten"]
 
 TAG_PARAMS, TAG_BATCH, TAG_SIGN_HDR, TAG_SIGNS, TAG_STATS, META_TAG = 11, 12, 13, 14, 15, 16
-TAG_SAVE, TAG_SAVE_DONE, TAG_BASIS, TAG_SIGN_INFO = 17, 18, 19, 20
+TAG_SAVE, TAG_SAVE_DONE, TAG_BASIS, TAG_SIGN_INFO, TAG_MIRROR_ACK, TAG_PARAMS_EXACT = 17, 18, 19, 20, 21, 22
 
 
 def is_ship_step(t: int, c: int) -> bool:

@@ -17,6 +17,7 @@ import time
 from typing import Dict, List, Optional
 
 import torch
+import torch.distributed as dist
 
 from megatron_cegrpo.anchor.basis import AnchorBasis
 from megatron_cegrpo.anchor.forecast import forecast_error, get_forecast
@@ -25,7 +26,7 @@ from megatron_cegrpo.anchor.ring import CheckpointRing
 from megatron_cegrpo.anchor.shipment import ShipmentDecoder
 from megatron_cegrpo.anchor.signs import pack_bits
 from megatron_cegrpo.anchor.transport import (
-    META_TAG, TAG_BASIS, TAG_BATCH, TAG_PARAMS, TAG_SIGN_HDR, TAG_SIGN_INFO, TAG_SIGNS, TAG_STATS,
+    META_TAG, TAG_BASIS, TAG_BATCH, TAG_MIRROR_ACK, TAG_PARAMS, TAG_PARAMS_EXACT, TAG_SIGN_HDR, TAG_SIGN_INFO, TAG_SIGNS, TAG_STATS,
     is_fire_step, is_ship_step, isend_object, recv_object, recv_tensor, unflatten,
 )
 from megatron_cegrpo.compression import build_codec
@@ -34,7 +35,7 @@ from megatron_cegrpo.grpo.batch import microbatches
 from megatron_cegrpo.grpo.loss import grpo_token_loss
 from megatron_cegrpo.optim.mixed_precision import compute_precision
 
-__all__ = ["AnchorWorker", "global_param_name", "ring_capacity"]
+__all__ = ["AnchorWorker", "global_param_name", "ring_capacity", "stage_flat", "put_flat", "sign_agreement_with"]
 
 _LAYER = re.compile(r"decoder\.layers\.(\d+)\.")
 
@@ -45,6 +46,37 @@ def global_param_name(stage_name: str, layer_offset: int, tied_output: bool) -> 
     if tied_output and stage_name == "output_layer.weight":
         return "embedding.word_embeddings.weight"
     return _LAYER.sub(lambda m: f"decoder.layers.{int(m.group(1)) + layer_offset}.", stage_name)
+
+
+def stage_flat(meta: dict, theta: Dict[str, torch.Tensor]) -> Optional[torch.Tensor]:
+    """A stage's flat fp32 parameters [numel], in its order (``meta["params"]``), from global-named
+    ``theta``; None when a name is missing or a shape differs."""
+    parts = []
+    for name, shape in meta["params"]:
+        t = theta.get(global_param_name(name, meta["layer_offset"], meta["tied_output"]))
+        if t is None or tuple(t.shape) != tuple(shape):
+            return None
+        parts.append(t.detach().reshape(-1).float())
+    return torch.cat(parts) if parts else None
+
+
+def put_flat(theta: Dict[str, torch.Tensor], meta: dict, flat: torch.Tensor) -> None:
+    """A stage's flat buffer into ``theta`` by global name (the tied copy equals the embedding)."""
+    for (name, shape), tensor in zip(meta["params"], unflatten(flat, [s for _, s in meta["params"]])):
+        theta.setdefault(global_param_name(name, meta["layer_offset"], meta["tied_output"]), tensor.clone())
+
+
+def sign_agreement_with(memory: AnchorMemory, grads: Dict[str, torch.Tensor], other: Dict[str, torch.Tensor]) -> float:
+    """The fraction of parameters where sign(M), just updated with ``grads``, equals the sign M would
+    have had from ``other`` instead: ``M' = M + (1 - a)(other - grads)``, ``a`` the EMA decay
+    (``M <- a M + (1 - a) G``, ``anchor/memory.py``). NaN for an empty memory."""
+    w = 1.0 - memory.decay
+    agree = total = 0
+    for n in memory.names:
+        m = memory.tensor(n)
+        agree += int((torch.sign(m) == torch.sign(m + w * (other[n] - grads[n]))).sum())
+        total += m.numel()
+    return agree / total if total else float("nan")
 
 
 class AnchorWorker:
@@ -66,6 +98,9 @@ class AnchorWorker:
         self.group = group
         self.params = dict(model.named_parameters())
         self.ring = CheckpointRing(capacity=ring_capacity(self.a), delay=self.a.anchor_delay)
+        # --anchor-ship-check: the exact weights beside the shipped ones (debug, not checkpointed)
+        self.exact_ring = (CheckpointRing(capacity=ring_capacity(self.a), delay=self.a.anchor_delay)
+                           if self.a.anchor_ship_check else None)
         self.memory = AnchorMemory([(n, p.shape) for n, p in self.params.items()], decay=self.a.anchor_ema_decay)
         opts = ({"n_points": self.a.anchor_forecast_points} if self.a.anchor_forecast == "lsq"
                 else {"damping": self.a.anchor_forecast_damping})
@@ -84,7 +119,8 @@ class AnchorWorker:
             meta, n = recv_object(r, META_TAG, group)
             self.bytes_in += n
             self.stage_meta.append(meta)
-        # one decoder per stage: fp32 keyframe first, then bf16 deltas (anchor/shipment.py)
+        # one decoder per stage: deltas against a mirror, seeded at start-up when the digests agree
+        # (_agree_on_mirrors) or by an fp32 keyframe (anchor/shipment.py)
         self.decoders = [ShipmentDecoder(self.a.anchor_ship, sum(int(torch.Size(s).numel()) for _, s in m["params"]))
                          for m in self.stage_meta]
         self.basis = self._build_basis()
@@ -105,6 +141,7 @@ class AnchorWorker:
         """Follow the trainer's schedule to the last iteration; ``on_iteration_end(t)`` runs
         after each iteration's messages (the runner saves checkpoints there)."""
         c = self.a.anchor_interval
+        self._agree_on_mirrors()
         # a checkpoint saved between a fire and the step that takes its signs (--anchor-apply
         # next-step): the resumed stages wait for those signs, which M (restored) still gives
         awaiting = [i for i, meta in enumerate(self.stage_meta) if meta.get("awaiting") is not None]
@@ -124,6 +161,20 @@ class AnchorWorker:
                 on_iteration_end(t)
         self.wait_sends()
 
+    def _agree_on_mirrors(self) -> None:
+        """Answer each stage's start-up mirror digest (``anchor/shipment.py``): compared with the
+        anchor's own copy of the stage (its model as loaded on a new run, the newest checkpoint of
+        its restored ring after a resume); 1 byte back, agreed or not."""
+        newest = self.ring.newest() if self.start > 0 else None
+        own = newest[1] if newest is not None else (self.params if self.start == 0 else {})
+        for r, meta, decoder in zip(self.stage_ranks, self.stage_meta, self.decoders):
+            digest = meta.get("mirror_digest")
+            if digest is None:
+                continue
+            ok = decoder.agree(digest, stage_flat(meta, own), new_run=self.start == 0)
+            dist.send(torch.tensor([int(ok)], dtype=torch.uint8), dst=r, tag=TAG_MIRROR_ACK, group=self.group)
+            self.bytes_out += 1
+
     def wait_sends(self) -> None:
         for keep in self._pending:
             for w in keep[0]:
@@ -132,18 +183,26 @@ class AnchorWorker:
 
     def _receive_checkpoint(self, s: int) -> None:
         theta: Dict[str, torch.Tensor] = {}
+        exact: Dict[str, torch.Tensor] = {}
         for r, meta, decoder in zip(self.stage_ranks, self.stage_meta, self.decoders):
-            payload = decoder.buffer()
-            recv_tensor(payload, r, TAG_PARAMS, self.group)
-            self.bytes_in += payload.numel() * payload.element_size()
-            flat = decoder.decode(payload)
-            for (name, shape), tensor in zip(meta["params"], unflatten(flat, [s for _, s in meta["params"]])):
-                g = global_param_name(name, meta["layer_offset"], meta["tied_output"])
-                theta.setdefault(g, tensor.clone())  # the tied copy equals the embedding
+            if decoder.skip_next:  # theta(0) of a new run: both ends hold it, nothing was sent
+                flat = decoder.skip()
+            else:
+                payload = decoder.buffer()
+                recv_tensor(payload, r, TAG_PARAMS, self.group)
+                self.bytes_in += payload.numel() * payload.element_size()
+                flat = decoder.decode(payload)
+            put_flat(theta, meta, flat)
+            if self.exact_ring is not None:
+                true = torch.empty(decoder.numel, dtype=torch.float32)
+                recv_tensor(true, r, TAG_PARAMS_EXACT, self.group)
+                put_flat(exact, meta, true)
         missing = set(self.params) - set(theta)
         assert not missing, f"checkpoint lacks {sorted(missing)[:4]}"
         self._score_forecast(s, theta)
         self.ring.put(s, theta)
+        if self.exact_ring is not None:
+            self.exact_ring.put(s, exact)
 
     def _score_forecast(self, s: int, theta: Dict[str, torch.Tensor]) -> None:
         """``anchor/forecast_error`` of the fire at ``s`` (``anchor/forecast.py:forecast_error``), now
@@ -181,6 +240,8 @@ class AnchorWorker:
             with self.basis.capture() if self.basis is not None else contextlib.nullcontext():
                 grads = self._dense_gradient(res.weights, batch)
             self.memory.update(grads)
+            if self.exact_ring is not None:
+                stats["anchor/ship_sign_agreement"] = self._ship_sign_agreement(t, batch, grads)
             if self.basis is not None:
                 self.basis.refresh()
             stats.update({"anchor/branch": res.branch, "anchor/staleness": t - max(res.source_steps),
@@ -206,6 +267,19 @@ class AnchorWorker:
         })
         self.last_stats = stats
         self._send_signs(stats, range(len(self.stage_ranks)))
+
+    def _ship_sign_agreement(self, t: int, batch: dict, grads: Dict[str, torch.Tensor]) -> float:
+        """``--anchor-ship-check``: the fraction of parameters where sign(M), just updated from the
+        shipped weights' gradient ``grads``, equals the sign M would have from the exact weights'
+        gradient on the same batch (the same forecast over the exact ring):
+        ``M_exact = M + (1 - a)(G_exact - G)``, a the EMA decay (``anchor/memory.py``)."""
+        res = self.forecast(self.exact_ring, t, self.a.anchor_delay, self.a.anchor_interval)
+        if res is None:
+            return float("nan")
+        replayed = self.num_replayed_sequences
+        exact = self._dense_gradient(res.weights, batch)
+        self.num_replayed_sequences = replayed  # a measurement, not part of the run's work
+        return sign_agreement_with(self.memory, grads, exact)
 
     def _send_signs(self, stats: dict, stages) -> None:
         """sign(M) to each stage in ``stages``, the stage's boundary bases after them, ``stats`` to

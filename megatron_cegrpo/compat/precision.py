@@ -7,7 +7,11 @@ Elsewhere PyTorch emulates bf16 matmuls: on an AMD EPYC with AVX2 only (a machin
 also runs on) a 512x576 @ 576x1536 bf16 product ran at 0.4 GFLOP/s against 30 GFLOP/s in fp32,
 75 times slower, so ``--bf16`` there makes a run far slower, not faster.
 
-    python -m megatron_cegrpo.compat.precision          # prints the flags: "--bf16 --rollout-dtype bf16" or ""
+The sampler's weights are bf16 by default (``--rollout-dtype bf16``: what the delta sync sends);
+:func:`rollout_compute_dtype` runs the hf sampler in bf16 only where it is native, else in fp32
+holding the same bf16 values exactly (``--rollout-compute-dtype auto``).
+
+    python -m megatron_cegrpo.compat.precision          # prints the flags: "--bf16" or ""
     python -m megatron_cegrpo.compat.precision --explain  # also why, and both measured speeds
 """
 
@@ -22,9 +26,9 @@ import torch
 
 from megatron_cegrpo.bootstrap import bootstrap
 
-__all__ = ["native_bf16", "matmul_gflops", "recommended_precision_flags", "precision_warning"]
+__all__ = ["native_bf16", "matmul_gflops", "recommended_precision_flags", "precision_warning", "rollout_compute_dtype"]
 
-BF16_FLAGS = "--bf16 --rollout-dtype bf16"
+BF16_FLAGS = "--bf16"
 
 
 def native_bf16() -> Tuple[bool, str]:
@@ -57,15 +61,32 @@ def matmul_gflops(dtype: torch.dtype, seconds: float = 0.3, threads: int = 1) ->
 
 
 def recommended_precision_flags() -> str:
-    """``--bf16 --rollout-dtype bf16`` where :func:`native_bf16`, else the empty string (fp32)."""
+    """``--bf16`` where :func:`native_bf16`, else the empty string (fp32 passes; the sampler's
+    compute dtype follows by itself, :func:`rollout_compute_dtype`)."""
     return BF16_FLAGS if native_bf16()[0] else ""
 
 
+def rollout_compute_dtype(rollout) -> str:
+    """The dtype the sampler runs in, ``fp32`` or ``bf16``, for the rollout options ``rollout``
+    (``RolloutConfig``): ``--rollout-compute-dtype`` when given; under ``auto``, vLLM's is
+    ``--rollout-dtype`` and the hf sampler's is bf16 where ``--rollout-dtype bf16`` and
+    :func:`native_bf16`, else fp32 (the bf16 weights upcast exactly: same values, fp32 speed)."""
+    if rollout.compute_dtype != "auto":
+        return rollout.compute_dtype
+    if rollout.engine == "vllm" or rollout.dtype == "fp32":
+        return rollout.dtype
+    return "bf16" if native_bf16()[0] else "fp32"
+
+
 def precision_warning(cfg) -> str:
-    """A warning line when the run computes in bf16 (``--bf16``, ``--params-dtype bf16`` or
-    ``--rollout-dtype bf16``) on a host without native bf16 matmuls; the empty string otherwise."""
+    """A warning line when the run computes in bf16 (``--bf16``, ``--params-dtype bf16`` or a bf16
+    sampler, :func:`rollout_compute_dtype`) on a host without native bf16 matmuls; the empty
+    string otherwise."""
     flags = [f for f, on in (("--bf16", cfg.model.bf16), ("--params-dtype bf16", cfg.model.params_dtype == "bf16"),
-                             ("--rollout-dtype bf16", cfg.rollout.dtype == "bf16")) if on]
+                             ("a bf16 sampler (--rollout-compute-dtype)",
+                              cfg.rollout.compute_dtype == "bf16" or (cfg.rollout.engine == "vllm"
+                                                                      and cfg.rollout.dtype == "bf16")))
+             if on]
     ok, why = native_bf16()
     if not flags or ok:
         return ""

@@ -21,19 +21,34 @@ class HFRolloutEngine(RolloutEngine):
             copied into the model's dtype (round-to-nearest-even for bf16).
         tokenizer: the model's tokenizer (decodes responses; gives pad/eos ids).
         eos_token_ids: token ids that end a response (default: the tokenizer's eos).
-        dtype: ``fp32`` or ``bf16`` (``--rollout-dtype``): the weights the sampler holds and the
-            dtype it computes in (bf16: what a GPU rollout engine does; logits are upcast to fp32
-            for the log-probs).
+        dtype: ``fp32`` or ``bf16`` (``--rollout-dtype``): the values the sampler's weights hold
+            (bf16: every weight rounded to bf16, round-to-nearest-even, as the bf16 delta sync
+            delivers them).
+        compute_dtype: ``fp32`` or ``bf16`` (``--rollout-compute-dtype``; None: ``dtype``): the
+            dtype the model is stored and run in. bf16 is what a GPU rollout engine does; fp32 with
+            ``dtype="bf16"`` holds the same bf16 values exactly (every bf16 number is an fp32
+            number) and runs at fp32 speed on a CPU without native bf16 matmuls
+            (``compat/precision.py``). Logits are upcast to fp32 for the log-probs either way.
+
+    Raises:
+        ValueError: ``dtype="fp32"`` with ``compute_dtype="bf16"`` (the weights would be rounded
+            after all; pass ``--rollout-dtype bf16``).
     """
 
     DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
     def __init__(self, hf_config, hf_state_dict: Dict[str, torch.Tensor], tokenizer,
-                 eos_token_ids: Optional[Sequence[int]] = None, dtype: str = "fp32"):
+                 eos_token_ids: Optional[Sequence[int]] = None, dtype: str = "fp32",
+                 compute_dtype: Optional[str] = None):
         from transformers import AutoModelForCausalLM
 
+        compute_dtype = compute_dtype or dtype
+        if dtype == "fp32" and compute_dtype == "bf16":
+            raise ValueError("--rollout-compute-dtype bf16 needs --rollout-dtype bf16 (the weights are rounded "
+                             "to bf16 to compute in it); fix: pass --rollout-dtype bf16")
         self.tokenizer = tokenizer
-        self.model = AutoModelForCausalLM.from_config(hf_config, dtype=self.DTYPES[dtype])
+        self.weight_dtype = self.DTYPES[dtype]
+        self.model = AutoModelForCausalLM.from_config(hf_config, dtype=self.DTYPES[compute_dtype])
         self.model.eval()
         self.update_weights(hf_state_dict)
         eos = list(eos_token_ids) if eos_token_ids else [tokenizer.eos_token_id]
@@ -43,14 +58,15 @@ class HFRolloutEngine(RolloutEngine):
 
     @torch.no_grad()
     def update_weights(self, hf_state_dict: Dict[str, torch.Tensor]) -> None:
-        """Copy weights in place. Raises KeyError naming missing/unexpected keys."""
+        """Copy weights in place, rounded to the ``dtype`` the sampler holds (then stored in the
+        compute dtype, exactly). Raises KeyError naming missing/unexpected keys."""
         own = self.model.state_dict()
         missing = [k for k in own if k not in hf_state_dict and not _is_tied_alias(self.model, k)]
         unexpected = [k for k in hf_state_dict if k not in own]
         if missing or unexpected:
             raise KeyError(f"rollout weight sync: missing {missing[:5]}, unexpected {unexpected[:5]}")
         for k, v in hf_state_dict.items():
-            own[k].copy_(v)
+            own[k].copy_(v.to(self.weight_dtype) if v.is_floating_point() else v)
         if getattr(self.model.config, "tie_word_embeddings", False):
             self.model.tie_weights()
 

@@ -23,6 +23,7 @@ from megatron_cegrpo.models.stage import PolicyStage
 from megatron_cegrpo.rewards import get_verifier, score_responses
 from megatron_cegrpo.rewards.custom import load_custom_reward_function
 from megatron_cegrpo.rollout.base import RolloutOutput, get_rollout_engine
+from megatron_cegrpo.training.ledger import RunLedger
 
 __all__ = ["Driver", "log", "rollout_engine_options"]
 
@@ -35,10 +36,13 @@ def log(msg: str) -> None:
 def rollout_engine_options(cfg, hf_config) -> Dict:
     """The keyword arguments of ``--rollout-engine`` beyond those every engine takes: for vllm
     the longest sequence (``vllm_config.max_model_len``), ``--rollout-kv-cache-mb``,
-    ``--rollout-compile`` and the run's seed; none for hf."""
+    ``--rollout-compile`` and the run's seed; for hf the compute dtype
+    (``compat.precision.rollout_compute_dtype``)."""
     r = cfg.rollout
     if r.engine != "vllm":
-        return {}
+        from megatron_cegrpo.compat.precision import rollout_compute_dtype
+
+        return {"compute_dtype": rollout_compute_dtype(r)}
     from megatron_cegrpo.rollout.vllm_config import max_model_len
 
     return dict(max_model_len=max_model_len(r.max_prompt_length, r.max_new_tokens, cfg.data.eval_max_new_tokens,
@@ -80,6 +84,7 @@ class Driver:
                 f"{cfg.rollout.max_prompt_length} tokens")
         self.train_records, self.holdout_records = kept, split.holdout
         self.sampler = PromptSampler(len(kept), cfg.grpo.rollout_batch_size, cfg.optim.seed)
+        self.ledger = RunLedger()  # the whole-step ledger over the run (training/ledger.py), checkpointed
         self._rollout_metrics: Dict[str, float] = {}  # --filter-groups: the last batch's (rollout_metrics)
         # training reward: the data set's verifier or a custom function; evaluation: the verifier
         custom = load_custom_reward_function(d.custom_reward_function) if d.custom_reward_function else None
@@ -247,6 +252,9 @@ class Driver:
             log(f"warning: {warning}")
 
     def close(self, summary: Dict) -> None:
+        """Write ``summary.json`` (with the run's byte totals under ``"comm"``) and close the log."""
+        summary["comm"] = self.ledger.totals()
+        log(self.ledger.describe())
         with open(os.path.join(self.cfg.logging.log_dir, "summary.json"), "w") as f:
             json.dump(summary, f, indent=2)
         log(f"metrics: {self.writer.path}")

@@ -30,13 +30,19 @@ all-reduce, the loss statistics and metrics objects), a few hundred bytes.
 
 ``comm/total_wire_bytes`` (the byte meter) is something else: the *cumulative* boundary
 bytes since the run started, kept for checkpoints.
+
+Over the whole run (:class:`RunLedger`, on the driver, checkpointed): ``comm/run_total_bytes`` and
+``comm/run_total_dense_bytes`` are the sums of the two columns over every iteration so far, the
+first included, and ``comm/run_total_ratio`` their quotient: the number the product is judged by
+(one iteration's ratio swings between a fire's and a plain step's). ``summary.json`` carries
+the three under ``"comm"`` and the run's last log line prints them.
 """
 
 from __future__ import annotations
 
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
-__all__ = ["LEDGER_PARTS", "whole_step_ledger"]
+__all__ = ["LEDGER_PARTS", "whole_step_ledger", "RunLedger"]
 
 #: (part, keys summed for the bytes sent, keys summed for the dense reference, keys subtracted from it)
 LEDGER_PARTS: Tuple[Tuple[str, Tuple[str, ...], Tuple[str, ...], Tuple[str, ...]], ...] = (
@@ -72,3 +78,43 @@ def whole_step_ledger(m: Dict) -> Dict[str, float]:
         dense += total(ref) - total(minus)
     return {"comm/total_bytes": sent, "comm/total_dense_bytes": dense,
             "comm/total_ratio": sent / dense if dense else 0.0}
+
+
+class RunLedger:
+    """The whole-step ledger summed over the run (module docstring), a stateful object of the
+    driver's checkpoint: a resumed run goes on from the totals at its checkpoint."""
+
+    def __init__(self):
+        self.bytes = 0
+        self.dense_bytes = 0
+        self.iterations = 0
+
+    def add(self, m: Dict) -> Dict[str, float]:
+        """Add one iteration's ``comm/total_bytes`` and ``comm/total_dense_bytes`` (from
+        :func:`whole_step_ledger`) and return the run's totals so far: ``comm/run_total_bytes``,
+        ``comm/run_total_dense_bytes`` (ints, bytes) and ``comm/run_total_ratio`` (0.0 while
+        nothing would have crossed a host)."""
+        self.bytes += int(m["comm/total_bytes"])
+        self.dense_bytes += int(m["comm/total_dense_bytes"])
+        self.iterations += 1
+        return self.totals()
+
+    def totals(self) -> Dict[str, float]:
+        """The three ``comm/run_total_*`` keys of the iterations added so far."""
+        return {"comm/run_total_bytes": self.bytes, "comm/run_total_dense_bytes": self.dense_bytes,
+                "comm/run_total_ratio": self.bytes / self.dense_bytes if self.dense_bytes else 0.0}
+
+    def describe(self) -> str:
+        """One line for the run's end: the totals in MB and their ratio."""
+        return (f"bytes over the run ({self.iterations} iterations): {self.bytes / 1e6:.1f} MB sent, "
+                f"{self.dense_bytes / 1e6:.1f} MB dense-everything, comm/run_total_ratio "
+                f"{self.totals()['comm/run_total_ratio']:.4f}")
+
+    def state_dict(self) -> Dict[str, int]:
+        return {"bytes": self.bytes, "dense_bytes": self.dense_bytes, "iterations": self.iterations}
+
+    def load_state_dict(self, state: Optional[Dict[str, int]]) -> None:
+        """Restore :meth:`state_dict`; None (a checkpoint from before the run ledger) starts at 0."""
+        state = state or {}
+        self.bytes, self.dense_bytes = int(state.get("bytes", 0)), int(state.get("dense_bytes", 0))
+        self.iterations = int(state.get("iterations", 0))

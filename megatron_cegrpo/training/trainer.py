@@ -47,7 +47,7 @@ from megatron_cegrpo.training.dense_step import DenseSteps
 from megatron_cegrpo.training.driver import Driver, log
 from megatron_cegrpo.training.drift_probe import DriftProbe
 from megatron_cegrpo.training.fidelity import GradFidelityProbe
-from megatron_cegrpo.training.ledger import whole_step_ledger
+from megatron_cegrpo.training.ledger import RunLedger, whole_step_ledger
 from megatron_cegrpo.training.perf import perf_metrics
 from megatron_cegrpo.training.reduce import StageMetricsReducer
 from megatron_cegrpo.training.stage import StageWorker
@@ -98,7 +98,7 @@ class GRPOTrainer:
         if cfg.checkpoint.load:
             self.iteration, theta0 = self.checkpointer.load(cfg.checkpoint.load, self.stage.model,
                                                             self.stage.ref_model, self._stateful(),
-                                                            deferred=("sampler", "rng"))
+                                                            deferred=("sampler", "ledger", "rng"))
             if theta0 is not None:
                 self.stage.theta0 = theta0
         for c in self.circuits:
@@ -126,14 +126,14 @@ class GRPOTrainer:
         out = {"optimizer": s.optimizer, "scheduler": s.scheduler, "rng": RNGState(), "meter": s.meter,
                "codec": s.codec, "codec_error": s.error_tracker}
         if self.driver is not None:
-            out["sampler"] = self.driver.sampler
+            out["sampler"], out["ledger"] = self.driver.sampler, self.driver.ledger
         out.update({c.name: c for c in self.circuits})
         return out
 
     def _resume_driver(self) -> None:
         """After a load: the driver's data position and log, the sampler's weights, then the RNGs."""
         if self.driver is not None:
-            self.checkpointer.restore_deferred({"sampler": self.driver.sampler})
+            self.checkpointer.restore_deferred({"sampler": self.driver.sampler, "ledger": self.driver.ledger})
             self.driver.resume_log(self.iteration)
         stage_sds = self.stage.gather_weights()
         if self.driver is not None:
@@ -253,6 +253,7 @@ class GRPOTrainer:
         m.update(self.stage.gatherer.metrics())
         m["comm/batch_bytes"], m["comm/dense_step"] = self._batch_bytes, int(self.dense_steps.is_dense(t))
         m.update(whole_step_ledger(m))
+        m.update(self.driver.ledger.add(m))
         m.update(self.timers.snapshot_and_reset())
         m["timing_s/step"] = seconds
         m.update(perf_metrics(m, self.cfg.logging.peak_tflops))

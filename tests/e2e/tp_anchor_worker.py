@@ -36,6 +36,7 @@ RUN = os.path.join(OUT, os.environ.get("CEGRPO_TEST_RUN", "run"))
 ARGS = [
     "--model", "tiny-llama", "--train-data", "mawps/singleop", "--pipeline-model-parallel-size", "2",
     "--tensor-model-parallel-size", str(TP), "--anchor-ranks", "1", "--anchor-interval", "1", "--anchor-delay", "1",
+    "--rollout-dtype", "fp32", "--anchor-ship", "bf16-delta",  # as recorded (test_tensor_parallel_train.py's reason)
     "--micro-batch-size", "2", "--rollout-batch-size", "2", "--num-generations", "4", "--max-new-tokens", "8",
     "--train-iters", "3", "--lr", "1e-3", "--temperature", "1.0", "--kl-coef", "0.01", "--no-tqdm",
     "--num-threads", "1", "--boundary-codec", "mask", "--boundary-keep-ratio", "0.25", "--seed", str(SEED),

@@ -45,6 +45,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 ARGS = [
     "--model", "tiny-llama", "--train-data", "mawps/singleop", "--pipeline-model-parallel-size", "2",
     "--tensor-model-parallel-size", str(TP), "--anchor-ranks", "0",
+    # the fp32 sampler sync, as recorded: its bytes equal TP = 1's exactly, where the bf16 delta's
+    # changed-entry count follows the weights' fp32 rounding, which the TP ranks' sums change
+    "--rollout-dtype", "fp32",
     "--micro-batch-size", "2", "--rollout-batch-size", "2", "--num-generations", "4", "--max-new-tokens", "8",
     "--lr", "1e-3", "--temperature", "1.0", "--kl-coef", "0.01", "--no-tqdm", "--num-threads", "1",
     "--boundary-codec", "mask", "--boundary-keep-ratio", "0.25", "--seed", str(SEED),

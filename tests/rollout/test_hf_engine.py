@@ -68,3 +68,30 @@ def test_bf16_engine_holds_the_weights_rounded_to_bf16():
         assert torch.equal(own[k].view(torch.int16), v.to(torch.bfloat16).view(torch.int16)), k
     out = eng.generate([torch.tensor([1, 5, 9, 33])], max_new_tokens=4, temperature=1.0, generator_seed=0)
     assert out.response_logprobs[0].dtype == torch.float32 and bool((out.response_logprobs[0] <= 0).all())
+
+
+def test_bf16_weights_in_fp32_compute_are_the_same_values_and_the_same_tokens():
+    """--rollout-dtype bf16 --rollout-compute-dtype fp32 (auto on a host without native bf16): the
+    model is fp32 and holds exactly the bf16-rounded weights; a bf16 delta delivered later lands
+    exactly; greedy tokens equal an fp32 engine fed the rounded weights by hand."""
+    src = resolve_model("tiny-llama")
+    cfg, sd = load_hf_state_dict(src)
+    tok = load_tokenizer(src)
+    eng = HFRolloutEngine(cfg, sd, tok, dtype="bf16", compute_dtype="fp32")
+    rounded = {k: v.to(torch.bfloat16).float() for k, v in sd.items()}
+    ref = HFRolloutEngine(cfg, rounded, tok, dtype="fp32")
+    own = eng.model.state_dict()
+    for k, v in rounded.items():
+        assert own[k].dtype == torch.float32 and torch.equal(own[k], v), k
+        assert not torch.equal(v, sd[k]) or v.numel() < 4, k  # rounding did change something
+    prompt = [torch.tensor([1, 5, 9, 33])]
+    a = eng.generate(prompt, max_new_tokens=6, temperature=1.0, greedy=True)
+    b = ref.generate(prompt, max_new_tokens=6, temperature=1.0, greedy=True)
+    assert torch.equal(a.response_ids[0], b.response_ids[0])
+    assert torch.equal(a.response_logprobs[0], b.response_logprobs[0])
+    moved = {k: (v + 1e-2).to(torch.bfloat16) for k, v in sd.items()}  # what the delta sync hands over
+    eng.update_weights(moved)
+    own = eng.model.state_dict()
+    assert all(torch.equal(own[k], moved[k].float()) for k in moved)
+    with pytest.raises(ValueError, match="--rollout-compute-dtype bf16 needs --rollout-dtype bf16"):
+        HFRolloutEngine(cfg, sd, tok, dtype="fp32", compute_dtype="bf16")

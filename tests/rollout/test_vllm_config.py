@@ -11,6 +11,7 @@ from megatron_cegrpo.errors import ConfigError
 from megatron_cegrpo.models import load_hf_config, resolve_model
 from megatron_cegrpo.rollout import vllm_config
 from megatron_cegrpo.rollout.base import get_rollout_engine
+from megatron_cegrpo.compat.precision import rollout_compute_dtype
 from megatron_cegrpo.training.driver import rollout_engine_options
 
 
@@ -82,7 +83,9 @@ def test_preflight_rejects_a_kv_cache_too_small_before_any_process_group(no_vllm
 def test_driver_engine_options():
     hf_config = load_hf_config(resolve_model("tiny-llama"))  # 2048 positions
     hf = build_config(parse_args([]))
-    assert rollout_engine_options(hf, hf_config) == {}
+    assert rollout_engine_options(hf, hf_config) == {"compute_dtype": rollout_compute_dtype(hf.rollout)}
+    fp32 = build_config(parse_args(["--rollout-dtype", "fp32"]))
+    assert rollout_engine_options(fp32, hf_config) == {"compute_dtype": "fp32"}
     v = build_config(parse_args(["--rollout-engine", "vllm", "--max-prompt-length", "200", "--max-new-tokens", "64",
                                  "--eval-max-new-tokens", "300", "--rollout-kv-cache-mb", "64", "--rollout-compile",
                                  "--seed", "7"]))

@@ -6,7 +6,7 @@ import pytest
 
 from distributed_util import REPO, run_ranks
 from megatron_cegrpo.pipeline.broadcast import broadcast_nbytes
-from megatron_cegrpo.training.ledger import whole_step_ledger
+from megatron_cegrpo.training.ledger import RunLedger, whole_step_ledger
 
 PARTS = {"comm/fwd_bytes": 290, "comm/bwd_bytes": 290, "comm/dense_equiv_bytes": 11520,
          "comm/batch_bytes": 1000, "comm/embd_sync_bytes": 3000, "comm/embd_sync_dense_bytes": 64000,
@@ -31,6 +31,28 @@ def test_missing_parts_count_zero_and_negative_bytes_are_refused():
     assert only["comm/total_bytes"] == 5 and only["comm/total_ratio"] == 0.05
     with pytest.raises(ValueError, match="negative"):
         whole_step_ledger({"sync/bytes": -1})
+
+
+def test_the_run_ledger_sums_every_iteration_and_resumes_from_its_state():
+    steps = [whole_step_ledger(PARTS), whole_step_ledger({"comm/fwd_bytes": 7, "comm/dense_equiv_bytes": 70}),
+             whole_step_ledger({})]
+    run = RunLedger()
+    assert run.totals() == {"comm/run_total_bytes": 0, "comm/run_total_dense_bytes": 0, "comm/run_total_ratio": 0.0}
+    first = run.add(steps[0])
+    assert first["comm/run_total_ratio"] == steps[0]["comm/total_ratio"]  # one iteration: its own ratio
+    resumed = RunLedger()
+    resumed.load_state_dict(pickle.loads(pickle.dumps(run.state_dict())))
+    for ledger in (run, resumed):
+        ledger.add(steps[1])
+        out = ledger.add(steps[2])
+    sent = steps[0]["comm/total_bytes"] + 7
+    dense = steps[0]["comm/total_dense_bytes"] + 70
+    assert run.totals() == resumed.totals() == out == {
+        "comm/run_total_bytes": sent, "comm/run_total_dense_bytes": dense, "comm/run_total_ratio": sent / dense}
+    assert run.iterations == 3 and "3 iterations" in run.describe() and f"{sent / dense:.4f}" in run.describe()
+    old = RunLedger()
+    old.load_state_dict(None)  # a checkpoint from before the run ledger: the totals start there
+    assert old.state_dict() == {"bytes": 0, "dense_bytes": 0, "iterations": 0}
 
 
 WORKER = r'''
