@@ -7,10 +7,12 @@ anchor's fire iterations included) and its phases, the ratio to the first varian
 pass's model TFLOP/s and utilisation against the matmul peak it measures first on all cores, in
 the variant's compute dtype (``perf/mfu/actor``):
 
-  fp32-separate   fp32 weights and activations, the old-logprob pass of its own (the path before)
-  fp32            fp32, old log-probs from the update pass
-  bf16            --bf16 (bf16 passes over fp32 masters), a bf16 sampler (--rollout-dtype bf16),
-                  old log-probs from the update pass: the path ``make demo`` takes
+  fp32-separate   fp32 weights and activations, the sampler fp32 too (--rollout-dtype fp32), the
+                  old-logprob pass of its own (the path before)
+  fp32            fp32 passes, old log-probs from the update pass, the sampler fp32
+  bf16            --bf16 (bf16 passes over fp32 masters), a bf16 sampler computing in bf16
+                  (--rollout-compute-dtype bf16), old log-probs from the update pass: the path
+                  ``make demo`` takes where bf16 is native
 
     python -m benchmarks.bench_iteration [--iters 10] [--variants fp32-separate bf16] [--work-dir DIR]
 
@@ -33,8 +35,8 @@ from megatron_cegrpo.bootstrap import bootstrap
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 VARIANTS = {
-    "fp32-separate": {"PRECISION_FLAGS": ""}, "fp32": {"PRECISION_FLAGS": ""},
-    "bf16": {"PRECISION_FLAGS": "--bf16 --rollout-dtype bf16"},
+    "fp32-separate": {"PRECISION_FLAGS": "--rollout-dtype fp32"}, "fp32": {"PRECISION_FLAGS": "--rollout-dtype fp32"},
+    "bf16": {"PRECISION_FLAGS": "--bf16 --rollout-compute-dtype bf16"},
 }
 EXTRA = {"fp32-separate": ["--recompute-old-log-prob"]}
 PHASES = ("gen", "old_log_prob", "update", "anchor", "sync", "probe", "broadcast")
