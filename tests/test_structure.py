@@ -1,4 +1,4 @@
-"""The layout's promises (README "How it is built"), checked on the source."""
+"""The layout's promises (docs/architecture.md), checked on the source."""
 
 import ast
 import pathlib

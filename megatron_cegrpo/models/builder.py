@@ -113,7 +113,7 @@ def check_model_config(hf_config, pipeline_model_parallel_size: int, num_layers_
         _check_supported(hf_config)
     except ValueError as e:
         raise ConfigError(f"--model: {one_line(e)}; fix: use a llama or qwen2 model with the default RoPE "
-                          "(see README, --model)") from None
+                          "(see docs/launching.md, --model)") from None
     try:
         _validate_split(int(hf_config.num_hidden_layers), pipeline_model_parallel_size, num_layers_in_first,
                         num_layers_in_last)

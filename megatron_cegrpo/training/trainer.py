@@ -340,7 +340,7 @@ class GRPOTrainer:
             self._synced_at = t
 
     def save_checkpoint(self) -> Optional[str]:
-        """Write everything the run needs to continue bit for bit (README "Checkpoints";
+        """Write everything the run needs to continue bit for bit (docs/checkpoints.md;
         ``checkpointer.py``); the driver lets each circuit add its own state. Data parallel:
         replica 0 writes (the replicas hold the same weights and optimizer state); the others
         return None."""
