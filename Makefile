@@ -46,7 +46,7 @@ demo: $(STAMP) $(if $(VLLM),$(VLLM_STAMP))
 test: $(STAMP) $(if $(VLLM),$(VLLM_STAMP))
 	$(BIN)/python -m pytest -q tests
 
-# the variants marked slow (pytest.ini), left out of `make test` to keep it within CI's 20 minutes
+# the variants marked slow (pytest.ini), left out of `make test` to keep it short
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow tests
 

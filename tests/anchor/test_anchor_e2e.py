@@ -8,8 +8,9 @@ c = K = 2 over 6 iterations: fires at 2 (fallback: only theta(0) is old enough),
   with exactly the anchor's sign(M) for that stage's parameters;
 - no-peek violations 0, staleness K, the replayed-sequence count, bytes per fire = 1 bit a parameter;
 - ``anchor/forecast_error`` of fire 4, logged at fire 6, against the dumped forecasts;
-- the shipments (an fp32 keyframe, then bf16 deltas: 2 bytes a parameter) and the whole-step
-  ledger (every part's bytes, totals = sums of the parts) byte for byte.
+- the shipments (theta(0) not sent: the anchor's own copy has the stages' digests; then int4
+  deltas, ``--anchor-ship int4-delta``, the default) and the whole-step ledger (every part's bytes,
+  totals = sums of the parts) byte for byte.
 """
 
 import contextlib
@@ -24,6 +25,7 @@ from distributed_util import PARITY_REWARD as REWARD
 from distributed_util import REPO, free_port, run_single
 from distributed_util import launcher as _launcher
 
+from megatron_cegrpo.anchor.shipment import shipment_nbytes
 from megatron_cegrpo.anchor.worker import global_param_name
 
 KL = 0.01
@@ -137,11 +139,11 @@ def _check_ledger(metrics, metas):
                 if n in ("embedding.word_embeddings.weight", "output_layer.weight"))
     for m in metrics:
         ship = (m["step"] - 1) % 2 == 0  # theta(0), theta(2), theta(4) at steps 1, 3, 5
-        # one fp32 keyframe at the first shipment, bf16 deltas after it: half of fp32
-        assert m["anchor/bytes_ship"] == (0 if not ship else 4 * numel if m["step"] == 1 else 2 * numel)
+        # theta(0) is not sent (the start-up digests agreed), int4 deltas after it: a scale per block
+        # of 256 values and half a byte a value, per stage; the dense reference ships fp32 every time
+        coded = sum(shipment_nbytes(_numel(meta), "int4-delta", keyframe=False) for meta in metas)
+        assert m["anchor/bytes_ship"] == (coded if ship and m["step"] > 1 else 0)
         assert m["anchor/bytes_ship_fp32"] == (4 * numel if ship else 0)
-        if ship and m["step"] > 1:
-            assert m["anchor/bytes_ship"] * 2 == m["anchor/bytes_ship_fp32"]
         # the tied embedding's dense fp32 gradient, both ways, each optimizer step; the sampler's fp32
         # copy of stage 1 (stage 0 is the driver's own)
         assert m["comm/embd_sync_dense_bytes"] == 2 * 4 * embd[0] * embd[1] * m["actor/num_optimizer_steps"]
