@@ -28,11 +28,11 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 import zlib
 from dataclasses import dataclass
 from typing import Dict, List, Sequence, Tuple
 
+from megatron_cegrpo.checkpointing.atomic import write_text_atomic
 from megatron_cegrpo.evaluation.core import DatasetResult
 
 __all__ = ["ROWS_DIR", "ROWS_SCHEMA", "EvalRows", "EvalRowsError", "find_eval_rows", "read_eval_rows",
@@ -107,16 +107,7 @@ def write_eval_rows(log_dir: str, result: DatasetResult, step: int) -> str:
     lines = [json.dumps(header)]
     lines += [json.dumps({"row": int(r.row), "score": _num(s)}, separators=(",", ":"))
               for r, s in zip(result.records, result.per_problem)]
-    fd, tmp = tempfile.mkstemp(prefix=".rows-", suffix=".jsonl", dir=d)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write("\n".join(lines) + "\n")
-        os.chmod(tmp, 0o644)  # mkstemp's 0600 would hide it from the others reading the log dir
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
+    write_text_atomic(path, "\n".join(lines) + "\n")
     return path
 
 

@@ -25,10 +25,10 @@ import json
 import math
 import os
 import re
-import tempfile
 import time
 from typing import Any, Dict, Mapping, Optional
 
+from megatron_cegrpo.checkpointing.atomic import write_text_atomic
 from megatron_cegrpo.evaluation.core import EvalReport
 
 __all__ = ["SCHEMA", "summary_dict", "write_summary", "load_summary", "format_table"]
@@ -78,18 +78,8 @@ def write_summary(path: str, report: EvalReport, meta: Optional[Mapping[str, Any
     """Write :func:`summary_dict` to ``path`` atomically (parent folders created). Returns the path."""
     data = summary_dict(report, meta, num_examples)
     path = os.path.abspath(path)
-    d = os.path.dirname(path)
-    os.makedirs(d, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".eval-", suffix=".json", dir=d)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(data, f, indent=2, ensure_ascii=False)
-            f.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    write_text_atomic(path, json.dumps(data, indent=2, ensure_ascii=False) + "\n")
     return path
 
 
