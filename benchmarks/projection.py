@@ -34,8 +34,11 @@ states of the code, with each transfer's bytes and link time:
     rollout batch   --batch-bytes-per-token x tokens x (S - 1), the same in all three
     tied embedding  V d x 4, each way          same                      x --embd-fraction
     sampler sync    fp32 copy of stages 1..   same                      bf16 copy x --sync-fraction
-    anchor / step   fp32 (n + V d) / c        same                      bf16 deltas of n / c
-                    + signs n / 8 / c
+    anchor / step   fp32 (n + V d) / c        same                      --anchor-ship deltas of
+                    + signs n / 8 / c                                   n / c (int4 by default:
+                                                                        ``anchor/shipment.py``'s
+                                                                        exact sizes; theta(0) not
+                                                                        sent, amortised away)
 
 n = every stage's parameters (the last stage's tied copy of W included, as shipped today).
 Link time: the embedding all-reduce 2 latency + 8 B / bandwidth (full duplex); the sampler
@@ -55,6 +58,7 @@ import argparse
 import json
 import math
 
+from megatron_cegrpo.anchor.shipment import SHIP_MODES, shipment_nbytes
 from megatron_cegrpo.bootstrap import bootstrap
 
 
@@ -104,6 +108,13 @@ def model_params(a) -> dict:
             "sync": layers * (a.stages - 1) // a.stages + (embd if a.tied else 0)}
 
 
+def _ship_bytes(numel: int, stages: int, mode: str) -> int:
+    """One shipment of ``numel`` parameters split evenly over ``stages`` stages in ``mode``
+    (``anchor/shipment.shipment_nbytes``: each stage's delta padded to whole blocks)."""
+    per, rest = divmod(numel, stages)
+    return sum(shipment_nbytes(per + (1 if i < rest else 0), mode, keyframe=False) for i in range(stages))
+
+
 def whole_step(a, k: int) -> dict:
     """Bytes per step of every transfer that crosses a host, and the step time at the link,
     for ``dense`` (dense-everything), ``today`` and ``after`` (issue 12); the table in the
@@ -119,9 +130,10 @@ def whole_step(a, k: int) -> dict:
     states = {
         "dense": dict(width=a.d, embd=embd_dense, sync=sync_dense, ship=ship_dense),
         "today": dict(width=k, embd=embd_dense, sync=sync_dense, ship=ship_dense),
-        # the sparse exchange leaves W out of the first stage's shipments (one copy of W shipped)
+        # the sparse exchange leaves W out of the first stage's shipments (one copy of W shipped);
+        # the deltas' bytes as anchor/shipment.py sends them, one shipment per stage
         "after": dict(width=k, embd=embd_dense * a.embd_fraction, sync=2 * n["sync"] * a.sync_fraction,
-                      ship=2 * (n["layers"] + n["embd"])),
+                      ship=_ship_bytes(n["layers"] + n["embd"], a.stages, a.anchor_ship)),
     }
     out = {}
     for name, st in states.items():
@@ -201,7 +213,11 @@ def main(argv=None):
     ap.add_argument("--sync-fraction", type=float, default=0.022,
                     help="after issue 12: sampler-sync bytes / a dense bf16 copy (the sampler-sync branch's "
                          "measured 2.2 %% on SmolLM2-135M at lr 2e-6; the issue's goal is <= 5 %%)")
-    ap.add_argument("--anchor-interval", type=int, default=20, help="c: anchor shipments every c steps")
+    ap.add_argument("--anchor-interval", type=int, nargs="+", default=[20, 4],
+                    help="c: anchor shipments every c steps; the whole step is printed for each (the seeds' 20, "
+                         "the demo's 4)")
+    ap.add_argument("--anchor-ship", default="int4-delta", choices=SHIP_MODES[1:],
+                    help="after: the anchor shipments' coding (--anchor-ship; default the trainer's)")
     ap.add_argument("--batch-bytes-per-token", type=int, default=40,
                     help="rollout batch bytes a token (ids, positions, labels: int64; mask, advantage, "
                          "sampler log-prob: 4 bytes)")
@@ -261,7 +277,12 @@ def main(argv=None):
                                  "results": {f"{s}/{c}": v for (s, c), v in res.items()}})
     for key, v in scenarios[0][1].items():
         setattr(a, key, v)
-    out["whole_step"] = print_whole_step(a, k)
+    intervals = list(a.anchor_interval)
+    for c in intervals:  # the first (the seeds' c) is the result; the others follow under whole_step_by_c
+        a.anchor_interval = c
+        out.setdefault("whole_step_by_c", {})[c] = print_whole_step(a, k)
+    out["whole_step"] = out["whole_step_by_c"][intervals[0]]
+    a.anchor_interval = intervals
     if a.out:
         with open(a.out, "w") as f:
             json.dump(out, f, indent=1)
