@@ -99,6 +99,7 @@ class AnchorCircuit:
         the correction applied only if on every stage; the sign agreement pools all stages;
         the replicas' sign deviation is the largest anywhere (data parallel)."""
         (reducer.declare("anchor/bytes_", "sum").declare("anchor/fire", "first").declare("anchor/alive", "min")
+         .declare("anchor/ship_resyncs", "sum")
          .declare("anchor/sign_dev_across_dp", "max")
          .declare("_anchor/applied", "min").declare("_anchor/agree", "sum")
          .declare("_anchor/total", "sum").derive(_correction))

@@ -23,7 +23,7 @@ from megatron_cegrpo.anchor.dp_fanout import held_signs
 from megatron_cegrpo.anchor.shipment import ShipmentEncoder
 from megatron_cegrpo.anchor.signs import packed_nbytes, unpack_bits, unpack_sign_list
 from megatron_cegrpo.anchor.transport import (
-    META_TAG, TAG_BASIS, TAG_BATCH, TAG_MIRROR_ACK, TAG_PARAMS, TAG_PARAMS_EXACT, TAG_SAVE, TAG_SAVE_DONE, TAG_SIGN_HDR,
+    META_TAG, TAG_BASIS, TAG_BATCH, TAG_MIRROR_ACK, TAG_PARAMS, TAG_PARAMS_EXACT, TAG_PARAMS_HDR, TAG_SAVE, TAG_SAVE_DONE, TAG_SIGN_HDR,
     TAG_SIGN_INFO, TAG_SIGNS, TAG_STATS, flatten_params, is_fire_step, is_ship_step, isend_object, recv_object, recv_tensor, send_object,
 )
 
@@ -82,6 +82,7 @@ class AnchorClient:
         self.ship_bytes = 0  # the weight shipments' part of bytes_in
         self.ship_dense_bytes = 0  # the same shipments in fp32 (the ledger's dense baseline)
         self.ship_check_bytes = 0  # --anchor-ship-check's exact copies (debug, not in the ledger)
+        self.ship_resyncs = 0  # keyframes the anchor asked for (a refused shipment), this iteration
         self.stats: Dict = {}
         self.bases = bases
         self._now = 0  # the iteration whose before_optimizer_step (or finish) receives signs
@@ -118,7 +119,7 @@ class AnchorClient:
         """Send this stage's parameter names/shapes and, after a resume, the fire whose signs it
         still awaits (the anchor sends those again). Call once, after ``load_state_dict``."""
         digest = self.shipment.start(flatten_params(self.params))
-        meta = dict(self._meta, awaiting=self._awaiting, mirror_digest=digest)
+        meta = dict(self._meta, awaiting=self._awaiting, mirror_digest=digest, ship_seq=self.shipment.seq)
 
         def hello():
             self.bytes_in += send_object(meta, self.anchor, META_TAG, self.group)
@@ -150,11 +151,12 @@ class AnchorClient:
                 flat = flatten_params(self.params)
                 payload = self.shipment.encode(flat)  # None: theta(0), which the anchor holds
                 if payload is not None:
-                    self._pending.append([[dist.isend(payload, dst=self.anchor, tag=TAG_PARAMS, group=self.group)],
-                                          payload])
-                    n = payload.numel() * payload.element_size()
-                    self.bytes_in += n
-                    self.ship_bytes += n
+                    header, data = self.shipment.header(payload), payload.view(torch.uint8)
+                    self._pending.append([[dist.isend(header, dst=self.anchor, tag=TAG_PARAMS_HDR, group=self.group),
+                                           dist.isend(data, dst=self.anchor, tag=TAG_PARAMS, group=self.group)],
+                                          header, data])
+                    self.bytes_in += header.numel() * 8 + data.numel()
+                    self.ship_bytes += data.numel()
                 self.ship_dense_bytes += flat.numel() * 4
                 if self.a.anchor_ship_check:  # debug: the exact weights too, outside the ledger
                     self._pending.append([[dist.isend(flat, dst=self.anchor, tag=TAG_PARAMS_EXACT, group=self.group)],
@@ -198,6 +200,11 @@ class AnchorClient:
         recv_tensor(hdr, self.anchor, TAG_SIGN_HDR, self.group, self.timeout)
         self.bytes_out += 8
         flags = int(hdr.item())
+        if flags & 8:  # the anchor refused one of this stage's shipments: its mirror is gone
+            self.shipment.resync()
+            self.ship_resyncs += 1
+            print(f"[cegrpo] warning: rank {self.rank}: the anchor refused a weight shipment (logged on the "
+                  "anchor); the next shipment is a full fp32 keyframe", flush=True)
         info = None  # per tensor: False where the anchor's M is 0 on the whole tensor (no correction)
         if flags & 4:
             bitmap = torch.empty(packed_nbytes(len(self.shapes)), dtype=torch.uint8)
@@ -284,5 +291,6 @@ class AnchorClient:
                "anchor/alive": int(self.alive)}
         if self.a.anchor_ship_check:
             out["anchor/bytes_ship_check"] = self.ship_check_bytes
+        out["anchor/ship_resyncs"], self.ship_resyncs = self.ship_resyncs, 0
         self.bytes_in = self.bytes_out = self.ship_bytes = self.ship_dense_bytes = self.ship_check_bytes = 0
         return out

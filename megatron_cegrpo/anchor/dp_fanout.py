@@ -150,7 +150,8 @@ class FollowerClient:
     def metrics(self, t: int) -> Dict:
         return {"anchor/fire": int(is_fire_step(t, self.a.anchor_interval) and self.alive),
                 "anchor/bytes_in": 0, "anchor/bytes_out": 0, "anchor/bytes_ship": 0, "anchor/bytes_ship_fp32": 0,
-                "anchor/alive": int(self.alive), **({"anchor/bytes_ship_check": 0} if self.a.anchor_ship_check else {})}
+                "anchor/alive": int(self.alive), "anchor/ship_resyncs": 0,
+                **({"anchor/bytes_ship_check": 0} if self.a.anchor_ship_check else {})}
 
 
 def held_signs(stored) -> Optional[List[Optional[torch.Tensor]]]:

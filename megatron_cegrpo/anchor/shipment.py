@@ -32,6 +32,15 @@ first shipment is the fp32 keyframe, as before: on a new run theta(0); after a r
 mirror advanced by the delta, the values the uninterrupted run's anchor would hold, so a resume
 stays bit-identical either way.
 
+**Every shipment is checked** (issue 30): a header (int64 [:data:`HEADER_LEN`]: sequence number,
+kind, payload bytes, CRC-32 of the payload, BLAKE2b-128 of the mirror it leads to, a check word)
+goes ahead of the payload (:meth:`ShipmentEncoder.header`); the anchor's
+:meth:`ShipmentDecoder.accept` refuses a shipment out of sequence (missing, repeated, reordered), a
+corrupt payload, a delta it has no mirror for, or one whose result differs from the stage's
+mirror, raising :class:`ShipmentRejected`; the decoder then drops its mirror and wants a keyframe,
+which the anchor asks for in its next answer to the stage (``anchor/worker.py``; the stage's
+:meth:`ShipmentEncoder.resync`), and theta(s) of a refused shipment never enters the ring.
+
 Pure tensor code, no torch.distributed.
 """
 
@@ -39,11 +48,13 @@ from __future__ import annotations
 
 import hashlib
 import math
-from typing import Dict, Optional
+import zlib
+from typing import Dict, Optional, Tuple
 
 import torch
 
-__all__ = ["SHIP_MODES", "BLOCK", "ShipmentEncoder", "ShipmentDecoder", "shipment_nbytes", "mirror_digest"]
+__all__ = ["SHIP_MODES", "BLOCK", "HEADER_LEN", "ShipmentEncoder", "ShipmentDecoder", "ShipmentRejected",
+           "shipment_nbytes", "mirror_digest"]
 
 SHIP_MODES = ("fp32", "bf16-delta", "int8-delta", "int4-delta")
 #: values per scale of the integer delta codes
@@ -66,6 +77,28 @@ def shipment_nbytes(numel: int, mode: str, keyframe: bool) -> int:
         return numel * 2
     blocks = math.ceil(numel / BLOCK)
     return blocks * 4 + (blocks * BLOCK if mode == "int8-delta" else blocks * BLOCK // 2)
+
+
+HEADER_LEN = 7  # seq, kind, payload bytes, CRC-32, mirror digest (two int64), a check word
+KIND_DELTA, KIND_KEYFRAME = 0, 1
+
+
+class ShipmentRejected(ValueError):
+    """A shipment the anchor cannot use (out of sequence, corrupt, no mirror, a diverged mirror)."""
+
+
+def _digest_words(flat: torch.Tensor) -> Tuple[int, int]:
+    d = hashlib.blake2b(flat.detach().contiguous().view(torch.uint8).numpy().data, digest_size=16).digest()
+    return int.from_bytes(d[:8], "little", signed=True), int.from_bytes(d[8:], "little", signed=True)
+
+
+def _crc(payload: torch.Tensor) -> int:
+    return zlib.crc32(payload.detach().contiguous().view(torch.uint8).numpy().data)
+
+
+def _check_word(fields) -> int:
+    """A checksum of the header's other words (a corrupt size must not be trusted)."""
+    return zlib.crc32(torch.tensor(fields, dtype=torch.int64).numpy().tobytes())
 
 
 def mirror_digest(flat: torch.Tensor) -> str:
@@ -119,6 +152,8 @@ class ShipmentEncoder:
         self._sent_keyframe = False  # in this process lifetime (or the anchor agreed on the mirror)
         self._seeded = False  # start() set a new run's mirror to theta(0)
         self.skip_next = False  # the next shipment is theta(0), which the anchor holds: not sent
+        self.seq = 0  # shipments sent (headers numbered 1, 2, ...)
+        self._last_kind = KIND_KEYFRAME
 
     @torch.no_grad()
     def start(self, flat: torch.Tensor) -> Optional[str]:
@@ -155,6 +190,8 @@ class ShipmentEncoder:
         if flat.dtype != torch.float32 or flat.dim() != 1:
             raise ValueError(f"shipments take a flat fp32 buffer, got {flat.dtype} {tuple(flat.shape)}")
         if self.mode == "fp32":
+            self.seq += 1
+            self._last_kind = KIND_KEYFRAME
             return flat
         if self.mirror is not None and self.mirror.numel() != flat.numel():
             raise ValueError(f"shipment of {flat.numel()} parameters against a mirror of {self.mirror.numel()}")
@@ -164,6 +201,8 @@ class ShipmentEncoder:
                 raise RuntimeError("anchor shipment: theta(0) changed between start-up and the first shipment; "
                                    "the anchor's copy would be wrong")
             return None
+        self.seq += 1
+        self._last_kind = KIND_DELTA
         if self.mirror is None:
             self.mirror = flat.clone()
         else:
@@ -177,16 +216,30 @@ class ShipmentEncoder:
             if self._sent_keyframe:
                 return payload
         self._sent_keyframe = True
+        self._last_kind = KIND_KEYFRAME
         return self.mirror.clone()
 
+    def header(self, payload: torch.Tensor) -> torch.Tensor:
+        """The check header (int64 [HEADER_LEN]) of the payload :meth:`encode` just returned (delta
+        modes; the module docstring): sequence number, kind, bytes, CRC-32, the mirror's digest."""
+        d0, d1 = _digest_words(payload if self.mode == "fp32" else self.mirror)
+        fields = [self.seq, self._last_kind, payload.numel() * payload.element_size(), _crc(payload), d0, d1]
+        return torch.tensor(fields + [_check_word(fields)], dtype=torch.int64)
+
+    def resync(self) -> None:
+        """The anchor lost the mirror (a refused shipment): the next shipment is an fp32 keyframe."""
+        self.mirror, self._sent_keyframe, self.skip_next = None, False, False
+
     def state_dict(self) -> Dict:
-        """The mirror (fp32 [numel] or None): a resumed stage continues the same deltas."""
-        return {"mode": self.mode, "mirror": self.mirror}
+        """The mirror (fp32 [numel] or None) and the sequence number: a resumed stage continues the
+        same deltas."""
+        return {"mode": self.mode, "mirror": self.mirror, "seq": self.seq}
 
     def load_state_dict(self, state: Optional[Dict]) -> None:
         """Restore :meth:`state_dict` (None or another mode: start without a mirror)."""
         ok = state is not None and state.get("mode") == self.mode and self.mode != "fp32"
         self.mirror = state["mirror"].clone() if ok and state["mirror"] is not None else None
+        self.seq = int(state.get("seq", 0)) if ok else 0
         self._sent_keyframe = self._seeded = self.skip_next = False
 
 
@@ -203,11 +256,17 @@ class ShipmentDecoder:
         self.mode, self.numel = mode, numel
         self.mirror: Optional[torch.Tensor] = None
         self.skip_next = False  # the next shipment is theta(0), agreed at start-up: nothing to receive
+        self.seq = 0  # the last shipment's sequence number
+        self.want_keyframe = False  # a shipment was refused: the mirror is gone until a keyframe
+        self.num_rejected = 0
 
-    def agree(self, digest: Optional[str], candidate: Optional[torch.Tensor], new_run: bool) -> bool:
+    def agree(self, digest: Optional[str], candidate: Optional[torch.Tensor], new_run: bool,
+              seq: int = 0) -> bool:
         """Start-up: whether the stage's mirror (its ``digest``) equals ``candidate`` (fp32 [numel]:
         the anchor's own copy of the stage, None when it has none). Agreed: the decoder is seeded
-        with it and, on a new run, skips the first shipment. Returns the answer for the stage."""
+        with it and, on a new run, skips the first shipment. Returns the answer for the stage.
+        ``seq``: the stage's shipments so far (its checkpoint's)."""
+        self.seq = int(seq)
         ok = (digest is not None and candidate is not None and candidate.numel() == self.numel
               and mirror_digest(candidate) == digest)
         if ok:
@@ -243,6 +302,51 @@ class ShipmentDecoder:
         else:
             self.mirror.add_(_decode_int(payload, self.mode, self.numel))
         return self.mirror
+
+    def payload_nbytes(self, header: torch.Tensor) -> int:
+        """The payload size a header announces, checked against the two sizes this mode sends.
+
+        Raises RuntimeError for a corrupt header (its size unknown, the link cannot go on)."""
+        f = [int(x) for x in header.tolist()]
+        sizes = {KIND_KEYFRAME: shipment_nbytes(self.numel, self.mode, True),
+                 KIND_DELTA: shipment_nbytes(self.numel, self.mode, False)}
+        if len(f) != HEADER_LEN or f[6] != _check_word(f[:6]) or sizes.get(f[1]) != f[2]:
+            raise RuntimeError(f"anchor shipment header is corrupt (fields {f}); expected sizes {sizes}")
+        return f[2]
+
+    @torch.no_grad()
+    def accept(self, header: torch.Tensor, payload: torch.Tensor) -> torch.Tensor:
+        """Check and decode one shipment: ``header`` from :meth:`ShipmentEncoder.header`, ``payload``
+        its bytes (uint8 [payload_nbytes]). Returns theta_hat(s) (fp32 [numel], the decoder's storage).
+
+        Raises:
+            ShipmentRejected: out of sequence, a CRC mismatch, a delta without a mirror, or a mirror
+                that is not the stage's; the decoder then has no mirror and :attr:`want_keyframe`.
+        """
+        f = [int(x) for x in header.tolist()]
+        seq, kind, crc, digest = f[0], f[1], f[3], (f[4], f[5])
+        expected, self.seq = self.seq + 1, max(self.seq, seq)
+        try:  # a keyframe stands alone: any newer one is good; a delta must be the very next
+            if seq != expected and not (kind == KIND_KEYFRAME and seq > expected):
+                raise ShipmentRejected(f"shipment {seq} where {expected} was due (missing or reordered)")
+            if _crc(payload) != crc:
+                raise ShipmentRejected(f"shipment {seq}'s payload fails its CRC-32")
+            if kind == KIND_DELTA and self.mirror is None:
+                raise ShipmentRejected(f"shipment {seq} is a delta, but the mirror is gone (a keyframe is due)")
+            if kind == KIND_KEYFRAME:
+                self.mirror = None
+            dtype = (torch.float32 if kind == KIND_KEYFRAME else
+                     torch.bfloat16 if self.mode == "bf16-delta" else torch.uint8)
+            out = self.decode(payload.view(dtype))
+            if _digest_words(out) != digest:
+                raise ShipmentRejected(f"shipment {seq} leads to weights that are not the stage's (digest)")
+        except ShipmentRejected:
+            self.mirror, self.want_keyframe = None, True
+            self.num_rejected += 1
+            raise
+        if kind == KIND_KEYFRAME:
+            self.want_keyframe = False
+        return out
 
     def skip(self) -> torch.Tensor:
         """theta(0) of a new run agreed at start-up (nothing was sent): the seeded mirror."""

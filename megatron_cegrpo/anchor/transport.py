@@ -3,8 +3,9 @@
 Both sides follow one deterministic schedule (DESIGN.md section 4), so no headers are
 needed: for iteration t,
 
-- ship (t - 1 = s is a multiple of c): every stage sends theta(s) (its parameters, one
-  flat buffer, tag ``TAG_PARAMS``: fp32, or a delta against the mirror both ends keep,
+- ship (t - 1 = s is a multiple of c): every stage sends theta(s) (a check header, int64,
+  ``TAG_PARAMS_HDR``: sequence number, kind, size, CRC-32, the digest of the weights it leads to;
+  then its parameters' payload as bytes, tag ``TAG_PARAMS``: fp32, or a delta against the mirror both ends keep,
   ``--anchor-ship``, ``anchor/shipment.py``; a new run's theta(0) is not sent when the start-up
   digests agreed; with ``--anchor-ship-check`` the exact fp32 buffer follows, ``TAG_PARAMS_EXACT``,
   metered apart in ``anchor/bytes_ship_check``) with ``isend`` (the trainer does not wait), and the
@@ -12,7 +13,8 @@ needed: for iteration t,
 - fire (t is a multiple of c): the driver sends batch(t) unless it went out at ship time;
   the anchor answers each stage with a header (``TAG_SIGN_HDR``: bit 0 = signs follow,
   bit 1 = bases follow, bit 2 = a per-tensor "informative" bitmap follows (``TAG_SIGN_INFO``,
-  only when M is 0 on a whole tensor: that tensor gets no correction)), sign(M) packed 8 parameters a byte (``TAG_SIGNS``), with an
+  only when M is 0 on a whole tensor: that tensor gets no correction), bit 3 = a shipment of this
+  stage was refused, send an fp32 keyframe next), sign(M) packed 8 parameters a byte (``TAG_SIGNS``), with an
   anchor-owned lowrank codec the [d, r] basis of each boundary the stage touches, ascending
   (``TAG_BASIS``, pipeline dtype; ``anchor/basis.py``), and the driver with its statistics
   (``TAG_STATS``);
@@ -47,11 +49,12 @@ import torch.distributed as dist
 from megatron_cegrpo.pipeline.weight_sync import flatten_params, unflatten  # noqa: F401  (re-exported)
 
 __all__ = ["TAG_PARAMS", "TAG_BATCH", "TAG_SIGN_HDR", "TAG_SIGNS", "TAG_STATS", "META_TAG", "TAG_SAVE",
-           "TAG_SAVE_DONE", "TAG_BASIS", "TAG_SIGN_INFO", "TAG_MIRROR_ACK", "TAG_PARAMS_EXACT", "is_ship_step", "is_fire_step", "send_object", "recv_object", "recv_tensor", "isend_object",
+           "TAG_SAVE_DONE", "TAG_BASIS", "TAG_SIGN_INFO", "TAG_MIRROR_ACK", "TAG_PARAMS_EXACT", "TAG_PARAMS_HDR", "is_ship_step", "is_fire_step", "send_object", "recv_object", "recv_tensor", "isend_object",
            "flatten_params", "unflatten"]
 
 TAG_PARAMS, TAG_BATCH, TAG_SIGN_HDR, TAG_SIGNS, TAG_STATS, META_TAG = 11, 12, 13, 14, 15, 16
 TAG_SAVE, TAG_SAVE_DONE, TAG_BASIS, TAG_SIGN_INFO, TAG_MIRROR_ACK, TAG_PARAMS_EXACT = 17, 18, 19, 20, 21, 22
+TAG_PARAMS_HDR = 23
 
 
 def is_ship_step(t: int, c: int) -> bool:

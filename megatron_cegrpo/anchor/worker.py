@@ -14,7 +14,7 @@ import contextlib
 import os
 import re
 import time
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -23,10 +23,10 @@ from megatron_cegrpo.anchor.basis import AnchorBasis
 from megatron_cegrpo.anchor.forecast import forecast_error, get_forecast
 from megatron_cegrpo.anchor.memory import AnchorMemory
 from megatron_cegrpo.anchor.ring import CheckpointRing
-from megatron_cegrpo.anchor.shipment import ShipmentDecoder
+from megatron_cegrpo.anchor.shipment import HEADER_LEN, ShipmentDecoder, ShipmentRejected
 from megatron_cegrpo.anchor.signs import pack_bits
 from megatron_cegrpo.anchor.transport import (
-    META_TAG, TAG_BASIS, TAG_BATCH, TAG_MIRROR_ACK, TAG_PARAMS, TAG_PARAMS_EXACT, TAG_SIGN_HDR, TAG_SIGN_INFO, TAG_SIGNS, TAG_STATS,
+    META_TAG, TAG_BASIS, TAG_BATCH, TAG_MIRROR_ACK, TAG_PARAMS, TAG_PARAMS_EXACT, TAG_PARAMS_HDR, TAG_SIGN_HDR, TAG_SIGN_INFO, TAG_SIGNS, TAG_STATS,
     is_fire_step, is_ship_step, isend_object, recv_object, recv_tensor, unflatten,
 )
 from megatron_cegrpo.compression import build_codec
@@ -35,7 +35,8 @@ from megatron_cegrpo.grpo.batch import microbatches
 from megatron_cegrpo.grpo.loss import grpo_token_loss
 from megatron_cegrpo.optim.mixed_precision import compute_precision
 
-__all__ = ["AnchorWorker", "global_param_name", "ring_capacity", "stage_flat", "put_flat", "sign_agreement_with"]
+__all__ = ["AnchorWorker", "global_param_name", "ring_capacity", "stage_flat", "put_flat", "sign_agreement_with",
+           "receive_shipment"]
 
 _LAYER = re.compile(r"decoder\.layers\.(\d+)\.")
 
@@ -77,6 +78,25 @@ def sign_agreement_with(memory: AnchorMemory, grads: Dict[str, torch.Tensor], ot
         agree += int((torch.sign(m) == torch.sign(m + w * (other[n] - grads[n]))).sum())
         total += m.numel()
     return agree / total if total else float("nan")
+
+
+def receive_shipment(decoder: ShipmentDecoder, src: int, group, what: str) -> Tuple[Optional[torch.Tensor], int]:
+    """One stage's checked shipment from global rank ``src`` (``anchor/shipment.py``): (theta_hat(s),
+    fp32 [numel], the decoder's storage, or None when refused: logged, and the decoder wants a
+    keyframe, which the next fire asks for; the bytes received)."""
+    if decoder.skip_next:  # theta(0) of a new run: both ends hold it, nothing was sent
+        return decoder.skip(), 0
+    header = torch.empty(HEADER_LEN, dtype=torch.int64)
+    recv_tensor(header, src, TAG_PARAMS_HDR, group)
+    payload = torch.empty(decoder.payload_nbytes(header), dtype=torch.uint8)
+    recv_tensor(payload, src, TAG_PARAMS, group)
+    n = header.numel() * 8 + payload.numel()
+    try:
+        return decoder.accept(header, payload), n
+    except ShipmentRejected as e:
+        print(f"[cegrpo] warning: anchor: {what} refused ({e}); it is not kept and the stage is asked for a "
+              "full fp32 keyframe at the next fire", flush=True)
+        return None, n
 
 
 class AnchorWorker:
@@ -168,10 +188,11 @@ class AnchorWorker:
         newest = self.ring.newest() if self.start > 0 else None
         own = newest[1] if newest is not None else (self.params if self.start == 0 else {})
         for r, meta, decoder in zip(self.stage_ranks, self.stage_meta, self.decoders):
+            decoder.seq = int(meta.get("ship_seq", 0))
             digest = meta.get("mirror_digest")
             if digest is None:
                 continue
-            ok = decoder.agree(digest, stage_flat(meta, own), new_run=self.start == 0)
+            ok = decoder.agree(digest, stage_flat(meta, own), new_run=self.start == 0, seq=decoder.seq)
             dist.send(torch.tensor([int(ok)], dtype=torch.uint8), dst=r, tag=TAG_MIRROR_ACK, group=self.group)
             self.bytes_out += 1
 
@@ -184,19 +205,19 @@ class AnchorWorker:
     def _receive_checkpoint(self, s: int) -> None:
         theta: Dict[str, torch.Tensor] = {}
         exact: Dict[str, torch.Tensor] = {}
-        for r, meta, decoder in zip(self.stage_ranks, self.stage_meta, self.decoders):
-            if decoder.skip_next:  # theta(0) of a new run: both ends hold it, nothing was sent
-                flat = decoder.skip()
-            else:
-                payload = decoder.buffer()
-                recv_tensor(payload, r, TAG_PARAMS, self.group)
-                self.bytes_in += payload.numel() * payload.element_size()
-                flat = decoder.decode(payload)
-            put_flat(theta, meta, flat)
+        lost = False
+        for i, (r, meta, decoder) in enumerate(zip(self.stage_ranks, self.stage_meta, self.decoders)):
+            flat, n = receive_shipment(decoder, r, self.group, f"stage {i}'s shipment of theta({s})")
+            self.bytes_in += n
+            lost = lost or flat is None
+            if flat is not None:
+                put_flat(theta, meta, flat)
             if self.exact_ring is not None:
                 true = torch.empty(decoder.numel, dtype=torch.float32)
                 recv_tensor(true, r, TAG_PARAMS_EXACT, self.group)
                 put_flat(exact, meta, true)
+        if lost:  # a refused shipment: theta(s) is not kept; the fires replay older checkpoints
+            return
         missing = set(self.params) - set(theta)
         assert not missing, f"checkpoint lacks {sorted(missing)[:4]}"
         self._score_forecast(s, theta)
@@ -263,6 +284,7 @@ class AnchorWorker:
             "anchor/no_peek_violations": self.ring.num_no_peek_violations,
             "timing_s/anchor_compute": time.perf_counter() - t0,
             "anchor/received_bytes_total": self.bytes_in,
+            "anchor/ship_rejected": sum(d.num_rejected for d in self.decoders),
             "anchor/num_replayed_sequences": self.num_replayed_sequences,
         })
         self.last_stats = stats
@@ -297,7 +319,9 @@ class AnchorWorker:
             names = [global_param_name(n, meta["layer_offset"], meta["tied_output"]) for n, _ in meta["params"]]
             info = self.memory.informative(names) if has else []
             signs, flagged = has and any(info), has and not all(info)
-            hdr = torch.tensor([(1 if signs else 0) | (2 if bases else 0) | (4 if flagged else 0)], dtype=torch.int64)
+            resend = 8 if self.decoders[i].want_keyframe else 0  # a refused shipment: a keyframe next
+            hdr = torch.tensor([(1 if signs else 0) | (2 if bases else 0) | (4 if flagged else 0) | resend],
+                               dtype=torch.int64)
             self._pending.append([[torch.distributed.isend(hdr, dst=r, tag=TAG_SIGN_HDR, group=self.group)], hdr])
             self.bytes_out += 8
             if flagged:
