@@ -7,9 +7,9 @@ dense steps did not learn; "the clean step is the only lever that worked": a den
 4 iterations gave 0.696, every 20 gave 0.7354, against 0.7415 for dense training (GSM8K,
 Qwen2.5-1.5B).
 
-On a dense step t (``t % N == 0``, or scheduled) every pass of the iteration (old-logprob, reference, update,
-and the drift and fidelity probes, which are dense anyway) moves its boundary tensors with the
-``dense`` codec through the stage's own communicator and byte meter
+On a dense step t (``t % N == 0``, or scheduled) every pass of the iteration (old-logprob,
+reference, update, and the drift and fidelity probes, which are dense anyway) moves its boundary
+tensors with the ``dense`` codec through the stage's own communicator and byte meter
 (``CompressedP2PCommunicator.using``), so:
 
 - the bytes are billed as real wire bytes of that iteration: ``comm/fwd_bytes`` and
