@@ -557,9 +557,21 @@ class CodecConfig:
     dense_step_interval: int = option(0, "every N-th iteration (t divisible by N) runs all its passes with dense "
                                          "boundaries and no sign blend: a clean step, billed as real boundary "
                                          "bytes (docs/dense_steps.md; 0: never)")
+    drift_controller: bool = option(False, "take a dense step after a drift probe whose dense-view KL to the base "
+                                           "model (probe/kl_to_base) is above --drift-target-kl, until it is back "
+                                           "below --drift-target-kl-low, within --drift-max-boundary-ratio "
+                                           "(needs --drift-probe-interval; docs/training_health.md)")
+    drift_target_kl: Optional[float] = option(None, "HIGH of the drift controller's band: KL(pi || pi_base) per "
+                                                    "response token, dense view, above which it takes dense steps")
+    drift_target_kl_low: Optional[float] = option(None, "LOW of the drift controller's band: below it the "
+                                                        "controller stops taking dense steps (default HIGH / 2)")
+    drift_max_boundary_ratio: float = option(0.1, "the drift controller's byte budget: it takes a dense step only if "
+                                                  "the run's average boundary bytes stay within this fraction of "
+                                                  "dense after it (comm/avg_boundary_ratio)")
 
     # the codec itself is compared as meta["codec"] by checkpointing.check_compatible (the owner by its state)
-    RESUME = ("dense_step_interval",)
+    RESUME = ("dense_step_interval", "drift_controller", "drift_target_kl", "drift_target_kl_low",
+              "drift_max_boundary_ratio")
 
     def validate(self) -> None:
         """A keep ratio in (0, 1], a known lowrank basis owner and a spec that
@@ -578,6 +590,30 @@ class CodecConfig:
         _check_choice("--lowrank-q-owner", self.lowrank_q_owner, ("fast", "anchor"))
         _check_int("--dense-step-interval", self.dense_step_interval, 0,
                    "e.g. --dense-step-interval 20 (a dense step every 20 iterations), or 0 for none")
+        self._validate_drift_controller()
+
+    def _validate_drift_controller(self) -> None:
+        """The band 0 <= LOW <= HIGH with HIGH > 0 and the budget in (0, 1], given only with
+        ``--drift-controller``, which needs HIGH. Raises ConfigError."""
+        if not self.drift_controller:
+            for flag, value in (("--drift-target-kl", self.drift_target_kl),
+                                ("--drift-target-kl-low", self.drift_target_kl_low)):
+                if value is not None:
+                    raise ConfigError(f"{flag} has no effect without --drift-controller; fix: add --drift-controller "
+                                      f"or drop {flag}")
+            return
+        if self.drift_target_kl is None:
+            raise ConfigError("--drift-controller needs its band's upper edge; fix: pass --drift-target-kl HIGH "
+                              "(KL to the base per token, dense view: e.g. twice a dense run's probe/kl_to_base)")
+        _check_float("--drift-target-kl", self.drift_target_kl, "e.g. --drift-target-kl 0.002", low=0.0,
+                     low_open=True)
+        if self.drift_target_kl_low is not None:
+            _check_float("--drift-target-kl-low", self.drift_target_kl_low,
+                         f"a value in [0, --drift-target-kl {self.drift_target_kl:g}], or leave it out "
+                         "(HIGH / 2)", low=0.0, high=self.drift_target_kl)
+        _check_float("--drift-max-boundary-ratio", self.drift_max_boundary_ratio,
+                     "e.g. --drift-max-boundary-ratio 0.1 (average boundary bytes at most 10 % of dense)",
+                     low=0.0, high=1.0, low_open=True)
 
 
 @dataclass
@@ -590,8 +626,10 @@ class LoggingConfig:
     log_dir: str = option("runs/default", "run folder: metrics.jsonl and config.json")
     log_interval: int = option(1, "a console line every N iterations (Megatron)")
     tqdm: bool = option(True, "no progress bar", flag="--no-tqdm")
-    drift_probe_interval: int = option(0, "every N iterations repeat the log-prob passes with compression off "
-                                          "and log probe/* (0: never)")
+    drift_probe_interval: int = option(0, "every N iterations repeat the log-prob passes, and the base model's, "
+                                          "with compression off and log probe/* (0: never; docs/training_health.md)")
+    drift_probe_window: int = option(8, "probes in probe/view_gap_slope, the least-squares slope of the "
+                                        "compression-view gap")
     grad_fidelity_interval: int = option(0, "every N iterations also compute the dense-boundary gradient of the "
                                             "update loss on the same batch and weights (not applied) and log "
                                             "fidelity/* (cosine, per-stage cosine, sign agreement, norm ratio vs "
@@ -622,6 +660,7 @@ class LoggingConfig:
         _check_int("--log-interval", self.log_interval, 1, "e.g. --log-interval 1 (a console line every iteration)")
         _check_int("--drift-probe-interval", self.drift_probe_interval, 0,
                    "e.g. --drift-probe-interval 4, or 0 for no probe")
+        _check_int("--drift-probe-window", self.drift_probe_window, 2, "e.g. --drift-probe-window 8")
         _check_int("--grad-fidelity-interval", self.grad_fidelity_interval, 0,
                    "e.g. --grad-fidelity-interval 4, or 0 for no probe")
         if self.wandb_mode is not None:
@@ -811,6 +850,13 @@ class TrainConfig:
         return g.ppo_epochs == 1 and self.global_batch_size == g.sequences_per_iteration and not g.recompute_old_log_prob
 
     @property
+    def keeps_base_model(self) -> bool:
+        """Whether every stage keeps a frozen copy of its base weights as a module: the reference of a
+        KL term (``--kl-coef`` > 0), or the drift probe's base model (``--drift-probe-interval`` > 0,
+        ``training/drift_probe.py``)."""
+        return self.grpo.kl_coef > 0 or self.logging.drift_probe_interval > 0
+
+    @property
     def holdout_split_seed(self) -> int:
         """Seed of the held-out split (``split_holdout``): ``--holdout-seed``, else ``--seed``."""
         d = self.data
@@ -843,9 +889,10 @@ class TrainConfig:
         no effect: ``--min-lr`` and ``--train-iters`` with ``--lr-decay-style constant`` (so a
         constant-LR run may be resumed with a larger ``--train-iters`` to train longer),
         ``--kl-loss-type`` with ``--kl-coef 0``, ``--max-num-gen-batches`` without
-        ``--filter-groups``, and the anchor settings with
-        ``--anchor-ranks 0``. ``--global-batch-size`` and ``--holdout-seed`` are recorded as
-        their effective values,
+        ``--filter-groups``, the anchor settings with ``--anchor-ranks 0`` and the drift
+        controller's band and budget without ``--drift-controller`` (with it,
+        ``--drift-probe-interval``, its cadence, is recorded too). ``--global-batch-size``,
+        ``--holdout-seed`` and ``--drift-target-kl-low`` are recorded as their effective values,
         ``--no-norm-adv-by-std`` as whether it is given.
         """
         skip = set()
@@ -857,6 +904,8 @@ class TrainConfig:
             skip.add(("grpo", "max_num_gen_batches"))
         if self.anchor.anchor_ranks == 0:
             skip |= {("anchor", n) for n in AnchorConfig.RESUME if n != "anchor_ranks"}
+        if not self.codec.drift_controller:
+            skip |= {("codec", n) for n in CodecConfig.RESUME if n.startswith("drift_") and n != "drift_controller"}
         out: Dict[str, Any] = {}
         for sname, sec in self.sections():
             for name in type(sec).RESUME:
@@ -869,7 +918,11 @@ class TrainConfig:
                     value = self.holdout_split_seed
                 elif (sname, name) == ("grpo", "norm_adv_by_std"):
                     value = not value
+                elif (sname, name) == ("codec", "drift_target_kl_low") and value is None:
+                    value = self.codec.drift_target_kl / 2  # its default, HIGH / 2
                 out[flag_name(sec, name)] = value
+        if self.codec.drift_controller:  # the probe's cadence is the controller's
+            out[flag_name(LoggingConfig, "drift_probe_interval")] = self.logging.drift_probe_interval
         return out
 
     def _check_vllm_world(self, world_size: Optional[int]) -> None:
@@ -912,6 +965,9 @@ class TrainConfig:
                 f"(the sequences per optimizer step; default: all {n} sequences of an iteration); "
                 f"fix: pass a divisor of {gbs}"
             )
+        if self.codec.drift_controller and not self.logging.drift_probe_interval:
+            raise ConfigError("--drift-controller acts on the drift probe's measurements, but --drift-probe-interval "
+                              "is 0; fix: pass --drift-probe-interval N (e.g. 5: a decision every 5 iterations)")
         if self.logging.drift_probe_interval and p.pipeline_model_parallel_size == 1:
             raise ConfigError(
                 f"--drift-probe-interval {self.logging.drift_probe_interval} probes nothing with "

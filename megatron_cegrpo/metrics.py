@@ -347,6 +347,9 @@ def format_progress(m: Dict, total_iters: int) -> str:
     if m.get("anchor/fire"):
         line += (f" | anchor fire: {m.get('anchor/branch', '-')}, staleness {m.get('anchor/staleness', '-')}, "
                  f"sign agreement {g('anchor/sign_agreement')}")
-    if "probe/view_abs_logprob_diff" in m:
-        line += f" | probe: dense-view mismatch {g('probe/abs_logprob_diff_mean', '{:.4f}')}"
+    if "probe/kl_to_base" in m:  # the dense-view drift and the codec's gap (docs/training_health.md)
+        line += (f" | probe: kl to base {g('probe/kl_to_base', '{:.2e}')}, "
+                 f"view gap {g('probe/view_abs_logprob_diff', '{:.4f}')}")
+    if "drift/action" in m:
+        line += f" | drift: action {m['drift/action']:+d}, dense steps {m.get('drift/dense_steps', '-')}"
     return line

@@ -75,6 +75,19 @@ def test_bad_flags_name_the_flag(argv, match):
      "--dense-step-interval 4 makes nothing dense with --pipeline-model-parallel-size 1"),
     (["--dense-step-interval", "4", "--anchor-interval", "20", "--sign-fold", "fire-only"],
      "--dense-step-interval 4 divides --anchor-interval 20: every fire is a dense step"),
+    (["--drift-controller", "--drift-probe-interval", "2"], "--drift-controller needs its band's upper edge; fix: "
+     "pass --drift-target-kl HIGH"),
+    (["--drift-controller", "--drift-target-kl", "0.01"],
+     "--drift-controller acts on the drift probe's measurements, but --drift-probe-interval is 0"),
+    (["--drift-target-kl", "0.01"], "--drift-target-kl has no effect without --drift-controller"),
+    (["--drift-target-kl-low", "0.01"], "--drift-target-kl-low has no effect without --drift-controller"),
+    (["--drift-controller", "--drift-target-kl", "0", "--drift-probe-interval", "2"],
+     "--drift-target-kl must be a finite number > 0, got 0.0"),
+    (["--drift-controller", "--drift-target-kl", "0.01", "--drift-target-kl-low", "0.02", "--drift-probe-interval", "2"],
+     "--drift-target-kl-low must be a finite number >= 0 and <= 0.01, got 0.02"),
+    (["--drift-controller", "--drift-target-kl", "0.01", "--drift-max-boundary-ratio", "1.5",
+      "--drift-probe-interval", "2"], "--drift-max-boundary-ratio must be a finite number > 0 and <= 1, got 1.5"),
+    (["--drift-probe-window", "1"], "--drift-probe-window must be an integer >= 2, got 1"),
     (["--decoder-first-pipeline-num-layers", "2", "--pipeline-model-parallel-size", "1", "--anchor-ranks", "0"],
      "--decoder-first-pipeline-num-layers needs --pipeline-model-parallel-size >= 2"),
     (["--seed", "x"], "argument --seed: invalid int value: 'x'"),
@@ -121,6 +134,17 @@ def test_resume_options_leave_out_what_has_no_effect():
     # every recorded name is a real flag of the parser (or the DeepSpeed key)
     flags = {s for a in build_parser()._actions for s in a.option_strings}
     assert set(decay) - flags == {"optimizer.type in --deepspeed_config"}
+
+
+def test_resume_options_record_the_drift_controller_when_on():
+    off = cfg("--drift-probe-interval", "2").resume_options()
+    assert off["--drift-controller"] is False and "--drift-target-kl" not in off and "--drift-probe-interval" not in off
+    on = cfg("--drift-controller", "--drift-target-kl", "0.004", "--drift-probe-interval", "5").resume_options()
+    assert (on["--drift-controller"], on["--drift-target-kl"], on["--drift-target-kl-low"]) == (True, 0.004, 0.002)
+    assert on["--drift-max-boundary-ratio"] == 0.1 and on["--drift-probe-interval"] == 5  # its cadence
+    # the base model: a stage keeps it for a KL term or for the probe
+    assert cfg("--kl-coef", "0").keeps_base_model is False
+    assert cfg("--kl-coef", "0", "--drift-probe-interval", "2").keeps_base_model is True
 
 
 def test_world_size_must_match_pipeline_plus_anchor():

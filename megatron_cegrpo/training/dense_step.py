@@ -1,14 +1,15 @@
-"""Dense steps: every ``--dense-step-interval``-th iteration runs with uncompressed boundaries
-(issue 31 item 2; docs/dense_steps.md).
+"""Dense steps: every ``--dense-step-interval``-th iteration, and each iteration the drift
+controller schedules (``--drift-controller``, drift_controller.py), runs with uncompressed
+boundaries (issue 31 items 2 and 3; docs/dense_steps.md, docs/training_health.md).
 
 Source: the seeds' status report (issue 31): the 5 % boundary mask with their anchor but no
 dense steps did not learn; "the clean step is the only lever that worked": a dense step every
 4 iterations gave 0.696, every 20 gave 0.7354, against 0.7415 for dense training (GSM8K,
 Qwen2.5-1.5B).
 
-On a dense step t (``t % N == 0``) every pass of the iteration (old-logprob, reference, update,
-and the drift and fidelity probes, which are dense anyway) moves its boundary tensors with the
-``dense`` codec through the stage's own communicator and byte meter
+On a dense step t (``t % N == 0``, or scheduled) every pass of the iteration (old-logprob,
+reference, update, and the drift and fidelity probes, which are dense anyway) moves its boundary
+tensors with the ``dense`` codec through the stage's own communicator and byte meter
 (``CompressedP2PCommunicator.using``), so:
 
 - the bytes are billed as real wire bytes of that iteration: ``comm/fwd_bytes`` and
@@ -44,16 +45,24 @@ class DenseSteps:
         interval: N of ``--dense-step-interval`` (0: never).
         stage: the rank's :class:`~megatron_cegrpo.training.stage.StageWorker` (its ``comm`` is
             None at PP = 1, where nothing is ever dense).
+        controller: the run's :class:`~megatron_cegrpo.training.drift_controller.DriftController`
+            (``--drift-controller``), whose scheduled iterations are dense steps too; None: none.
     """
 
-    def __init__(self, interval: int, stage):
+    def __init__(self, interval: int, stage, controller=None):
         self.interval = int(interval)
-        self.stage = stage
+        self.stage, self.controller = stage, controller
         self.dense = get_codec("dense")
 
+    def on_interval(self, t: int) -> bool:
+        """Whether ``--dense-step-interval`` makes iteration ``t`` dense (``t % N == 0``; never at N = 0)."""
+        return bool(self.interval and t % self.interval == 0)
+
     def is_dense(self, t: int) -> bool:
-        """Whether iteration ``t`` is a dense step (``t % N == 0``; never at N = 0 or PP = 1)."""
-        return bool(self.interval and t % self.interval == 0 and self.stage.comm is not None)
+        """Whether iteration ``t`` is a dense step: on the interval, or scheduled by the drift
+        controller (never at PP = 1)."""
+        scheduled = self.controller is not None and self.controller.is_dense(t)
+        return bool((self.on_interval(t) or scheduled) and self.stage.comm is not None)
 
     @contextlib.contextmanager
     def iteration(self, t: int):

@@ -50,15 +50,21 @@ class StageWorker:
     Args:
         cfg: the TrainConfig.
         ctx: the DistContext.
-        policy: this rank's stage and reference (``models/stage.py``).
+        policy: this rank's stage and its frozen base copy (``models/stage.py``): the reference
+            at ``--kl-coef`` > 0 (``ref_model``), else the drift probe's base model or None
+            (``base_model``).
     """
 
     def __init__(self, cfg, ctx, policy: PolicyStage):
         self.cfg, self.ctx = cfg, ctx
-        self.tf_config, self.model, self.ref_model = policy.tf_config, policy.model, policy.ref_model
+        self.tf_config, self.model = policy.tf_config, policy.model
+        # the frozen base stage: the reference of a KL term, or built for the drift probe alone
+        # (drift_probe.py), whose passes the loss never sees; None: neither
+        self.base_model = policy.ref_model
+        self.ref_model = policy.ref_model if cfg.grpo.kl_coef > 0 else None
         self.temperature = float(cfg.rollout.temperature)
-        # theta_0 for actor/weight_rel_change: the frozen reference when there is one
-        self.theta0 = ([p.detach() for p in self.ref_model.parameters()] if self.ref_model is not None
+        # theta_0 for actor/weight_rel_change: the frozen base stage's weights when there is one
+        self.theta0 = ([p.detach() for p in self.base_model.parameters()] if self.base_model is not None
                        else [p.detach().clone() for p in self.model.parameters()])
         self.codec = build_codec(cfg.codec.boundary_codec, cfg.codec.boundary_keep_ratio,
                                  **cfg.boundary_codec_options())

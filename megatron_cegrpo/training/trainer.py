@@ -12,16 +12,18 @@ One iteration t, each phase in a named timer (``timing_s/<phase>``):
                 update pass's own detached log-probs are then the old ones
                 (``TrainConfig.old_log_prob_from_update``)
   ref           the frozen reference, same masks (only when --kl-coef > 0)
-  probe         every --drift-probe-interval: the same passes with compression off
+  probe         every --drift-probe-interval: the same passes and the base model's with compression
+                off (drift_probe.py; its own byte meter, probe/bytes)
   fidelity      every --grad-fidelity-interval: dense old-logprob/reference passes, and inside
                 the update one dense forward+backward per optimizer step (fidelity.py)
   update        megatron-core 1F1B forward+backward per mini-batch, optimizer step
                 (pre-step: the circuits' corrections, then global-norm clipping)
   sync          stage weights -> the driver's sampler
-every --dense-step-interval-th iteration the passes from old_log_prob to update run with dense
-boundaries and no correction (a dense step, dense_step.py; ``comm/dense_step`` 1);
-then metrics (reduced over the stages by declared rules, reduce.py) and, on the save
-cadence, a checkpoint (checkpointer.py).
+every --dense-step-interval-th iteration, and each the drift controller schedules, the passes from
+old_log_prob to update run with dense boundaries and no correction (a dense step, dense_step.py;
+``comm/dense_step`` 1); then metrics (reduced over the stages by declared rules, reduce.py), the
+drift controller's decision on a probe iteration (drift.py: whether t + 1 is dense) and, on the
+save cadence, a checkpoint (checkpointer.py).
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ from megatron_cegrpo.training.checkpointer import Checkpointer, RNGState
 from megatron_cegrpo.training.circuit import Circuit, circuits_of
 from megatron_cegrpo.training.dense_step import DenseSteps
 from megatron_cegrpo.training.driver import Driver, log
-from megatron_cegrpo.training.drift_probe import DriftProbe
+from megatron_cegrpo.training.drift import DriftMonitor
 from megatron_cegrpo.training.fidelity import GradFidelityProbe
 from megatron_cegrpo.training.ledger import RunLedger, whole_step_ledger
 from megatron_cegrpo.training.perf import perf_metrics
@@ -74,16 +76,17 @@ class GRPOTrainer:
                                     params_dtype=cfg.model.precision,
                                     num_layers_in_first=p.decoder_first_pipeline_num_layers,
                                     num_layers_in_last=p.decoder_last_pipeline_num_layers,
-                                    pg_collection=ctx.pg_collection, with_reference=cfg.grpo.kl_coef > 0,
+                                    pg_collection=ctx.pg_collection, with_reference=cfg.keeps_base_model,
                                     keep_hf_state_dict=ctx.is_driver, tp_rank=ctx.tp_rank, tp_size=ctx.tp_size)
         warning = precision_warning(cfg)  # bf16 on a host that emulates it
         if warning:
             self._log(warning)
         self.stage = StageWorker(cfg, ctx, policy)
-        self.drift_probe, self.dense_steps = DriftProbe(self.stage), DenseSteps(cfg.codec.dense_step_interval, self.stage)
-        self.circuits: List[Circuit] = circuits_of(cfg, ctx, self.stage)
         self.reducer = StageMetricsReducer()
         self.stage.declare_metrics(self.reducer)
+        self.drift = DriftMonitor(cfg, ctx, self.stage, self.reducer)  # the probe and --drift-controller (drift.py)
+        self.dense_steps = DenseSteps(cfg.codec.dense_step_interval, self.stage, self.drift.controller)
+        self.circuits: List[Circuit] = circuits_of(cfg, ctx, self.stage)
         self.fidelity = GradFidelityProbe(self.stage) if cfg.logging.grad_fidelity_interval else None
         if self.fidelity is not None:
             self.fidelity.declare_metrics(self.reducer)
@@ -97,7 +100,7 @@ class GRPOTrainer:
         self.driver: Optional[Driver] = None  # rank 0's, built once the checkpoint is loaded
         if cfg.checkpoint.load:
             self.iteration, theta0 = self.checkpointer.load(cfg.checkpoint.load, self.stage.model,
-                                                            self.stage.ref_model, self._stateful(),
+                                                            self.stage.base_model, self._stateful(),
                                                             deferred=("sampler", "ledger", "rng"))
             if theta0 is not None:
                 self.stage.theta0 = theta0
@@ -127,7 +130,7 @@ class GRPOTrainer:
                "codec": s.codec, "codec_error": s.error_tracker}
         if self.driver is not None:
             out["sampler"], out["ledger"] = self.driver.sampler, self.driver.ledger
-        out.update({c.name: c for c in self.circuits})
+        out.update({c.name: c for c in self.circuits}, **self.drift.stateful())
         return out
 
     def _resume_driver(self) -> None:
@@ -160,11 +163,10 @@ class GRPOTrainer:
             if stage.ref_model is not None:
                 with timers.phase("ref"):
                     stage.ref_log_prob(batch, t)
-            probe = self.cfg.logging.drift_probe_interval
-            probed = bool(probe and t % probe == 0 and stage.comm is not None)
+            probed = self.drift.probed(t)
             if probed:
                 with timers.phase("probe"):
-                    self.drift_probe.run(batch, t)
+                    self.drift.probe.run(batch, t)
             every = self.cfg.logging.grad_fidelity_interval
             fid = self.fidelity if every and t % every == 0 else None
             if fid is not None:
@@ -175,7 +177,7 @@ class GRPOTrainer:
                     c.before_optimizer_step(t, timers)
                 stats.update(stage.update(batch, t, probe=fid))
         if probed:  # beside the compressed view's old log-probs, which may come from the update
-            stats.update(self.drift_probe.metrics(batch))
+            stats.update(self.drift.probe.metrics(batch, t, dense_step=self.dense_steps.is_dense(t)))
         with timers.phase("sync"):
             stage_sds = stage.gather_weights()
             if self.driver is not None:
@@ -228,7 +230,7 @@ class GRPOTrainer:
         obj = [stats if ctx.is_last_stage else None]
         if ctx.is_pipeline_leader:  # the losses are already summed over the replicas (equal on the TP ranks)
             dist.broadcast_object_list(obj, src=ctx.last_stage_rank, group=ctx.pp_group)
-        local = self.stage.stage_metrics()
+        local = {**self.stage.stage_metrics(), **self.drift.probe.stage_metrics()}
         if self.fidelity is not None:
             local.update(self.fidelity.stage_metrics())
         for c in self.circuits:
@@ -245,7 +247,7 @@ class GRPOTrainer:
         if ctx.is_pipeline_leader:  # the driver's pipeline (replica 0, TP rank 0) carries the merged stage dicts
             dist.gather_object(local, gathered, dst=dist.get_global_rank(ctx.pp_group, 0), group=ctx.pp_group)
         if self.driver is None:
-            return None
+            return self.drift.decide(t, None, self.dense_steps.on_interval(t + 1)) or None  # {} here
         m = {"step": t, **Driver.batch_metrics(batch), **self.driver.rollout_metrics(), **obj[0],
              **self.reducer.reduce(gathered)}
         for c in self.circuits:
@@ -254,6 +256,7 @@ class GRPOTrainer:
         m["comm/batch_bytes"], m["comm/dense_step"] = self._batch_bytes, int(self.dense_steps.is_dense(t))
         m.update(whole_step_ledger(m))
         m.update(self.driver.ledger.add(m))
+        m.update(self.drift.decide(t, m, self.dense_steps.on_interval(t + 1)))  # a collective on a probe iteration
         m.update(self.timers.snapshot_and_reset())
         m["timing_s/step"] = seconds
         m.update(perf_metrics(m, self.cfg.logging.peak_tflops))

@@ -67,8 +67,10 @@ def test_a_dense_step_is_the_dense_codec(tmp_path):
     assert sorted(dense_steps) == sorted(dense) == [1, 2]
     for t in (1, 2):
         a, b = _timeless(dense_steps[t]), _timeless(dense[t])
-        # the one difference: this run's iterations are dense steps of a mask-codec run
+        # the one difference: this run's iterations are dense steps of a mask-codec run (and so the
+        # probe keeps their compression-view gap, 0, out of its slope: docs/training_health.md)
         assert (a.pop("comm/dense_step"), b.pop("comm/dense_step")) == (1, 0)
+        assert "probe/view_gap_slope" not in a and b.pop("probe/view_gap_slope", 0.0) == 0.0
         assert a == b, {k: (a.get(k), b.get(k)) for k in set(a) | set(b) if a.get(k) != b.get(k)}
         # every pass at full width, billed as such (no codec error to persist)
         assert a["comm/fwd_bytes"] + a["comm/bwd_bytes"] == a["comm/dense_equiv_bytes"] > 0
