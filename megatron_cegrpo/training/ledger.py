@@ -99,6 +99,13 @@ class RunLedger:
         self.iterations += 1
         return self.totals()
 
+    def step(self, m: Dict) -> Dict[str, float]:
+        """One iteration's :func:`whole_step_ledger` of the reduced metrics ``m`` and, added to the
+        run's, the ``comm/run_total_*`` keys (:meth:`add`). Raises ValueError like the ledger."""
+        out = whole_step_ledger(m)
+        out.update(self.add(out))
+        return out
+
     def totals(self) -> Dict[str, float]:
         """The three ``comm/run_total_*`` keys of the iterations added so far."""
         return {"comm/run_total_bytes": self.bytes, "comm/run_total_dense_bytes": self.dense_bytes,

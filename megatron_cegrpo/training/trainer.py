@@ -49,7 +49,6 @@ from megatron_cegrpo.training.dense_step import DenseSteps
 from megatron_cegrpo.training.driver import Driver, log
 from megatron_cegrpo.training.drift import DriftMonitor
 from megatron_cegrpo.training.fidelity import GradFidelityProbe
-from megatron_cegrpo.training.ledger import RunLedger, whole_step_ledger
 from megatron_cegrpo.training.perf import perf_metrics
 from megatron_cegrpo.training.reduce import StageMetricsReducer
 from megatron_cegrpo.training.stage import StageWorker
@@ -254,8 +253,7 @@ class GRPOTrainer:
             m.update(c.driver_metrics())
         m.update(self.stage.gatherer.metrics())
         m["comm/batch_bytes"], m["comm/dense_step"] = self._batch_bytes, int(self.dense_steps.is_dense(t))
-        m.update(whole_step_ledger(m))
-        m.update(self.driver.ledger.add(m))
+        m.update(self.driver.ledger.step(m))  # the whole-step ledger, and over the run (ledger.py)
         m.update(self.drift.decide(t, m, self.dense_steps.on_interval(t + 1)))  # a collective on a probe iteration
         m.update(self.timers.snapshot_and_reset())
         m["timing_s/step"] = seconds

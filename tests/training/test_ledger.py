@@ -50,6 +50,10 @@ def test_the_run_ledger_sums_every_iteration_and_resumes_from_its_state():
     assert run.totals() == resumed.totals() == out == {
         "comm/run_total_bytes": sent, "comm/run_total_dense_bytes": dense, "comm/run_total_ratio": sent / dense}
     assert run.iterations == 3 and "3 iterations" in run.describe() and f"{sent / dense:.4f}" in run.describe()
+    fresh = RunLedger()
+    assert fresh.step(PARTS) == {**steps[0], "comm/run_total_bytes": steps[0]["comm/total_bytes"],
+                                 "comm/run_total_dense_bytes": steps[0]["comm/total_dense_bytes"],
+                                 "comm/run_total_ratio": steps[0]["comm/total_ratio"]}
     old = RunLedger()
     old.load_state_dict(None)  # a checkpoint from before the run ledger: the totals start there
     assert old.state_dict() == {"bytes": 0, "dense_bytes": 0, "iterations": 0}
