@@ -9,6 +9,13 @@ from typing import Dict, List, Optional
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+#: metrics a resumed run legitimately logs differently from the uninterrupted one at and after the
+#: restart: the run's byte totals (they add the restart's start-up messages: the stages' hello to the
+#: anchor and its answer) and the share of the driver's own stage whose bf16 value changed since the
+#: sampler's last sync (after a restart the last sync is the one that loaded the checkpoint's weights)
+RESUME_VOLATILE = ("comm/run_total_bytes", "comm/run_total_dense_bytes", "comm/run_total_ratio",
+                   "sync/local_changed_frac")
+
 
 def free_port() -> int:
     with socket.socket() as s:

@@ -75,6 +75,7 @@ TRAINER_FLAGS = [
     "--train-data", "mawps/singleop", "--num-holdout", "48", "--micro-batch-size", "4",
     "--rollout-batch-size", "4", "--num-generations", "8", "--max-new-tokens", "128", "--temperature", "0.7",
     "--kl-coef", "0.001", "--seed", "1234", "--anchor-ranks", "0", "--no-tqdm",
+    "--rollout-dtype", "fp32",  # an fp32 sampler: the mismatch column is the codec's alone
     "--deepspeed_config", os.path.join(REPO, "ds_configs", "cpu_adamw.json"),
 ]
 #: row fields (name, metric key); cos_stage<i> for every stage is added per run

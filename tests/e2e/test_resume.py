@@ -19,7 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from distributed_util import REPO, free_port
+from distributed_util import REPO, RESUME_VOLATILE, free_port
 from distributed_util import PARITY_REWARD as REWARD, launcher as _launcher
 from megatron_cegrpo.training.perf import WALL_CLOCK_PREFIXES
 
@@ -109,22 +109,16 @@ def test_sigkill_and_resume_is_bit_identical(tmp_path, anchors, extra, kill_at):
         # straight run's save at kill_at (a few hundred bytes, counted in the next step there)
         out_a, out_b = a[first].pop("anchor/bytes_out"), b[first].pop("anchor/bytes_out")
         assert 0 < out_a - out_b < 2048 and out_b > 100_000, (out_a, out_b)
-        # the first shipment after a restart is an fp32 keyframe (of the very values the straight
-        # run's anchor holds, so the trajectory stays identical): twice its bf16 delta's bytes
+        # the first shipment after a restart is the same int4 delta as the straight run's: the
+        # stages' checkpointed mirrors and the anchor's restored ring agreed at start-up (issue 30;
+        # before it an fp32 keyframe went here), so the anchor's running count is the same too
         ship = next(t for t in resumed if a[t]["anchor/bytes_ship"])
-        assert b[ship].pop("anchor/bytes_ship") == 2 * a[ship].pop("anchor/bytes_ship") == a[ship][
-            "anchor/bytes_ship_fp32"]
-        if ship != first:
-            assert b[ship].pop("anchor/bytes_in") - a[ship].pop("anchor/bytes_in") == a[ship]["anchor/bytes_ship_fp32"] // 2
-        for t in resumed:  # the anchor's running count holds the keyframe's extra bytes in fires after it
-            if "anchor/received_bytes_total" in a[t]:
-                fire = t - 1 if extra == NEXT_STEP else t  # the fire whose statistics arrive at step t
-                extra_bytes = a[ship]["anchor/bytes_ship_fp32"] // 2 if fire > ship else 0
-                assert (b[t].pop("anchor/received_bytes_total") - a[t].pop("anchor/received_bytes_total")
-                        == extra_bytes), t
-        for t in {first, ship}:  # the whole-step totals carry those differences
-            for k in ("comm/total_bytes", "comm/total_dense_bytes", "comm/total_ratio"):
-                a[t].pop(k), b[t].pop(k)
+        assert b[ship]["anchor/bytes_ship"] == a[ship]["anchor/bytes_ship"] < a[ship]["anchor/bytes_ship_fp32"] // 7
+        for k in ("comm/total_bytes", "comm/total_dense_bytes", "comm/total_ratio"):  # the hello, above
+            a[first].pop(k), b[first].pop(k)
+    for step in resumed:
+        for k in RESUME_VOLATILE:
+            a[step].pop(k, None), b[step].pop(k, None)
     for step in resumed:
         assert a[step] == b[step], (step, {k: (a[step][k], b[step].get(k)) for k in a[step]
                                            if a[step][k] != b[step].get(k)})

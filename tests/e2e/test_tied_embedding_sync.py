@@ -30,10 +30,13 @@ DS_WD = {"gradient_clipping": 1.0,
          "optimizer": {"type": "AdamW", "params": {"betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.1}}}
 W_BYTES = 49152 * 64 * 4  # tiny-llama's tied embedding, fp32
 #: the keys the sparse exchange changes on purpose: its own bytes, the anchor's (the first stage
-#: no longer ships its stale copy of W, nor receives its signs) and the ledger's totals of them
+#: no longer ships its stale copy of W, nor receives its signs), the ledger's totals of them (per
+#: iteration and over the run) and the share of the driver's own stage whose bf16 value changed (its
+#: stale copy of W is not part of it); the resumed run's run totals add its restart's start-up bytes
 BYTE_KEYS = ("comm/embd_sync_bytes", "comm/embd_full_sync_bytes", "anchor/bytes_in", "anchor/bytes_out",
              "anchor/received_bytes_total", "anchor/bytes_ship", "anchor/bytes_ship_fp32", "comm/total_bytes",
-             "comm/total_dense_bytes", "comm/total_ratio")
+             "comm/total_dense_bytes", "comm/total_ratio", "comm/run_total_bytes", "comm/run_total_dense_bytes",
+             "comm/run_total_ratio", "sync/local_changed_frac")
 
 
 def _launch(tmp_path, pp, anchors, resume, *extra):
@@ -88,9 +91,9 @@ def test_sparse_equals_allreduce_pp2_with_anchor_and_resume(tmp_path):
     assert a[2]["anchor/correction_applied"] == 1 and a[2]["anchor/fire"] == 1
     for t in a:  # today's meter: the dense all-reduce, W bytes per member rank and step
         assert a[t]["comm/embd_sync_bytes"] == a[t]["comm/embd_sync_dense_bytes"] == 2 * W_BYTES
-    # the first stage ships no copy of W to the anchor (shipment at 3, a bf16 delta after the fp32
-    # keyframe of 1, --anchor-ship; 1 also holds the start-up hello)
-    assert a[3]["anchor/bytes_in"] - s[3]["anchor/bytes_in"] == W_BYTES // 2
+    # the first stage ships no copy of W to the anchor (shipment at 3, an int4 delta, --anchor-ship:
+    # per block of 256 values a 4-byte scale and 128 bytes; theta(0) at 1 is not sent at all)
+    assert a[3]["anchor/bytes_in"] - s[3]["anchor/bytes_in"] == W_BYTES // 4 // 256 * (4 + 128)
     assert a[2]["anchor/bytes_out"] - s[2]["anchor/bytes_out"] == W_BYTES // 4 // 8  # its signs: 1 bit each
 
 

@@ -73,7 +73,9 @@ def test_deepspeed_launcher_mask_codec(tmp_path):
     # drift probe (step 2 only): the compression view differs from the dense view
     assert "probe/view_abs_logprob_diff" not in metrics[0]
     assert metrics[1]["probe/view_abs_logprob_diff"] > 1e-3
-    assert metrics[1]["probe/abs_logprob_diff_mean"] < 1e-4  # dense trainer == dense sampler
+    # dense trainer vs the dense sampler, which holds the trainer's weights rounded to bf16 (the
+    # default --rollout-dtype bf16): bf16's rounding only (5e-4 here; a stale sampler is > 1e-1)
+    assert metrics[1]["probe/abs_logprob_diff_mean"] < 3e-3
     assert metrics[1]["comm/bytes_ratio"] == 4 / 64  # probe traffic is billed separately
 
 
@@ -81,7 +83,7 @@ def test_torchrun_dense_codec_has_no_mismatch(tmp_path):
     (tmp_path / "reward.py").write_text(REWARD)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
            "--master-port", str(free_port()), "megatron_cegrpo/train.py", *COMMON,
-           "--boundary-codec", "dense", "--tied-embedding-sync", "allreduce",
+           "--boundary-codec", "dense", "--tied-embedding-sync", "allreduce", "--rollout-dtype", "fp32",
            "--custom-reward-function", f"{tmp_path / 'reward.py'}:parity_reward",
            "--log-dir", str(tmp_path / "run")]
     cmd += ["--eval-interval", "3", "--eval-datasets", "mawps,gsm8k/test", "--eval-limit", "2",

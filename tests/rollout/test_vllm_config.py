@@ -70,7 +70,8 @@ def test_preflight_rejects_a_kv_cache_too_small_before_any_process_group(no_vllm
     --max-prompt-length and the longer of --max-new-tokens and --eval-max-new-tokens."""
     from megatron_cegrpo.train import preflight
 
-    cfg = build_config(parse_args(["--model", "tiny-llama", "--rollout-engine", "vllm", "--rollout-kv-cache-mb", "1",
+    cfg = build_config(parse_args(["--model", "tiny-llama", "--rollout-engine", "vllm", "--rollout-dtype", "fp32",
+                                   "--rollout-kv-cache-mb", "1",
                                    "--max-prompt-length", "1024", "--max-new-tokens", "64",
                                    "--eval-max-new-tokens", "1024"]))
     with pytest.raises(ConfigError) as e:
@@ -129,7 +130,8 @@ def test_entry_point_prints_one_line_when_the_kv_cache_is_too_small(monkeypatch,
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a, **k: real("json") if name == "vllm" else real(name, *a, **k))
     capsys.readouterr()
-    argv = BASE + ["--rollout-engine", "vllm", "--rollout-kv-cache-mb", "1", "--max-prompt-length", "1024",
+    argv = BASE + ["--rollout-engine", "vllm", "--rollout-dtype", "fp32", "--rollout-kv-cache-mb", "1",
+                   "--max-prompt-length", "1024",
                    "--max-new-tokens", "1024", "--log-dir", str(tmp_path)]
     assert entry_point(argv) == 2
     out, err = capsys.readouterr()
