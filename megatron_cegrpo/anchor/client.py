@@ -23,8 +23,9 @@ from megatron_cegrpo.anchor.dp_fanout import held_signs
 from megatron_cegrpo.anchor.shipment import ShipmentEncoder
 from megatron_cegrpo.anchor.signs import packed_nbytes, unpack_bits, unpack_sign_list
 from megatron_cegrpo.anchor.transport import (
-    META_TAG, TAG_BASIS, TAG_BATCH, TAG_MIRROR_ACK, TAG_PARAMS, TAG_PARAMS_EXACT, TAG_PARAMS_HDR, TAG_SAVE, TAG_SAVE_DONE, TAG_SIGN_HDR,
-    TAG_SIGN_INFO, TAG_SIGNS, TAG_STATS, flatten_params, is_fire_step, is_ship_step, isend_object, recv_object, recv_tensor, send_object,
+    META_TAG, TAG_BASIS, TAG_BATCH, TAG_MIRROR_ACK, TAG_PARAMS, TAG_PARAMS_EXACT, TAG_PARAMS_HDR, TAG_SAVE,
+    TAG_SAVE_DONE, TAG_SIGN_HDR, TAG_SIGN_INFO, TAG_SIGNS, TAG_STATS, flatten_params, is_fire_step, is_ship_step,
+    isend_object, recv_object, recv_tensor, send_object,
 )
 
 __all__ = ["AnchorClient", "ANCHOR_BATCH_KEYS"]

@@ -49,8 +49,9 @@ import torch.distributed as dist
 from megatron_cegrpo.pipeline.weight_sync import flatten_params, unflatten  # noqa: F401  (re-exported)
 
 __all__ = ["TAG_PARAMS", "TAG_BATCH", "TAG_SIGN_HDR", "TAG_SIGNS", "TAG_STATS", "META_TAG", "TAG_SAVE",
-           "TAG_SAVE_DONE", "TAG_BASIS", "TAG_SIGN_INFO", "TAG_MIRROR_ACK", "TAG_PARAMS_EXACT", "TAG_PARAMS_HDR", "is_ship_step", "is_fire_step", "send_object", "recv_object", "recv_tensor", "isend_object",
-           "flatten_params", "unflatten"]
+           "TAG_SAVE_DONE", "TAG_BASIS", "TAG_SIGN_INFO", "TAG_MIRROR_ACK", "TAG_PARAMS_EXACT",
+           "TAG_PARAMS_HDR", "is_ship_step", "is_fire_step", "send_object", "recv_object", "recv_tensor",
+           "isend_object", "flatten_params", "unflatten"]
 
 TAG_PARAMS, TAG_BATCH, TAG_SIGN_HDR, TAG_SIGNS, TAG_STATS, META_TAG = 11, 12, 13, 14, 15, 16
 TAG_SAVE, TAG_SAVE_DONE, TAG_BASIS, TAG_SIGN_INFO, TAG_MIRROR_ACK, TAG_PARAMS_EXACT = 17, 18, 19, 20, 21, 22

@@ -32,7 +32,8 @@ if dist.get_rank() == 0:
         global k
         payload = enc.encode(theta[k])
         k += 1
-        return enc.header(payload), payload.view(torch.uint8).clone(), mirror_digest(enc.mirror if mode != "fp32" else theta[k - 1])
+        held = enc.mirror if mode != "fp32" else theta[k - 1]
+        return enc.header(payload), payload.view(torch.uint8).clone(), mirror_digest(held)
 
     def send(msg, corrupt=False):
         header, data, digest = msg

@@ -35,7 +35,8 @@ m.save_pretrained({str(hf_dir)!r}); load_tokenizer(src).save_pretrained({str(hf_
            str(free_port()), "megatron_cegrpo/train.py", "--model", "tiny-llama", "--train-data", "mawps/singleop",
            "--micro-batch-size", "4", "--rollout-batch-size", "1", "--num-generations", "4",
            "--max-new-tokens", "8", "--train-iters", "1", "--boundary-codec", "dense", "--no-tqdm",
-           "--num-threads", "1", "--anchor-ranks", "0", "--rollout-dtype", "fp32", "--load", str(ckpt), "--save", str(tmp_path / "out"),
+           "--num-threads", "1", "--anchor-ranks", "0", "--rollout-dtype", "fp32",  # the converted weights exactly
+           "--load", str(ckpt), "--save", str(tmp_path / "out"),
            "--log-dir", str(tmp_path / "run")]
     p = subprocess.run(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                        timeout=600)
