@@ -17,12 +17,10 @@ What it does, in this order (each step idempotent, so a second call is harmless)
 2. the CPU compatibility layer (:func:`megatron_cegrpo.compat.apply_cpu_compat`), only when
    ``cpu_compat=True``: the processes that run megatron-core models (a training rank, a
    benchmark rank) ask for it; ``initialize_distributed`` and ``init_single_process_megatron``
-   apply it again (idempotent) for library use. It is not applied by default because it is
-   not neutral for plain Hugging Face code: with it active, ``AutoModelForCausalLM.
-   from_pretrained`` leaves the rotary ``inv_freq`` buffer uninitialised (logits off by ~1e-2
-   for tiny-llama; found by ``tests/checkpointing/test_ckpt_convert.py`` when the conversion
-   tool applied it), so the tools that run HF models (``tools/evaluate.py``, ``convert.py``)
-   leave it off. With CUDA it is a no-op;
+   apply it again (idempotent) for library use. It is not applied by default: it patches torch
+   process-wide (``torch.tensor`` and friends), which the tools that only run HF models
+   (``tools/evaluate.py``, ``convert.py``) do not need (it once broke ``from_pretrained``'s rotary
+   buffers; ``compat/cpu.py`` says how and why no longer). With CUDA it is a no-op;
 3. ``torch.set_num_threads(num_threads)`` when ``num_threads`` is given.
 """
 

@@ -16,13 +16,16 @@ random op draws from, exactly as CUDA ops draw from the CUDA default generator).
 The layer is a no-op (returns ``False``) when ``torch.cuda.is_available()``; it never
 changes behaviour on a machine with a GPU.  It is idempotent.
 
-Known side effect (measured 2026-12-02, transformers 5.24): in a process where the layer is
-active, ``AutoModelForCausalLM.from_pretrained`` leaves the rotary embedding's non-persistent
-``inv_freq`` buffers uninitialised (garbage values, logits off by ~1 % on tiny-llama, NaN on
-SmolLM2). This package never keeps buffers of ``from_pretrained`` in such a process
-(``models/loader._load_gguf`` keeps the state dict only; sampler and reference models come from
-``build_hf_model``, which is exact under the layer); ``tests/conftest.py`` stops a test session
-whose collection installed it (a test module had imported a worker script that bootstraps).
+A side effect found and removed (2026-12-04, transformers 5.24): when the layer was installed
+before torch first used a device context, ``AutoModelForCausalLM.from_pretrained`` left the rotary
+embedding's non-persistent ``inv_freq`` buffers uninitialised (garbage values, logits off by ~1 %
+on tiny-llama, NaN on SmolLM2): torch caches the set of factory functions a ``with
+torch.device(...)`` context redirects on first use, and a set built after patch 3 held the
+wrappers, not the ``torch.tensor`` they call. :func:`apply_cpu_compat` now builds that set before it
+patches (``tests/compat/test_cpu_compat.py`` loads a model with from_pretrained in a process whose
+first act is to install the layer). ``tests/conftest.py`` still stops a test session whose
+collection installed the layer (the rest of a session should not run with megatron's CUDA calls
+patched because of an import).
 
 Patch list (each: what megatron calls -> why it fails on CPU -> what it now does)
 -------------------------------------------------------------------------------
@@ -170,7 +173,15 @@ def apply_cpu_compat() -> bool:
         torch.cuda.synchronize = _synchronize
         PATCHED.extend(["torch.cuda.current_device", "torch.cuda.synchronize"])
 
-        # 3.
+        # 3. torch's device contexts (``with torch.device(...)``, which transformers' from_pretrained
+        # uses) redirect a factory call by looking the called function up in a set of the factories
+        # that is built once, on first use; built after the wrappers it would hold them instead of
+        # the originals they call, and torch.tensor under such a context would no longer be
+        # redirected (from_pretrained then left the rotary ``inv_freq`` buffer uninitialised).
+        # Build it now, with the originals.
+        from torch.utils import _device as torch_device_context
+
+        torch_device_context._device_constructors()
         for name in ("zeros", "ones", "tensor"):
             wrapper = _redirect_device(getattr(torch, name))
             setattr(torch, name, wrapper)

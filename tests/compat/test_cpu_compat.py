@@ -136,3 +136,31 @@ def test_inactive_when_cuda_reported_available():
         """
     )
     assert "INACTIVE-OK" in out
+
+
+def test_from_pretrained_is_exact_in_a_process_that_installed_the_layer_first(tmp_path):
+    """torch caches the factories a ``with torch.device(...)`` context redirects on first use: the layer
+    must not leave its wrappers in that cache (from_pretrained's rotary ``inv_freq`` was garbage, and
+    tests/checkpointing/test_ckpt_convert.py failed after any test that had run ``train.main`` in
+    process). Here the layer is the process's first act, then a saved tiny-llama loads: every buffer bit
+    for bit, the logits to attention-kernel rounding."""
+    out = _run_python(f"""
+        from megatron_cegrpo.compat import apply_cpu_compat
+        assert apply_cpu_compat()
+        import torch
+        from transformers import AutoModelForCausalLM
+        from megatron_cegrpo.models import build_hf_model, load_hf_state_dict, resolve_model
+        cfg, sd = load_hf_state_dict(resolve_model("tiny-llama"))
+        built = build_hf_model(cfg, sd)
+        built.save_pretrained({str(tmp_path)!r})
+        loaded = AutoModelForCausalLM.from_pretrained({str(tmp_path)!r})
+        want, got = dict(built.named_buffers()), dict(loaded.named_buffers())
+        assert want.keys() == got.keys() and any("inv_freq" in k for k in want)
+        for k in want:
+            assert torch.equal(want[k], got[k]), (k, want[k][:4], got[k][:4])
+        ids = torch.tensor([[1, 5, 9, 2]])
+        # eager (built) against sdpa (loaded) attention: 3e-7 apart; the garbage inv_freq gave ~1e-2
+        torch.testing.assert_close(loaded(ids).logits, built(ids).logits, rtol=0, atol=1e-5)
+        print("exact")
+    """)
+    assert out.strip().endswith("exact"), out[-2000:]
