@@ -46,12 +46,12 @@ Pure tensor code, no torch.distributed.
 
 from __future__ import annotations
 
-import hashlib
 import math
-import zlib
-from typing import Dict, Optional, Tuple
+from typing import Dict, Optional
 
 import torch
+
+from ..pipeline.link_check import check_word, crc32, digest_hex, digest_words
 
 __all__ = ["SHIP_MODES", "BLOCK", "HEADER_LEN", "ShipmentEncoder", "ShipmentDecoder", "ShipmentRejected",
            "shipment_nbytes", "mirror_digest"]
@@ -87,23 +87,10 @@ class ShipmentRejected(ValueError):
     """A shipment the anchor cannot use (out of sequence, corrupt, no mirror, a diverged mirror)."""
 
 
-def _digest_words(flat: torch.Tensor) -> Tuple[int, int]:
-    d = hashlib.blake2b(flat.detach().contiguous().view(torch.uint8).numpy().data, digest_size=16).digest()
-    return int.from_bytes(d[:8], "little", signed=True), int.from_bytes(d[8:], "little", signed=True)
-
-
-def _crc(payload: torch.Tensor) -> int:
-    return zlib.crc32(payload.detach().contiguous().view(torch.uint8).numpy().data)
-
-
-def _check_word(fields) -> int:
-    """A checksum of the header's other words (a corrupt size must not be trusted)."""
-    return zlib.crc32(torch.tensor(fields, dtype=torch.int64).numpy().tobytes())
-
-
 def mirror_digest(flat: torch.Tensor) -> str:
-    """BLAKE2b-128 (hex) of a flat fp32 buffer's bytes: what the two ends compare at start-up."""
-    return hashlib.blake2b(flat.detach().contiguous().view(torch.uint8).numpy().data, digest_size=16).hexdigest()
+    """BLAKE2b-128 (hex) of a flat fp32 buffer's bytes: what the two ends compare at start-up; the
+    header carries the same digest as two int64 (``pipeline/link_check.py``)."""
+    return digest_hex(flat)
 
 
 def _encode_int(delta: torch.Tensor, mode: str):
@@ -222,9 +209,9 @@ class ShipmentEncoder:
     def header(self, payload: torch.Tensor) -> torch.Tensor:
         """The check header (int64 [HEADER_LEN]) of the payload :meth:`encode` just returned (delta
         modes; the module docstring): sequence number, kind, bytes, CRC-32, the mirror's digest."""
-        d0, d1 = _digest_words(payload if self.mode == "fp32" else self.mirror)
-        fields = [self.seq, self._last_kind, payload.numel() * payload.element_size(), _crc(payload), d0, d1]
-        return torch.tensor(fields + [_check_word(fields)], dtype=torch.int64)
+        d0, d1 = digest_words(payload if self.mode == "fp32" else self.mirror)
+        fields = [self.seq, self._last_kind, payload.numel() * payload.element_size(), crc32(payload), d0, d1]
+        return torch.tensor(fields + [check_word(fields)], dtype=torch.int64)
 
     def resync(self) -> None:
         """The anchor lost the mirror (a refused shipment): the next shipment is an fp32 keyframe."""
@@ -310,7 +297,7 @@ class ShipmentDecoder:
         f = [int(x) for x in header.tolist()]
         sizes = {KIND_KEYFRAME: shipment_nbytes(self.numel, self.mode, True),
                  KIND_DELTA: shipment_nbytes(self.numel, self.mode, False)}
-        if len(f) != HEADER_LEN or f[6] != _check_word(f[:6]) or sizes.get(f[1]) != f[2]:
+        if len(f) != HEADER_LEN or f[6] != check_word(f[:6]) or sizes.get(f[1]) != f[2]:
             raise RuntimeError(f"anchor shipment header is corrupt (fields {f}); expected sizes {sizes}")
         return f[2]
 
@@ -329,7 +316,7 @@ class ShipmentDecoder:
         try:  # a keyframe stands alone: any newer one is good; a delta must be the very next
             if seq != expected and not (kind == KIND_KEYFRAME and seq > expected):
                 raise ShipmentRejected(f"shipment {seq} where {expected} was due (missing or reordered)")
-            if _crc(payload) != crc:
+            if crc32(payload) != crc:
                 raise ShipmentRejected(f"shipment {seq}'s payload fails its CRC-32")
             if kind == KIND_DELTA and self.mirror is None:
                 raise ShipmentRejected(f"shipment {seq} is a delta, but the mirror is gone (a keyframe is due)")
@@ -338,7 +325,7 @@ class ShipmentDecoder:
             dtype = (torch.float32 if kind == KIND_KEYFRAME else
                      torch.bfloat16 if self.mode == "bf16-delta" else torch.uint8)
             out = self.decode(payload.view(dtype))
-            if _digest_words(out) != digest:
+            if digest_words(out) != digest:
                 raise ShipmentRejected(f"shipment {seq} leads to weights that are not the stage's (digest)")
         except ShipmentRejected:
             self.mirror, self.want_keyframe = None, True

@@ -23,12 +23,13 @@ sync, so a receiver detects a corrupted, dropped, replayed or reordered delta
 
 from __future__ import annotations
 
-import hashlib
 import zlib
 from typing import List, Optional, Tuple
 
 import numpy as np
 import torch
+
+from .link_check import check_word, crc32, digest_words
 
 __all__ = ["KIND_DELTA", "KIND_FULL", "HEADER_LEN", "bf16_bits", "state_digest", "encode_delta", "encode_full",
            "make_header", "header_ok", "check_and_apply", "SyncRejected"]
@@ -52,9 +53,8 @@ def bf16_bits(tensors: List[torch.Tensor]) -> torch.Tensor:
 
 
 def state_digest(bits: torch.Tensor) -> Tuple[int, int]:
-    """BLAKE2b-128 of ``bits`` (int16 [N], contiguous) as two signed int64 (header fields)."""
-    d = hashlib.blake2b(bits.contiguous().numpy().data, digest_size=16).digest()
-    return int.from_bytes(d[:8], "little", signed=True), int.from_bytes(d[8:], "little", signed=True)
+    """BLAKE2b-128 of ``bits`` (int16 [N]) as two signed int64 (header fields; ``link_check``)."""
+    return digest_words(bits)
 
 
 def _wrap16(x: torch.Tensor) -> torch.Tensor:
@@ -82,19 +82,15 @@ def encode_full(new: torch.Tensor) -> torch.Tensor:
 def make_header(seq: int, kind: int, numel: int, payload: torch.Tensor, changed: int,
                 digest: Tuple[int, int]) -> torch.Tensor:
     """int64 [HEADER_LEN]; ``payload`` is the uint8 tensor that follows it."""
-    fields = [MAGIC, seq, kind, numel, payload.numel(), changed, zlib.crc32(payload.numpy().data), *digest]
-    return torch.tensor(fields + [_fields_crc(fields)], dtype=torch.int64)
-
-
-def _fields_crc(fields) -> int:
-    return zlib.crc32(torch.tensor(fields, dtype=torch.int64).numpy().data)
+    fields = [MAGIC, seq, kind, numel, payload.numel(), changed, crc32(payload), *digest]
+    return torch.tensor(fields + [check_word(fields)], dtype=torch.int64)
 
 
 def header_ok(header: torch.Tensor) -> bool:
     """True when ``header`` (int64 [HEADER_LEN]) has the magic number and its own CRC-32 holds
     (its payload length can be trusted)."""
     f = [int(x) for x in header.tolist()]
-    return len(f) == HEADER_LEN and f[0] == MAGIC and _fields_crc(f[:-1]) == f[-1]
+    return len(f) == HEADER_LEN and f[0] == MAGIC and check_word(f[:-1]) == f[-1]
 
 
 def check_and_apply(bits: Optional[torch.Tensor], header: torch.Tensor, payload: torch.Tensor,
@@ -122,7 +118,7 @@ def check_and_apply(bits: Optional[torch.Tensor], header: torch.Tensor, payload:
     if kind == KIND_DELTA and (bits is None or seq != expected_seq):
         raise SyncRejected(f"sequence number {seq}, expected {expected_seq}" if bits is not None
                            else "a delta with no base state")
-    if zlib.crc32(payload.numpy().data) != crc:
+    if crc32(payload) != crc:
         raise SyncRejected("payload checksum mismatch")
     if kind == KIND_FULL:
         if nbytes != 2 * numel:
