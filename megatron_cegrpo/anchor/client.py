@@ -119,7 +119,8 @@ class AnchorClient:
     def connect(self) -> None:
         """Send this stage's parameter names/shapes and, after a resume, the fire whose signs it
         still awaits (the anchor sends those again). Call once, after ``load_state_dict``."""
-        digest = self.shipment.start(flatten_params(self.params))
+        flat = flatten_params(self.params)
+        digest = self.shipment.start(flat)
         meta = dict(self._meta, awaiting=self._awaiting, mirror_digest=digest, ship_seq=self.shipment.seq)
 
         def hello():
@@ -129,6 +130,10 @@ class AnchorClient:
                 recv_tensor(ack, self.anchor, TAG_MIRROR_ACK, self.group, self.timeout)
                 self.bytes_out += 1
                 self.shipment.agreed(bool(int(ack)))
+                if not int(ack):
+                    print(f"[cegrpo] rank {self.rank}: the anchor's copy of this stage's weights differs from "
+                          f"this stage's (mirror digest {digest[:12]}); the first shipment is an fp32 keyframe "
+                          f"({4 * flat.numel() / 1e6:.1f} MB)", flush=True)
 
         self._guard("hello", hello)
 
