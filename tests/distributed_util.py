@@ -1,5 +1,6 @@
 """Spawn real gloo processes for multi-rank tests."""
 
+import json
 import os
 import shutil
 import socket
@@ -72,6 +73,25 @@ PARITY_REWARD = '''
 def parity_reward(response, ground_truth):
     return float(len(response) % 2 == 0)
 '''
+
+
+def launch_train(args: List[str], log_dir, ranks: int = 2, timeout: float = 900) -> Dict[int, dict]:
+    """``deepspeed --num_gpus ranks megatron_cegrpo/train.py *args --log-dir log_dir`` from the repo
+    root, one thread a rank; fail with the output's tail on a non-zero exit. Returns the run's
+    ``metrics.jsonl`` as {step: record}."""
+    cmd = [launcher("deepspeed"), "--num_gpus", str(ranks), "--master_port", str(free_port()),
+           "megatron_cegrpo/train.py", *args, "--log-dir", str(log_dir)]
+    p = subprocess.run(cmd, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1"),
+                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout)
+    assert p.returncode == 0, p.stdout[-6000:]
+    records = (json.loads(x) for x in open(os.path.join(str(log_dir), "metrics.jsonl")) if x.strip())
+    return {r["step"]: r for r in records}
+
+
+def stage_weights(ckpt_dir, pp: int = 2) -> List[dict]:
+    """Each stage's ``model.safetensors`` in one checkpoint directory (``iter_NNNNNNN``)."""
+    from safetensors.torch import load_file
+    return [load_file(os.path.join(str(ckpt_dir), f"stage_{r:02d}", "model.safetensors")) for r in range(pp)]
 
 
 def launcher(name: str) -> str:

@@ -11,15 +11,10 @@ Tiny random model, PP=2 through the deepspeed launcher, the parity reward:
 - with the anchor (c = K = 2), a dense step blends no sign while the anchor's schedule goes on.
 """
 
-import json
-import os
-import subprocess
-
 import torch
-from safetensors.torch import load_file
 
-from distributed_util import REPO, RESUME_VOLATILE, free_port
-from distributed_util import PARITY_REWARD as REWARD, launcher
+from distributed_util import RESUME_VOLATILE, launch_train, stage_weights
+from distributed_util import PARITY_REWARD as REWARD
 from megatron_cegrpo.training.perf import WALL_CLOCK_PREFIXES
 
 ARGS = [
@@ -32,18 +27,8 @@ NO_ANCHOR = ["--anchor-ranks", "0"]
 
 
 def _run(tmp_path, name, *extra, ranks=2):
-    out = tmp_path / name
-    cmd = [launcher("deepspeed"), "--num_gpus", str(ranks), "--master_port", str(free_port()),
-           "megatron_cegrpo/train.py", *ARGS, "--custom-reward-function", f"{tmp_path / 'reward.py'}:parity_reward",
-           "--log-dir", str(out), *extra]
-    p = subprocess.run(cmd, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1"),
-                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=900)
-    assert p.returncode == 0, p.stdout[-6000:]
-    return {r["step"]: r for r in (json.loads(x) for x in open(out / "metrics.jsonl") if x.strip())}
-
-
-def _weights(ckpt):
-    return [load_file(os.path.join(ckpt, f"stage_{r:02d}", "model.safetensors")) for r in range(2)]
+    return launch_train([*ARGS, "--custom-reward-function", f"{tmp_path / 'reward.py'}:parity_reward", *extra],
+                        tmp_path / name, ranks=ranks)
 
 
 def _same_weights(wa, wb):
@@ -77,8 +62,8 @@ def test_a_dense_step_is_the_dense_codec(tmp_path):
         assert a["comm/bytes_ratio"] == a["comm/avg_boundary_ratio"] == 1.0
         assert "codec/error_persistence" not in a and a["probe/view_abs_logprob_diff"] == 0.0
     assert dense_steps[2]["actor/grad_norm"] > 0
-    _same_weights(_weights(tmp_path / "dense_steps" / "ckpt" / "iter_0000002"),
-                  _weights(tmp_path / "dense" / "ckpt" / "iter_0000002"))
+    _same_weights(stage_weights(tmp_path / "dense_steps" / "ckpt" / "iter_0000002"),
+                  stage_weights(tmp_path / "dense" / "ckpt" / "iter_0000002"))
 
 
 def test_dense_steps_are_billed_and_resume_bit_for_bit(tmp_path):
@@ -112,8 +97,8 @@ def test_dense_steps_are_billed_and_resume_bit_for_bit(tmp_path):
         for k in RESUME_VOLATILE:
             a.pop(k, None), b.pop(k, None)
         assert a == b, (t, {k: (a.get(k), b.get(k)) for k in set(a) | set(b) if a.get(k) != b.get(k)})
-    _same_weights(_weights(tmp_path / "straight" / "ckpt" / "iter_0000004"),
-                  _weights(tmp_path / "resumed" / "ckpt" / "iter_0000004"))
+    _same_weights(stage_weights(tmp_path / "straight" / "ckpt" / "iter_0000004"),
+                  stage_weights(tmp_path / "resumed" / "ckpt" / "iter_0000004"))
 
 
 def test_a_dense_step_blends_no_sign_and_the_anchor_goes_on(tmp_path):

@@ -17,16 +17,11 @@ byte budget of R = 0.42:
   dense step the run trains bit for bit as one without them.
 """
 
-import json
-import os
-import subprocess
-
 import pytest
 import torch
-from safetensors.torch import load_file
 
-from distributed_util import REPO, RESUME_VOLATILE, free_port
-from distributed_util import PARITY_REWARD as REWARD, launcher
+from distributed_util import RESUME_VOLATILE, launch_train, stage_weights
+from distributed_util import PARITY_REWARD as REWARD
 from megatron_cegrpo.training.perf import WALL_CLOCK_PREFIXES
 
 R = 0.42
@@ -43,18 +38,9 @@ DRIFT = ["--drift-probe-interval", "1", "--drift-controller", "--drift-target-kl
 
 def _run(tmp, name, *extra, iters=4, drift=True):
     out = tmp / name
-    cmd = [launcher("deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()),
-           "megatron_cegrpo/train.py", *ARGS, "--train-iters", str(iters), *(DRIFT if drift else []),
-           "--custom-reward-function", f"{tmp / 'reward.py'}:parity_reward",
-           "--log-dir", str(out), "--save", str(out / "ckpt"), *extra]
-    p = subprocess.run(cmd, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1"),
-                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=900)
-    assert p.returncode == 0, p.stdout[-6000:]
-    return {r["step"]: r for r in (json.loads(x) for x in open(out / "metrics.jsonl") if x.strip())}
-
-
-def _weights(ckpt):
-    return [load_file(os.path.join(ckpt, f"stage_{r:02d}", "model.safetensors")) for r in range(2)]
+    return launch_train([*ARGS, "--train-iters", str(iters), *(DRIFT if drift else []),
+                         "--custom-reward-function", f"{tmp / 'reward.py'}:parity_reward",
+                         "--save", str(out / "ckpt"), *extra], out)
 
 
 def _timeless(m):
@@ -105,8 +91,8 @@ def test_resume_across_a_controller_action_is_bit_exact(straight):
         for k in RESUME_VOLATILE:  # distributed_util.py says why
             a.pop(k, None), b.pop(k, None)
         assert a == b, (t, {k: (a.get(k), b.get(k)) for k in set(a) | set(b) if a.get(k) != b.get(k)})
-    for sa, sb in zip(_weights(tmp / "straight" / "ckpt" / "iter_0000004"),
-                      _weights(tmp / "resumed" / "ckpt" / "iter_0000004")):
+    for sa, sb in zip(stage_weights(tmp / "straight" / "ckpt" / "iter_0000004"),
+                      stage_weights(tmp / "resumed" / "ckpt" / "iter_0000004")):
         assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
 
 
