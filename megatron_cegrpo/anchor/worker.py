@@ -263,7 +263,7 @@ class AnchorWorker:
                 grads = self._dense_gradient(res.weights, batch)
             self.memory.update(grads)
             if self.exact_ring is not None:
-                stats["anchor/ship_sign_agreement"] = self._ship_sign_agreement(t, batch, grads)
+                stats["anchor/ship_sign_agreement"] = self._ship_sign_agreement(t, batch, grads, res)
             if self.basis is not None:
                 self.basis.refresh()
             stats.update({"anchor/branch": res.branch, "anchor/staleness": t - max(res.source_steps),
@@ -291,13 +291,15 @@ class AnchorWorker:
         self.last_stats = stats
         self._send_signs(stats, range(len(self.stage_ranks)))
 
-    def _ship_sign_agreement(self, t: int, batch: dict, grads: Dict[str, torch.Tensor]) -> float:
+    def _ship_sign_agreement(self, t: int, batch: dict, grads: Dict[str, torch.Tensor], shipped) -> float:
         """``--anchor-ship-check``: the fraction of parameters where sign(M), just updated from the
         shipped weights' gradient ``grads``, equals the sign M would have from the exact weights'
         gradient on the same batch (the same forecast over the exact ring):
-        ``M_exact = M + (1 - a)(G_exact - G)``, a the EMA decay (``anchor/memory.py``)."""
+        ``M_exact = M + (1 - a)(G_exact - G)``, a the EMA decay (``anchor/memory.py``). NaN when
+        the exact ring cannot make the same forecast as ``shipped`` (the forecast over the shipped
+        ring): the exact copies are not checkpointed, so after a resume the ring refills first."""
         res = self.forecast(self.exact_ring, t, self.a.anchor_delay, self.a.anchor_interval)
-        if res is None:
+        if res is None or res.branch != shipped.branch or list(res.source_steps) != list(shipped.source_steps):
             return float("nan")
         replayed = self.num_replayed_sequences
         exact = self._dense_gradient(res.weights, batch)
