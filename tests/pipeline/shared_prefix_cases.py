@@ -11,18 +11,19 @@ GRPO = SimpleNamespace(clip_ratio_low=0.2, clip_ratio_high=0.28, kl_coef=0.05, k
 TEMPERATURE = 0.9
 
 
-def make_batch(vocab: int, group: int, groups: int, seed: int):
-    """``pack_rollouts`` of ``groups`` prompts (2..9 tokens) with ``group`` responses (1..7 tokens)
-    each, random advantages, and ``old_logprobs`` / ``ref_logprobs`` filled by :func:`add_policies`."""
+def make_batch(vocab: int, group: int, groups: int, seed: int, prompt_len=(2, 10), response_len=(1, 8)):
+    """``pack_rollouts`` of ``groups`` prompts (``prompt_len`` = [low, high) tokens) with ``group``
+    responses (``response_len`` tokens) each, random advantages; :func:`add_policies` adds
+    ``old_logprobs`` / ``ref_logprobs``."""
     from megatron_cegrpo.grpo.batch import pack_rollouts
 
     g = torch.Generator().manual_seed(seed)
     prompts, responses = [], []
     for _ in range(groups):
-        p = torch.randint(0, vocab, (int(torch.randint(2, 10, (1,), generator=g)),), generator=g)
+        p = torch.randint(0, vocab, (int(torch.randint(*prompt_len, (1,), generator=g)),), generator=g)
         for _ in range(group):
             prompts.append(p)
-            responses.append(torch.randint(0, vocab, (int(torch.randint(1, 8, (1,), generator=g)),), generator=g))
+            responses.append(torch.randint(0, vocab, (int(torch.randint(*response_len, (1,), generator=g)),), generator=g))
     n = len(prompts)
     batch = pack_rollouts(prompts, responses, [torch.zeros(len(r)) for r in responses], torch.zeros(n),
                           torch.randn(n, generator=g), pad_token_id=0)
