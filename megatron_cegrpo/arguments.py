@@ -227,6 +227,12 @@ class ParallelConfig:
     decoder_last_pipeline_num_layers: Optional[int] = option(
         None, "transformer layers of the last stage for an uneven split (Megatron; default: an even split)")
     micro_batch_size: int = option(4, "sequences per pipeline micro-batch (Megatron)")
+    shared_prefix: bool = option(False, "compute each prompt once per group: every pipeline pass (old log-probs, "
+                                        "reference, update, the probes) runs a group as one sequence [prompt, r_1, "
+                                        "..., r_G] whose responses attend to the prompt and their own tokens only, "
+                                        "so the boundary carries each prompt once per group (issue 32; "
+                                        "docs/shared_prefix.md); --micro-batch-size must be a multiple of "
+                                        "--num-generations")
     num_threads: Optional[int] = option(None, "torch intra-op threads per rank (default: cores / local ranks)")
     distributed_timeout_minutes: float = option(
         10.0, "timeout in minutes of the trainer's collectives and pipeline transfers (Megatron); the anchor's "
@@ -258,6 +264,9 @@ class ParallelConfig:
         _check_float("--distributed-timeout-minutes", self.distributed_timeout_minutes,
                      "e.g. --distributed-timeout-minutes 10", low=0.0, low_open=True)
         _check_int("--micro-batch-size", self.micro_batch_size, 1, "e.g. --micro-batch-size 4")
+        if not isinstance(self.shared_prefix, bool):
+            raise ConfigError(f"--shared-prefix must be a boolean, got {self.shared_prefix!r}; "
+                              "fix: pass --shared-prefix or leave it out")
         _check_choice("--tied-embedding-sync", self.tied_embedding_sync, TIED_EMBEDDING_SYNC_MODES)
         if self.num_threads is not None:
             _check_int("--num-threads", self.num_threads, 1,
@@ -965,6 +974,13 @@ class TrainConfig:
                 f"(the sequences per optimizer step; default: all {n} sequences of an iteration); "
                 f"fix: pass a divisor of {gbs}"
             )
+        if p.shared_prefix and p.micro_batch_size % g.num_generations:
+            raise ConfigError(
+                f"--shared-prefix runs the {g.num_generations} responses of a prompt as one sequence, so a "
+                f"micro-batch must hold whole groups, but --micro-batch-size={p.micro_batch_size} is not a multiple "
+                f"of --num-generations={g.num_generations}; fix: pass --micro-batch-size "
+                f"{-(-p.micro_batch_size // g.num_generations) * g.num_generations} (and a --global-batch-size it "
+                "divides) or drop --shared-prefix")
         if self.codec.drift_controller and not self.logging.drift_probe_interval:
             raise ConfigError("--drift-controller acts on the drift probe's measurements, but --drift-probe-interval "
                               "is 0; fix: pass --drift-probe-interval N (e.g. 5: a decision every 5 iterations)")

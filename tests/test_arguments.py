@@ -238,3 +238,16 @@ def test_a_flag_sets_its_field():
         assert got[section][name] == value
         got[section][name] = base[section][name]
         assert got == base, argv
+
+
+def test_shared_prefix_needs_whole_groups_per_micro_batch():
+    """--shared-prefix packs a group into one sequence: a micro-batch holds whole groups or the
+    launch is refused with one line naming both flags and the fix."""
+    assert cfg().parallel.shared_prefix is False
+    ok = cfg("--shared-prefix", "--rollout-batch-size", "4", "--num-generations", "4", "--micro-batch-size", "8",
+             "--global-batch-size", "16").validate()
+    assert ok.parallel.shared_prefix is True
+    with pytest.raises(ConfigError, match=r"^--shared-prefix runs the 4 responses .* --micro-batch-size=2 is not a "
+                                          r"multiple of --num-generations=4; fix: pass --micro-batch-size 4 .*$"):
+        cfg("--shared-prefix", "--rollout-batch-size", "4", "--num-generations", "4", "--micro-batch-size", "2",
+            "--global-batch-size", "16").validate()

@@ -192,6 +192,10 @@ CASES = [
     Case("micro-batch-divides", "flag", ["--micro-batch-size", "3"],
          "--micro-batch-size=3 must divide --global-batch-size=8 (the sequences per optimizer step; default: "
          "all 8 sequences of an iteration); fix: pass a divisor of 8"),
+    Case("shared-prefix-groups", "flag", ["--shared-prefix", "--micro-batch-size", "2"],
+         "--shared-prefix runs the 4 responses of a prompt as one sequence, so a micro-batch must hold whole "
+         "groups, but --micro-batch-size=2 is not a multiple of --num-generations=4; fix: pass --micro-batch-size 4 "
+         "(and a --global-batch-size it divides) or drop --shared-prefix"),
     Case("lr-nan", "flag", ["--lr", "nan"], "--lr must be a finite number > 0, got nan; fix: e.g. --lr 1e-6"),
     Case("min-lr", "flag", ["--lr", "1e-6", "--min-lr", "1e-5"],
          "--min-lr must be a finite number >= 0 and <= 1e-06, got 1e-05; fix: a value in [0, --lr=1e-06], "

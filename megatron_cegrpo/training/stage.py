@@ -80,7 +80,10 @@ class StageWorker:
         self.comm = (CompressedP2PCommunicator(ctx.pp_group, self.tf_config, self.codec, self.meter,
                                                seed=cfg.optim.seed, tp_group=ctx.tp_group)
                      if ctx.pp_size > 1 else None)
-        self.runner = PipelineRunner(self.comm, ctx.pg_collection, cfg.parallel.micro_batch_size, ctx.pp_size)
+        # --shared-prefix: every pass of the runner (old log-probs, reference, update, the probes) packs each
+        # group [prompt, r_1..r_G] (pipeline/schedule.py, grpo/shared_prefix.py)
+        self.runner = PipelineRunner(self.comm, ctx.pg_collection, cfg.parallel.micro_batch_size, ctx.pp_size,
+                                     shared_prefix_group=cfg.grpo.num_generations if cfg.parallel.shared_prefix else 0)
         # the tied embedding between the first and last stage (pipeline/tied_embedding.py): under
         # --tied-embedding-sync sparse the first stage's copy is a row cache the optimizer never steps
         self.tied = TiedEmbeddingSync(self.model, ctx, cfg.parallel.tied_embedding_sync)
