@@ -142,6 +142,7 @@ def initialize_distributed(pipeline_model_parallel_size: int, seed: int,
     import deepspeed
 
     if not dist.is_initialized():
+        _init_after_elastic_restart("gloo" if cpu else "nccl", timedelta(minutes=timeout_minutes))
         deepspeed.init_distributed(dist_backend="gloo" if cpu else "nccl", verbose=False,
                                    timeout=timedelta(minutes=timeout_minutes))
         if cpu:
@@ -190,6 +191,25 @@ def initialize_distributed(pipeline_model_parallel_size: int, seed: int,
         dp_group=parallel_state.get_data_parallel_group() if dp > 1 else None,
         stage_ranks=[i * dp * tp for i in range(pipeline_model_parallel_size)],
     )
+
+
+def _init_after_elastic_restart(backend: str, timeout: timedelta) -> None:
+    """On a restart by torchrun's elastic agent (``restart.py``) whose workers share the agent's
+    store (``TORCHELASTIC_USE_AGENT_STORE=True``: the static rendezvous, and c10d's by default),
+    start the default process group on that store under a prefix of this restart, as torch's
+    elastic once did (``/worker/attempt_N``): the store outlives the dead start, whose process
+    groups left their addresses under the same keys (a restarted rank connected to a dead peer's
+    port: "Connection refused", pytorch/pytorch#135712). Elsewhere nothing is done here."""
+    from megatron_cegrpo.restart import elastic_restarts
+
+    r = elastic_restarts()
+    if r is None or not r.restarted or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return
+    world = int(os.environ["WORLD_SIZE"])
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size=world,
+                          is_master=False, timeout=timeout)
+    dist.init_process_group(backend, store=dist.PrefixStore(f"cegrpo/restart_{r.count}/", store),
+                            rank=int(os.environ["RANK"]), world_size=world, timeout=timeout)
 
 
 def _check_layout(world: int, pp: int, tp: int, anchor_ranks: int) -> int:
