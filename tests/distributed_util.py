@@ -111,9 +111,10 @@ def complete_metrics(path) -> List[dict]:
     return [json.loads(x) for x in lines if x.strip()]
 
 
-def supervised_worker(launcher_pid: int, rank: int):
+def supervised_worker(launcher_pid: int, rank: int, supervised: bool = True):
     """The supervised worker process (``CEGRPO_SUPERVISED=1``) of ``rank`` among the launcher's
-    descendants, as a ``psutil.Process``."""
+    descendants, as a ``psutil.Process``; ``supervised=False``: the process the launcher started
+    for that rank (its supervisor)."""
     import psutil
 
     for p in psutil.Process(launcher_pid).children(recursive=True):
@@ -121,6 +122,7 @@ def supervised_worker(launcher_pid: int, rank: int):
             env = p.environ()
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
-        if env.get("RANK") == str(rank) and env.get("CEGRPO_SUPERVISED") == "1":
+        if env.get("RANK") == str(rank) and (env.get("CEGRPO_SUPERVISED") == "1") == supervised:
             return p
-    raise AssertionError(f"no supervised worker of rank {rank} under pid {launcher_pid}")
+    raise AssertionError(f"no {'supervised worker' if supervised else 'launched process'} of rank {rank} "
+                         f"under pid {launcher_pid}")

@@ -1,9 +1,14 @@
 """Automatic restart (issue 35, item 1): torchrun's elastic agent with ``--max-restarts 1``, PP=2,
-tiny model, a checkpoint every 2 iterations, 6 iterations. Pipeline stage 1's worker is SIGKILLed
-as soon as iteration 3 is logged (after the checkpoint at 2, before the one at 4): the agent
-restarts both ranks, they resume from the checkpoint at 2 with nobody involved, and the run
-exits 0 with the final weights bit-identical to a fault-free run of the same command and
-``recovery/restarts`` 1, ``recovery/lost_iterations`` 1 (iteration 3, done twice).
+tiny model, a checkpoint every 2 iterations, 6 iterations. A rank is SIGKILLed as soon as
+iteration 3 is logged (after the checkpoint at 2, before the one at 4): the agent restarts every
+rank, they resume from the checkpoint at 2 with nobody involved, and the run exits 0 with the
+final weights bit-identical to a fault-free run of the same command and ``recovery/restarts`` 1,
+``recovery/lost_iterations`` 1 (iteration 3, done twice).
+
+- ``stage``: pipeline stage 1's supervised worker (no anchor, 2 ranks); every logged metric of
+  the restarted run also equals the fault-free run's.
+- ``anchor-process`` (slow: 3 ranks): the process torchrun launched for the anchor rank (its
+  supervisor, as when the anchor's host dies), c = K = 2; this ended the whole run before.
 """
 
 import os
@@ -12,6 +17,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 import torch
 
 from distributed_util import PARITY_REWARD, REPO, RESUME_VOLATILE, complete_metrics, free_port, stage_weights
@@ -22,12 +28,16 @@ ARGS = ["--model", "tiny-llama", "--train-data", "mawps/singleop", "--pipeline-m
         "--anchor-ranks", "0", "--micro-batch-size", "4", "--rollout-batch-size", "2", "--num-generations", "4",
         "--max-new-tokens", "12", "--lr", "1e-4", "--kl-coef", "0.01", "--deepspeed_config",
         "ds_configs/cpu_adamw.json", "--no-tqdm", "--num-threads", "1", "--train-iters", "6", "--save-interval", "2"]
-KILL_AFTER = 3  # the iteration logged when stage 1 is killed: the newest checkpoint is then iteration 2
+KILL_AFTER = 3  # the iteration logged when the rank is killed: the newest checkpoint is then iteration 2
+ANCHOR = ["--anchor-ranks", "1", "--anchor-interval", "2", "--anchor-delay", "2"]
+#: victim -> (ranks, extra flags, rank killed, its supervised worker (else the launched process))
+FAULTS = {"stage": (2, [], 1, True), "anchor-process": (3, ANCHOR, 2, False)}
 
 
-def _cmd(tmp_path, run):
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", "1",
-            "--standalone", "megatron_cegrpo/train.py", *ARGS,
+def _cmd(tmp_path, run, victim):
+    ranks, extra, _, _ = FAULTS[victim]
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--max-restarts", "1",
+            "--standalone", "megatron_cegrpo/train.py", *ARGS, *extra,
             "--custom-reward-function", f"{tmp_path / 'reward.py'}:parity_reward",
             "--save", str(tmp_path / run / "ckpt"), "--log-dir", str(tmp_path / run)]
 
@@ -43,19 +53,20 @@ def _comparable(records):
     return {r["step"]: {k: v for k, v in r.items() if not k.startswith(WALL_CLOCK_PREFIXES + drop)} for r in records}
 
 
-def _killed_run(tmp_path):
-    """The faulty run: SIGKILL stage 1's worker once iteration KILL_AFTER is logged. Returns the
-    exit status, the output, and the seconds from the kill to the resumed iteration KILL_AFTER."""
+def _killed_run(tmp_path, victim):
+    """The faulty run: SIGKILL the victim once iteration KILL_AFTER is logged. Returns the exit
+    status, the output, and the seconds from the kill to the resumed iteration KILL_AFTER."""
+    _, _, rank, supervised = FAULTS[victim]
     metrics = tmp_path / "killed" / "metrics.jsonl"
     log = tmp_path / "killed.txt"
     with open(log, "w") as out:
-        proc = subprocess.Popen(_cmd(tmp_path, "killed"), cwd=REPO, env=_env(), stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(_cmd(tmp_path, "killed", victim), cwd=REPO, env=_env(), stdout=out, stderr=subprocess.STDOUT)
         try:
             deadline = time.time() + 300
             while not any(r["step"] == KILL_AFTER for r in complete_metrics(metrics)):
                 assert proc.poll() is None and time.time() < deadline, log.read_text()[-4000:]
                 time.sleep(0.05)
-            supervised_worker(proc.pid, 1).send_signal(signal.SIGKILL)
+            supervised_worker(proc.pid, rank, supervised).send_signal(signal.SIGKILL)
             t_kill = time.time()
             # the restarted run truncates the log to the checkpoint, then logs KILL_AFTER again
             while not any(r["step"] == KILL_AFTER and "recovery/restarts" in r and r["recovery/restarts"] == 1
@@ -70,15 +81,18 @@ def _killed_run(tmp_path):
     return proc.returncode, log.read_text(), recovered
 
 
-def test_stage_killed_restarts_and_resumes_bit_identical(tmp_path):
+@pytest.mark.parametrize("victim", ["stage", pytest.param("anchor-process", marks=pytest.mark.slow)])
+def test_killed_rank_restarts_and_resumes_bit_identical(tmp_path, victim):
     (tmp_path / "reward.py").write_text(PARITY_REWARD)
-    p = subprocess.run(_cmd(tmp_path, "straight"), cwd=REPO, env=_env(), stdout=subprocess.PIPE,
+    p = subprocess.run(_cmd(tmp_path, "straight", victim), cwd=REPO, env=_env(), stdout=subprocess.PIPE,
                        stderr=subprocess.STDOUT, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-6000:]
-    rc, text, recovered = _killed_run(tmp_path)
+    rc, text, recovered = _killed_run(tmp_path, victim)
     assert rc == 0, text[-6000:]
-    print(f"recovered in {recovered:.1f} s (kill -> resumed iteration {KILL_AFTER} logged)")
-    assert "rank 1 (pipeline stage 1" in text and "torchrun restarts every rank (restart 1 of 1)" in text, text[-4000:]
+    print(f"{victim}: recovered in {recovered:.1f} s (kill -> resumed iteration {KILL_AFTER} logged)")
+    if victim == "stage":  # (a killed supervisor says nothing; torchrun reports the exit -9)
+        assert "rank 1 (pipeline stage 1" in text and "torchrun restarts every rank (restart 1 of 1)" in text, \
+            text[-4000:]
     assert "restart 1 of 1 (torchrun --max-restarts): resuming from the newest complete checkpoint" in text
     assert "restart 1: resuming at iteration 3; iterations recomputed over the run: 1" in text, text[-4000:]
 
@@ -88,9 +102,15 @@ def test_stage_killed_restarts_and_resumes_bit_identical(tmp_path):
     assert [(r["recovery/restarts"], r["recovery/lost_iterations"]) for r in a] == [(0, 0)] * 6
     assert [(r["recovery/restarts"], r["recovery/lost_iterations"]) for r in b] == [(0, 0)] * 2 + [(1, 1)] * 4
     ca, cb = _comparable(a), _comparable(b)
-    for step in range(1, 7):
+    for step in range(1, 7 if victim == "stage" else 3):  # the anchor's bytes differ after its restart
+        #  (the stages' hello again, test_resume.py), the rest is the weights below
         assert ca[step] == cb[step], (step, {k: (v, cb[step].get(k)) for k, v in ca[step].items()
                                              if v != cb[step].get(k)})
+    if victim != "stage":  # the anchor came back: alive, firing and correcting as in the fault-free run
+        for step in range(3, 7):
+            assert [cb[step][k] for k in ("anchor/alive", "anchor/fire", "anchor/correction_applied")] == \
+                [ca[step][k] for k in ("anchor/alive", "anchor/fire", "anchor/correction_applied")], step
+        assert cb[4]["anchor/alive"] == cb[4]["anchor/correction_applied"] == 1
     wa = stage_weights(tmp_path / "straight" / "ckpt" / "iter_0000006")
     wb = stage_weights(tmp_path / "killed" / "ckpt" / "iter_0000006")
     for sa, sb in zip(wa, wb):
