@@ -71,6 +71,7 @@ def _run_supervised(monkeypatch, tmp_path, rank, env, capsys):
             return -signal.SIGKILL
 
     monkeypatch.setattr(supervisor.subprocess, "Popen", lambda *a, **k: Child())
+    monkeypatch.setattr(supervisor.signal, "signal", lambda *a: None)  # keep pytest's own handlers
     monkeypatch.setattr(supervisor.sys, "argv", ["train.py", "--anchor-ranks", "1", "--pipeline-model-parallel-size",
                                                  "2", "--save", str(tmp_path / "ckpt")])
     monkeypatch.setattr(supervisor.sys, "orig_argv", ["python", "train.py"], raising=False)
