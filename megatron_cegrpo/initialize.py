@@ -139,11 +139,8 @@ def initialize_distributed(pipeline_model_parallel_size: int, seed: int,
     for k, v in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"),
                  ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29533")):
         os.environ.setdefault(k, v)
-    import deepspeed
-
     if not dist.is_initialized():
-        deepspeed.init_distributed(dist_backend="gloo" if cpu else "nccl", verbose=False,
-                                   timeout=timedelta(minutes=timeout_minutes))
+        _init_default_group("gloo" if cpu else "nccl", timedelta(minutes=timeout_minutes))
         if cpu:
             _unlink_deepspeed_shm_buffer()
     world = dist.get_world_size()
@@ -190,6 +187,29 @@ def initialize_distributed(pipeline_model_parallel_size: int, seed: int,
         dp_group=parallel_state.get_data_parallel_group() if dp > 1 else None,
         stage_ranks=[i * dp * tp for i in range(pipeline_model_parallel_size)],
     )
+
+
+def _init_default_group(backend: str, timeout: timedelta) -> None:
+    """``deepspeed.init_distributed`` (the default process group from the launcher's environment).
+
+    On a restart by torchrun's elastic agent (``restart.py``) whose workers share the agent's
+    store (``TORCHELASTIC_USE_AGENT_STORE=True``: the static rendezvous, and c10d's by default),
+    the group is first started on that store under a prefix of this restart, as torch's elastic
+    once did (``/worker/attempt_N``): the store outlives the dead start, whose process groups left
+    their addresses under the same keys (a restarted rank connected to a dead peer's port:
+    "Connection refused", pytorch/pytorch#135712); deepspeed then adopts that group."""
+    import deepspeed
+
+    from megatron_cegrpo.restart import elastic_restarts
+
+    r = elastic_restarts()
+    if r is not None and r.restarted and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        world = int(os.environ["WORLD_SIZE"])
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size=world,
+                              is_master=False, timeout=timeout)
+        dist.init_process_group(backend, store=dist.PrefixStore(f"cegrpo/restart_{r.count}/", store),
+                                rank=int(os.environ["RANK"]), world_size=world, timeout=timeout)
+    deepspeed.init_distributed(dist_backend=backend, verbose=False, timeout=timeout)
 
 
 def _check_layout(world: int, pp: int, tp: int, anchor_ranks: int) -> int:

@@ -29,6 +29,7 @@ __all__ = [
     "build_writers",
     "format_progress",
     "truncate_metrics",
+    "lost_iterations",
 ]
 
 
@@ -122,6 +123,21 @@ def truncate_metrics(path: str, last_step: int) -> List[str]:
         f.writelines(kept)
     os.replace(tmp, path)
     return warnings_out
+
+
+def lost_iterations(path: str, last_step: int) -> int:
+    """The iterations a restarted run recomputes, counted over the run so far: the newest
+    ``recovery/lost_iterations`` in ``metrics.jsonl`` (the earlier restarts') plus the steps
+    logged after ``last_step`` (the checkpoint it resumes from) by the start that died, each
+    once. Call before :func:`truncate_metrics` drops them; 0 for a missing file."""
+    if not os.path.exists(path):
+        return 0
+    with open(path, encoding="utf-8", errors="replace") as f:
+        records = [r for r in map(parse_record, f.read().splitlines()) if r is not None]
+    before = next((int(r["recovery/lost_iterations"]) for r in reversed(records)
+                   if isinstance(r.get("recovery/lost_iterations"), (int, float))), 0)
+    return before + len({r["step"] for r in records
+                         if isinstance(r.get("step"), (int, float)) and r["step"] > last_step})
 
 
 # ----------------------------------------------------------------------------- backends

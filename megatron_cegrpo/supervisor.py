@@ -16,6 +16,12 @@ in a child (``CEGRPO_SUPERVISED=1``; the child dies with its supervisor) and wai
   signal N as 128 + N), so the launcher stops the run; status 2 (a configuration error,
   already reported) is passed on silently.
 
+Under torchrun's elastic agent with restarts left (``--max-restarts N``, ``restart.py``) every
+death is a failure the agent answers by restarting every rank from the newest complete
+checkpoint, the anchor's included (a run without the correction would leave the fault-free
+trajectory): the line then says so and the status is non-zero. Without restarts left, a stage's
+line is followed by one saying how to get them (:func:`~megatron_cegrpo.restart.how_to_restart`).
+
 SIGTERM and SIGINT sent to the supervisor are passed to the child. Set
 ``CEGRPO_NO_SUPERVISOR=1`` to run ranks unsupervised.
 """
@@ -29,6 +35,8 @@ import signal
 import subprocess
 import sys
 from typing import List, Mapping, Optional
+
+from megatron_cegrpo.restart import elastic_restarts, how_to_restart
 
 __all__ = ["should_supervise", "supervise", "rank_role"]
 
@@ -94,6 +102,19 @@ def _resume_hint(argv: List[str]) -> str:
     return "; no checkpoint was written (pass --save DIR --save-interval N to be able to resume)"
 
 
+def _restart_line(argv: List[str], env: Mapping[str, str]) -> Optional[str]:
+    """With torchrun restarts left: what the agent does next (restart every rank and resume from
+    the newest complete checkpoint, or from the start when none is written yet); else None."""
+    r = elastic_restarts(env)
+    if r is None or not r.left:
+        return None
+    ckpt = _latest_checkpoint(argv)
+    where = (f"resume from the newest complete checkpoint {ckpt}" if ckpt else
+             "start over from iteration 0 (no checkpoint written yet" +
+             (")" if _save_dir(argv) else "; pass --save DIR --save-interval N to resume instead)"))
+    return f"torchrun restarts every rank (restart {r.count + 1} of {r.max}) to {where}"
+
+
 def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
     """Linux: the child gets SIGKILL when its supervisor dies (prctl PR_SET_PDEATHSIG)."""
     try:
@@ -133,10 +154,15 @@ def supervise(env: Mapping[str, str] = os.environ) -> int:
     if rc == 0:
         return 0
     what = f"[cegrpo] rank {rank} ({role}, pid {child.pid}) {_describe(rc)}"
+    status = 128 - rc if rc < 0 else rc
+    restart = _restart_line(argv, env)
+    if restart is not None and rc != 2:  # the elastic agent restarts every rank, the anchor's death too
+        print(f"{what}; {restart}", flush=True)
+        return status
     if role == "anchor":
         print(f"{what}; the pipeline stages go on without the sign correction (anchor/alive = 0)", flush=True)
         return 0
     if rc == 2:
         return 2  # a configuration error, reported by the rank itself
-    print(f"{what}; the run stops{_resume_hint(argv)}", flush=True)
-    return 128 - rc if rc < 0 else rc
+    print(f"{what}; the run stops{_resume_hint(argv)}\n{how_to_restart(env)}", flush=True)
+    return status

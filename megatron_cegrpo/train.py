@@ -187,9 +187,35 @@ def _configure(argv):
     args = parse_args(argv)
     cfg = build_config(args)
     cfg.validate(world_size=_launch_world_size())
+    _resume_on_restart(cfg)
     preflight(cfg)
     check_build_locks()
     return cfg
+
+
+def _resume_on_restart(cfg) -> None:
+    """A start that torchrun's elastic agent made after a rank died (``--max-restarts``): load the
+    newest complete checkpoint under ``--save`` (``restart.restart_load_dir``), said in one line by
+    rank 0; a first start, or a launch without restarts, is left as it is."""
+    from megatron_cegrpo.restart import elastic_restarts, restart_load_dir
+
+    r = elastic_restarts()
+    if r is None or not r.restarted:
+        return
+    c = cfg.checkpoint
+    c.load = restart_load_dir(c.save, c.load)
+    if _launch_rank() == 0:
+        if not c.save:
+            what = "no --save, so nothing to resume: starting over from " + (f"--load {c.load}" if c.load else
+                                                                             "iteration 0")
+        elif c.load != c.save:
+            what = f"no checkpoint under --save {c.save} yet: starting over from --load {c.load}"
+        else:
+            from megatron_cegrpo.checkpointing import has_checkpoint
+
+            what = (f"resuming from the newest complete checkpoint in {c.save}" if has_checkpoint(c.save) else
+                    f"no checkpoint under --save {c.save} yet: starting over from iteration 0")
+        print(f"[cegrpo] restart {r.count} of {r.max} (torchrun --max-restarts): {what}", flush=True)
 
 
 def _report(err: BaseException, rank: int, every_rank_knows: bool, wait=None) -> int:

@@ -100,3 +100,29 @@ def launcher(name: str) -> str:
     if exe is None:
         raise AssertionError(f"{name} launcher not found next to {sys.executable}; install with `make test`")
     return exe
+
+
+def complete_metrics(path) -> List[dict]:
+    """The complete records of a ``metrics.jsonl`` a run may be writing right now, in file order
+    (the piece after the last newline is a record half written); [] while the file is missing."""
+    if not os.path.exists(str(path)):
+        return []
+    lines = open(str(path)).read().split("\n")[:-1]
+    return [json.loads(x) for x in lines if x.strip()]
+
+
+def supervised_worker(launcher_pid: int, rank: int, supervised: bool = True):
+    """The supervised worker process (``CEGRPO_SUPERVISED=1``) of ``rank`` among the launcher's
+    descendants, as a ``psutil.Process``; ``supervised=False``: the process the launcher started
+    for that rank (its supervisor)."""
+    import psutil
+
+    for p in psutil.Process(launcher_pid).children(recursive=True):
+        try:
+            env = p.environ()
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        if env.get("RANK") == str(rank) and (env.get("CEGRPO_SUPERVISED") == "1") == supervised:
+            return p
+    raise AssertionError(f"no {'supervised worker' if supervised else 'launched process'} of rank {rank} "
+                         f"under pid {launcher_pid}")

@@ -6,7 +6,8 @@ optimizer's pre-step correction hook. See ``anchor/transport.py`` for the schedu
 
 The anchor is advisory: when it dies (its connection closes) or a fire's signs take longer
 than ``--anchor-timeout-minutes``, each stage drops the held sign, stops all anchor traffic,
-says so once, logs ``anchor/alive`` 0 and trains on without the correction.
+says so once, logs ``anchor/alive`` 0 and trains on without the correction; under torchrun with
+restarts left the stage stops instead and every rank restarts (``restart.py``).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from megatron_cegrpo.anchor.transport import (
     TAG_SAVE_DONE, TAG_SIGN_HDR, TAG_SIGN_INFO, TAG_SIGNS, TAG_STATS, flatten_params, is_fire_step, is_ship_step,
     isend_object, recv_object, recv_tensor, send_object,
 )
+from megatron_cegrpo.restart import restarts_left
 
 __all__ = ["AnchorClient", "ANCHOR_BATCH_KEYS"]
 
@@ -109,6 +111,13 @@ class AnchorClient:
             return False
 
     def _lose(self, why: str) -> None:
+        """Go on without the anchor, saying so once; under torchrun with restarts left
+        (``restart.restarts_left``) end this stage instead (exit status 1): the agent restarts every
+        rank from the newest checkpoint, the anchor's state in it, and no save here goes without it."""
+        if restarts_left():
+            print(f"[cegrpo] rank {self.rank}: lost the anchor rank {self.anchor} ({why}); this stage stops and "
+                  "torchrun restarts every rank from the newest complete checkpoint", flush=True)
+            raise SystemExit(1)
         self.alive = False
         self._pending = []
         self._awaiting = None

@@ -17,9 +17,10 @@ from megatron_cegrpo.evaluation import evaluate_detailed, load_eval_datasets, pa
 from megatron_cegrpo.grpo import core_algos as ca
 from megatron_cegrpo.grpo.batch import pack_rollouts
 from megatron_cegrpo.grpo.dynamic_sampling import enough_mixed, round_seed, select_groups
-from megatron_cegrpo.metrics import build_writers, truncate_metrics
+from megatron_cegrpo.metrics import build_writers, lost_iterations, truncate_metrics
 from megatron_cegrpo.models import load_tokenizer, megatron_to_hf
 from megatron_cegrpo.models.stage import PolicyStage
+from megatron_cegrpo.restart import elastic_restarts
 from megatron_cegrpo.rewards import get_verifier, score_responses
 from megatron_cegrpo.rewards.custom import load_custom_reward_function
 from megatron_cegrpo.rollout.base import RolloutOutput, get_rollout_engine
@@ -93,6 +94,7 @@ class Driver:
                                           hf_state_dict=policy.hf_state_dict, tokenizer=self.tokenizer,
                                           dtype=cfg.rollout.dtype, **rollout_engine_options(cfg, policy.hf_config))
         lg = cfg.logging
+        self.recovery = self._recovery_start(os.path.join(lg.log_dir, "metrics.jsonl"))
         self.writer = build_writers(lg.log_dir, wandb_project=lg.wandb_project, tensorboard_dir=lg.tensorboard_dir,
                                     config=cfg.to_dict(), resume=bool(cfg.checkpoint.load),
                                     run_name=lg.wandb_run_name, wandb_mode=lg.wandb_mode)
@@ -105,6 +107,16 @@ class Driver:
         dup = f" ({split.duplicates_dropped} training rows repeating a held-out question dropped)" \
             if split.duplicates_dropped else ""
         log(f"data {split.path}: {len(kept)} train prompts, {len(split.holdout)} held out{dup}")
+
+    def _recovery_start(self, path: str) -> Dict[str, int]:
+        """Under torchrun with ``--max-restarts``: ``recovery/restarts`` (this start's restart count)
+        and ``recovery/lost_iterations`` (0 here; counted by :meth:`resume_log`, or here when a
+        restart without ``--load`` starts over and the log is about to be cleared); else nothing."""
+        r = elastic_restarts()
+        if r is None:
+            return {}
+        lost = lost_iterations(path, 0) if r.restarted and not self.cfg.checkpoint.load else 0
+        return {"recovery/restarts": r.count, "recovery/lost_iterations": lost}
 
     def _encode(self, question: str) -> torch.Tensor:
         text = build_prompt(self.tokenizer, question, self.cfg.data.prompt_template)
@@ -244,10 +256,17 @@ class Driver:
 
     # ------------------------------------------------------------------ log and state
     def write(self, record: Dict) -> None:
-        self.writer.write(record)
+        """One record into every writer, with the ``recovery/*`` keys of a run that may restart."""
+        self.writer.write({**record, **self.recovery})
 
     def resume_log(self, iteration: int) -> None:
-        """Drop log lines past the checkpoint's iteration (and a corrupt last line)."""
+        """Drop log lines past the checkpoint's iteration (and a corrupt last line); on a restart,
+        count them first as ``recovery/lost_iterations``."""
+        if self.recovery.get("recovery/restarts"):
+            lost = lost_iterations(self.writer.path, iteration)
+            log(f"restart {self.recovery['recovery/restarts']}: resuming at iteration {iteration + 1}; "
+                f"iterations recomputed over the run: {lost} (recovery/lost_iterations)")
+            self.recovery["recovery/lost_iterations"] = lost
         for warning in truncate_metrics(self.writer.path, iteration):
             log(f"warning: {warning}")
 
