@@ -11,7 +11,9 @@ driver), host 1 stage 1 (rank 1) and the anchor (rank 2, the last rank of the wo
 Its metrics must equal, key for key and bit for bit (timings aside), the first two records
 of the recorded single-host launch of the same job (tests/equivalence/reference/tiny.jsonl,
 ``deepspeed --num_gpus 3`` on loopback; tests/equivalence/test_equivalence.py checks that
-today's code still reproduces that recording). Needs root and ``ip`` (skipped otherwise).
+today's code still reproduces that recording; on a host whose environment differs from the
+record's, ``equivalence_runs.environment_differences``, that comparison is left out and the
+rest still runs). Needs root and ``ip`` (skipped otherwise).
 """
 
 import json
@@ -24,7 +26,8 @@ import pytest
 from benchmarks.netns import Topology, kill_process_groups, netns_available
 from distributed_util import PARITY_REWARD, REPO, launcher
 from megatron_cegrpo.bootstrap import quiet_known_warnings
-from equivalence.equivalence_runs import COMMON, RUNS, VOLATILE_PREFIXES, differences, reference_path
+from equivalence.equivalence_runs import (COMMON, RUNS, VOLATILE_PREFIXES, differences, environment_differences,
+                                          reference_path)
 
 ITERS = 2
 #: the tiny equivalence run's flags without its checkpoint interval (this run saves nothing)
@@ -109,7 +112,8 @@ def test_two_namespace_launch_equals_the_single_host_run(tmp_path):
     with open(reference_path("tiny")) as f:
         expected = [json.loads(x) for x in f if x.strip()][:ITERS]
     assert [r["step"] for r in got] == list(range(1, ITERS + 1))
-    assert differences(expected, got) == []
+    if not environment_differences("tiny"):  # the record's sampled tokens are this host's (equivalence_runs)
+        assert differences(expected, got) == []
 
     # the veth carried the traffic between the hosts: at least the metered payloads that must cross
     # (forward boundary and the rollout batch host 0 -> 1, backward boundary 1 -> 0), plus TCP/IP headers

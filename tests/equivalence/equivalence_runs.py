@@ -18,6 +18,9 @@ another CPU rounds float32 reductions differently (on CI's machine the tiny run 
 to 1.3e-6 relative where a value is not near 0, and 6e-7 absolute, after 5 steps), so floats
 compare within ``REL_TOL``/``ABS_TOL`` and everything else (step, counts, strings) exactly. A behaviour change
 (another mask, another loss, a lost update) moves these metrics by orders of magnitude more.
+Rounding can also turn a sampled token into another, and then nothing compares: a record keeps
+the environment it was made in (``reference/<name>.env.json``, :data:`ENVIRONMENT_KEYS`), and the
+test compares only where this host's matches (elsewhere it skips and says what differs).
 """
 
 from __future__ import annotations
@@ -86,6 +89,46 @@ def reference_path(name: str) -> str:
     return os.path.join(HERE, "reference", f"{name}.jsonl")
 
 
+def environment_path(name: str) -> str:
+    """Where the environment a record was made in is kept (``reference/<name>.env.json``)."""
+    return os.path.join(HERE, "reference", f"{name}.env.json")
+
+
+#: what the recorded numbers depend on besides the code: sampling turns a float rounded another
+#: way into another token, after which every number differs (seen 2026-12-04: the tiny record of
+#: an AVX2 host against an AVX-512 one, step 1 already scored 0.625 instead of 0.75)
+ENVIRONMENT_KEYS = ("cpu_capability", "torch", "transformers", "tokenizers")
+
+
+def environment() -> dict:
+    """This host's :data:`ENVIRONMENT_KEYS` (ATen's CPU capability, e.g. ``AVX512``, and the
+    package versions), plus the CPU's name for the reader (not compared)."""
+    import importlib.metadata as md
+
+    import torch
+
+    cpu = "unknown"
+    if os.path.exists("/proc/cpuinfo"):
+        with open("/proc/cpuinfo") as f:
+            info = dict(line.split(":", 1) for line in f.read().split("\n\n")[0].splitlines() if ":" in line)
+        info = {k.strip(): v.strip() for k, v in info.items()}
+        cpu = f"{info.get('model name', '?')} (family {info.get('cpu family', '?')}, model {info.get('model', '?')})"
+    return {"cpu_capability": torch.backends.cpu.get_cpu_capability(), "torch": torch.__version__,
+            "transformers": md.version("transformers"), "tokenizers": md.version("tokenizers"), "cpu": cpu}
+
+
+def environment_differences(name: str) -> list:
+    """How this host differs from the one that recorded ``name`` in :data:`ENVIRONMENT_KEYS`
+    (lines such as ``cpu_capability: recorded AVX2, here AVX512``); empty when they agree or the
+    record says nothing of its environment."""
+    if not os.path.exists(environment_path(name)):
+        return []
+    with open(environment_path(name)) as f:
+        rec = json.load(f)
+    here = environment()
+    return [f"{k}: recorded {rec.get(k)}, here {here[k]}" for k in ENVIRONMENT_KEYS if rec.get(k) != here[k]]
+
+
 #: float tolerance across CPUs (module docstring); ints and strings compare exactly
 REL_TOL, ABS_TOL = 1e-5, 1e-5
 
@@ -124,11 +167,16 @@ def main(argv) -> int:
         with open(reference_path(name), "w") as f:
             for r in recs:
                 f.write(json.dumps(r, sort_keys=True) + "\n")
-        print(f"recorded {len(recs)} records to {reference_path(name)}")
+        with open(environment_path(name), "w") as f:
+            json.dump(environment(), f, indent=1, sort_keys=True)
+            f.write("\n")
+        print(f"recorded {len(recs)} records to {reference_path(name)} (environment: {environment_path(name)})")
         return 0
     with open(reference_path(name)) as f:
         expected = [json.loads(x) for x in f if x.strip()]
     diff = differences(expected, recs)
+    for line in environment_differences(name):
+        print(f"note: recorded in another environment: {line}")
     for line in diff:
         print(line)
     print(f"{name}: {'identical' if not diff else f'{len(diff)} differences'} ({len(recs)} records)")

@@ -3,10 +3,21 @@ the machine that recorded them; within float32 rounding on another CPU)."""
 
 import json
 
-from equivalence_runs import differences, reference_path, run
+import pytest
+from equivalence_runs import differences, environment_differences, reference_path, run
+
+
+def skip_unless_recorded_here(name: str) -> None:
+    """Skip, saying what differs, when ``name`` was recorded with another CPU capability or other
+    package versions (equivalence_runs.ENVIRONMENT_KEYS): its sampled tokens need not be this host's."""
+    diff = environment_differences(name)
+    if diff:
+        pytest.skip(f"the {name} record was made elsewhere ({'; '.join(diff)}); re-record it on this host: "
+                    f"python tests/equivalence/equivalence_runs.py record {name}")
 
 
 def test_tiny_run_matches_the_recorded_metrics(tmp_path):
+    skip_unless_recorded_here("tiny")
     with open(reference_path("tiny")) as f:
         expected = [json.loads(x) for x in f if x.strip()]
     got = run("tiny", str(tmp_path))
@@ -26,3 +37,20 @@ def test_differences_tolerates_cpu_rounding_but_not_behaviour():
     assert len(differences([ref], [dict(ci, step=3)])) == 1  # ints compare exactly
     assert differences([ref], [{k: v for k, v in ci.items() if k != "actor/kl_loss"}]) == [
         "step 2: actor/kl_loss: expected 4.63537871837616e-05, got '<absent>'"]
+
+
+def test_environment_differences_name_what_the_recording_host_had(tmp_path, monkeypatch):
+    import equivalence_runs as er
+
+    monkeypatch.setattr(er, "HERE", str(tmp_path))
+    (tmp_path / "reference").mkdir()
+    assert er.environment_differences("x") == []  # a record without its environment compares
+    here = er.environment()
+    with open(er.environment_path("x"), "w") as f:
+        json.dump(dict(here, cpu="another CPU's name"), f)  # the CPU's name is for the reader only
+    assert er.environment_differences("x") == []
+    other = "AVX2" if here["cpu_capability"] != "AVX2" else "AVX512"
+    with open(er.environment_path("x"), "w") as f:
+        json.dump(dict(here, cpu_capability=other, tokenizers="0.0.1"), f)
+    assert er.environment_differences("x") == [f"cpu_capability: recorded {other}, here {here['cpu_capability']}",
+                                               f"tokenizers: recorded 0.0.1, here {here['tokenizers']}"]
