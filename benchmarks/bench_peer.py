@@ -26,8 +26,9 @@ other in this order:
 
 This trainer is launched as examples/run_smollm2_mawps.sh launches it (DeepSpeed's launcher,
 ``--num_gpus`` = stages + anchor ranks, gloo on CPU) with ``--train-iters`` = ``--steps``, no
-drift probe (a diagnostic, not training) and ``--trainer-bf16-args`` (default ``--bf16``, mixed
-precision) on its bf16 rows. Seconds per step: the trainer's ``timing_s/step`` per iteration
+drift probe (a diagnostic, not training), ``--trainer-bf16-args`` (default ``--bf16``, mixed
+precision) on its bf16 rows and ``--rollout-dtype fp32`` on its fp32 rows (else its sampler holds
+bf16 weights, and computes in bf16 where bf16 is native, while TRL's fp32 rows generate in fp32). Seconds per step: the trainer's ``timing_s/step`` per iteration
 from its ``metrics.jsonl``; TRL's from a callback (``on_step_begin`` -> ``on_step_end``),
 written in the same form. The result is the median over steps 2..``--steps`` (step 1 warms
 up), the generation share beside it, and per dtype the ratio TRL s/step / row s/step (> 1:
@@ -162,7 +163,9 @@ def trainer_command(row: Row, dtype: str, job: Dict[str, str], *, steps: int, lo
             "--no-tqdm"]
     if threads:
         cmd += ["--num-threads", str(threads)]
-    return cmd + (list(bf16_args) if dtype == "bf16" else [])
+    # fp32 rows: the sampler in fp32 too, as TRL's fp32 rows generate (the trainer's default sampler
+    # holds bf16 weights and computes in bf16 where bf16 is native: a bf16 row's sampler)
+    return cmd + (list(bf16_args) if dtype == "bf16" else ["--rollout-dtype", "fp32"])
 
 
 def trl_command(python: str, dtype: str, job: Dict[str, str], *, steps: int, log_dir: str,

@@ -48,6 +48,8 @@ def test_dry_run_prints_every_command(tmp_path):
             ("0.7", "1e-5", "answer_is")
         assert _flag(c, "--model") == "smollm2-135m-instruct" and _flag(c, "--num-holdout") == "0"
         assert ("--anchor-interval" in c) == (_flag(c, "--anchor-ranks") == "1")
+        # fp32 rows sample in fp32 too (the default sampler is bf16 where bf16 is native)
+        assert ("--rollout-dtype" in c and _flag(c, "--rollout-dtype") == "fp32") == ("--bf16" not in c)
         assert _flag(c, "--log-dir").startswith(str(tmp_path / "runs"))
     assert len({_flag(c, "--master_port") for c in trainer}) == 6
 
