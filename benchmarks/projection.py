@@ -1,7 +1,7 @@
 """projection: what the measured bytes predict for a deep pipeline over a slow link (a model, not a run).
 
     python -m benchmarks.projection [--stages 8] [--bandwidth-mbit 200] [--latency-ms 50]
-                                    [--tflops 250] [--codec-json codec.json]
+                                    [--tflops 250] [--gpu-json bench_gpu.json] [--codec-json codec.json]
 
 Default model: Qwen2.5-1.5B shape (d=1536, 28 layers, ffn 8960, 12 heads / 2 kv heads,
 vocab 151936, tied embeddings), 8 stages, one GRPO step = forward-only pass (old
@@ -57,6 +57,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 
 from megatron_cegrpo.anchor.shipment import SHIP_MODES, shipment_nbytes
 from megatron_cegrpo.bootstrap import bootstrap
@@ -180,6 +181,25 @@ def print_whole_step(a, k: int) -> dict:
     return ws
 
 
+#: bench_gpu's measurement on an H200 (issue 29 item 6) at the default shape (d 1536, 256 x 4 tokens)
+GPU_JSON = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "issue29_gpu_h200", "bench_gpu_1k.json")
+
+
+def _measured_mask_row(a, path: str, key: str, tool: str) -> dict:
+    """The timed ``mask`` row for ``a.d`` of a ``tool --out`` file (rows under ``key``); a note
+    when it was timed at another micro-batch shape. Raises SystemExit when there is none."""
+    with open(path) as f:
+        rows = [r for r in json.load(f)[key]
+                if r.get("d") == a.d and r.get("codec") == "mask" and "note" not in r and "error" not in r]
+    if not rows:
+        raise SystemExit(f"{path} has no timed mask row for d={a.d} (run {tool} with that d)")
+    r = rows[0]
+    if r["tokens"] != a.seq_len * a.micro_batch:
+        print(f"note: {path} was timed at {r['tokens']} tokens per micro-batch, "
+              f"the projection uses {a.seq_len * a.micro_batch}")
+    return r
+
+
 def main(argv=None):
     bootstrap()
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
@@ -206,6 +226,9 @@ def main(argv=None):
                     help="measured ms of one layer forward+backward at [seq-len, micro-batch, d] (replaces --tflops)")
     ap.add_argument("--codec-share", type=float, default=0.0,
                     help="mask codec time per micro-batch crossing as a fraction of one layer fwd+bwd")
+    ap.add_argument("--gpu-json", default=GPU_JSON,
+                    help="bench_gpu --out file: adds a GPU scenario with its measured layer time and mask codec share "
+                         "(default: the H200 run in benchmarks/results; '' leaves it out)")
     ap.add_argument("--codec-json", default=None,
                     help="bench_codec --out file: adds a CPU scenario with its measured layer time and codec share")
     ap.add_argument("--embd-fraction", type=float, default=0.05,
@@ -226,16 +249,14 @@ def main(argv=None):
     k = math.ceil(round(a.keep_ratio * a.d, 9))
 
     scenarios = [("GPU (assumed %.0f TFLOP/s per stage)" % a.tflops, dict(layer_fwd_bwd_ms=None), a.codec_share)]
+    if a.gpu_json:
+        r = _measured_mask_row(a, a.gpu_json, "rows", "bench_gpu")
+        scenarios.append((f"{json.load(open(a.gpu_json)).get('device', 'GPU')} (measured: layer f+b "
+                          f"{r['layer_fwd_bwd_ms']:.2f} ms, mask codec {100 * r['share_of_layer_fwd_bwd']:.0f}% of it "
+                          f"on the critical path)", dict(layer_fwd_bwd_ms=r["layer_fwd_bwd_ms"]),
+                          r["share_of_layer_fwd_bwd"]))
     if a.codec_json:
-        with open(a.codec_json) as f:
-            rows = [r for r in json.load(f)["time"]
-                    if r.get("d") == a.d and r.get("codec") == "mask" and "note" not in r]
-        if not rows:
-            raise SystemExit(f"{a.codec_json} has no timed mask row for d={a.d} (run bench_codec with that d)")
-        r = rows[0]
-        if r["tokens"] != a.seq_len * a.micro_batch:
-            print(f"note: {a.codec_json} was timed at {r['tokens']} tokens per micro-batch, "
-                  f"the projection uses {a.seq_len * a.micro_batch}")
+        r = _measured_mask_row(a, a.codec_json, "time", "bench_codec")
         scenarios.append((f"this CPU (measured: layer f+b {r['layer_fwd_bwd_ms']:.0f} ms, mask codec "
                           f"{100 * r['share_of_layer_fwd_bwd']:.2f}% of it on the critical path)",
                           dict(layer_fwd_bwd_ms=r["layer_fwd_bwd_ms"]), r["share_of_layer_fwd_bwd"]))

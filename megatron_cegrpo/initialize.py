@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_cegrpo.compat import apply_cpu_compat
+from megatron_cegrpo.compat.placement import process_group_backend
 from megatron_cegrpo.errors import ConfigError
 
 __all__ = ["DistContext", "initialize_distributed", "shutdown_distributed", "set_seed", "PEER_LIFETIME_TIMEOUT",
@@ -140,7 +141,9 @@ def initialize_distributed(pipeline_model_parallel_size: int, seed: int,
                  ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29533")):
         os.environ.setdefault(k, v)
     if not dist.is_initialized():
-        _init_default_group("gloo" if cpu else "nccl", timedelta(minutes=timeout_minutes))
+        # gloo on CPU hosts; "cpu:gloo,cuda:nccl" on GPU hosts, so that each collective routes by its
+        # tensors' device (the CPU control plane through gloo, CUDA activations through NCCL)
+        _init_default_group(process_group_backend(), timedelta(minutes=timeout_minutes))
         if cpu:
             _unlink_deepspeed_shm_buffer()
     world = dist.get_world_size()

@@ -34,10 +34,16 @@ __all__ = [
 
 
 class PhaseTimers:
-    """Wall-clock seconds per named phase of one iteration (``timing_s/<phase>``)."""
+    """Wall-clock seconds per named phase of one iteration (``timing_s/<phase>``).
+
+    On a GPU each phase ends with ``torch.cuda.synchronize()``: kernels are queued asynchronously,
+    so without it a phase's time would land in whichever later phase first waits for them."""
 
     def __init__(self):
+        import torch  # here: the log-reading tools import this module without torch's start-up
+
         self.times: Dict[str, float] = {}
+        self._sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
 
     @contextmanager
     def phase(self, name: str):
@@ -45,6 +51,7 @@ class PhaseTimers:
         try:
             yield
         finally:
+            self._sync()
             self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - t0
 
     def snapshot_and_reset(self) -> Dict[str, float]:

@@ -109,6 +109,7 @@ def test_non_fp32_masters_are_refused():
 def test_megatron_stage_runs_bf16_with_fp32_gradients(megatron_single_process):
     """A tiny-llama stage built for --bf16 through the trainer's own runner: bf16 logits, fp32
     weights and gradients after, and gradients within bf16 rounding of the fp32 stage's."""
+    from megatron_cegrpo.compat.placement import place_batch
     from megatron_cegrpo.models.stage import build_policy_stage
     from megatron_cegrpo.pipeline.schedule import PipelineRunner
     from megatron.core.process_groups_config import ProcessGroupCollection
@@ -120,8 +121,8 @@ def test_megatron_stage_runs_bf16_with_fp32_gradients(megatron_single_process):
         g = torch.Generator().manual_seed(3)
         n, s = 4, 12
         tokens = torch.randint(0, pol.hf_config.vocab_size, (n, s), generator=g)
-        batch = {"tokens": tokens, "labels": torch.roll(tokens, -1, 1), "loss_mask": torch.ones(n, s),
-                 "position_ids": torch.arange(s).expand(n, s).contiguous(), "sample_ids": torch.arange(n)}
+        batch = place_batch({"tokens": tokens, "labels": torch.roll(tokens, -1, 1), "loss_mask": torch.ones(n, s),
+                             "position_ids": torch.arange(s).expand(n, s).contiguous(), "sample_ids": torch.arange(n)})
         seen = []
 
         def loss_fn(mb, logits):

@@ -40,6 +40,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
+from megatron_cegrpo.compat.placement import compute_device
 from .codecs import BoundaryCodec, BoundaryContext, _check_shape, register_codec
 
 __all__ = ["LowRankCodec", "Q_OWNERS", "initial_basis", "lowrank_rank", "orthonormalize", "power_step"]
@@ -167,7 +168,9 @@ class LowRankCodec(BoundaryCodec):
     def basis_shape(self, d: int) -> Tuple[int, int]:
         return (int(d), self.rank(d))
 
-    def _current(self, ctx: BoundaryContext, d: int, dtype: torch.dtype) -> torch.Tensor:
+    def _current(self, ctx: BoundaryContext, d: int, dtype: torch.dtype, device=None) -> torch.Tensor:
+        """The basis serving ctx.step at boundary ctx.boundary, in ``dtype`` on ``device`` (the
+        tensor it multiplies: the seed-derived and anchor-sent bases are made on the CPU)."""
         b = ctx.boundary
         pend = self._pending.get(b)
         if pend is not None and ctx.step >= pend[1]:
@@ -175,11 +178,13 @@ class LowRankCodec(BoundaryCodec):
             del self._pending[b]
         if b not in self._q:
             self._q[b], self._q_step[b] = initial_basis(ctx.seed, b, d, self.rank(d), dtype), -1
+        if device is not None and self._q[b].device != torch.device(device):
+            self._q[b] = self._q[b].to(device)
         return self._q[b]
 
     def _refresh_if_new_step(self, x: torch.Tensor, ctx: BoundaryContext) -> torch.Tensor:
         """Sender side: the basis of ctx.step, refreshed from ``x`` on its first crossing (fast owner)."""
-        q = self._current(ctx, x.shape[-1], x.dtype)
+        q = self._current(ctx, x.shape[-1], x.dtype, x.device)
         if self.q_owner == "fast" and self._q_step[ctx.boundary] != ctx.step:
             q = power_step(q, x).to(x.dtype)
             self._q[ctx.boundary], self._q_step[ctx.boundary] = q, ctx.step
@@ -196,7 +201,7 @@ class LowRankCodec(BoundaryCodec):
         if self.q_owner != "fast" or self._q_step.get(ctx.boundary) == ctx.step:
             return None
         d = _check_shape(shape)[2]
-        return torch.empty(self.basis_shape(d), dtype=dtype)
+        return torch.empty(self.basis_shape(d), dtype=dtype, device=compute_device())  # where the payload lands
 
     def accept_basis(self, ctx: BoundaryContext, q: torch.Tensor) -> None:
         """Receiver: install the basis the sender shipped for ctx.step."""
@@ -207,8 +212,8 @@ class LowRankCodec(BoundaryCodec):
         receive it in the same iteration and pass the same ``first_step``)."""
         self._pending[int(boundary)] = (q.detach().clone(), int(first_step))
 
-    def _installed(self, ctx: BoundaryContext, d: int, dtype: torch.dtype) -> torch.Tensor:
-        q = self._current(ctx, d, dtype)
+    def _installed(self, ctx: BoundaryContext, d: int, dtype: torch.dtype, device=None) -> torch.Tensor:
+        q = self._current(ctx, d, dtype, device)
         if self.q_owner == "fast" and self._q_step[ctx.boundary] != ctx.step:
             raise ValueError(f"lowrank: boundary {ctx.boundary} has no basis for iteration {ctx.step} "
                              f"(serves {self._q_step[ctx.boundary]}); the sender's basis never arrived")
@@ -228,13 +233,13 @@ class LowRankCodec(BoundaryCodec):
         s, b, d = _check_shape(shape)
         if tuple(payload.shape) != self.payload_shape(shape):
             raise ValueError(f"payload shape {tuple(payload.shape)} != {self.payload_shape(shape)}")
-        return payload @ self._installed(ctx, d, payload.dtype).t()
+        return payload @ self._installed(ctx, d, payload.dtype, payload.device).t()
 
     def decode_forward(self, payload, ctx, shape):
         return self._expand(payload, ctx, shape)
 
     def encode_backward(self, grad, ctx):
-        return (grad.detach() @ self._installed(ctx, grad.shape[-1], grad.dtype)).contiguous()
+        return (grad.detach() @ self._installed(ctx, grad.shape[-1], grad.dtype, grad.device)).contiguous()
 
     def decode_backward(self, payload, ctx, shape):
         return self._expand(payload, ctx, shape)

@@ -334,12 +334,14 @@ def build_stage(hf_config, tf_config, *, pp_rank: int, pp_size: int, pg_collecti
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
+    from megatron_cegrpo.compat.placement import compute_device
+
     _check_supported(hf_config)
     stage_layer_range(tf_config, pp_rank, pp_size)  # validates rank/size vs. config
     if pg_collection is None:
         pg_collection = stage_pg_collection(pp_rank, pp_size)
     spec = get_gpt_layer_local_spec(normalization="RMSNorm")
-    return GPTModel(
+    model = GPTModel(
         config=tf_config,
         transformer_layer_spec=spec,
         vocab_size=int(hf_config.vocab_size),
@@ -355,6 +357,9 @@ def build_stage(hf_config, tf_config, *, pp_rank: int, pp_size: int, pg_collecti
         rotary_base=_rope_theta(hf_config),
         pg_collection=pg_collection,
     )
+    # onto this rank's device, as megatron's get_model does (model.cuda()): the local spec's torch
+    # RMSNorm (no Apex / Transformer Engine) creates its weights on the CPU even on a GPU host
+    return model.to(compute_device())
 
 
 def allreduce_tied_embedding_grads(model, embedding_group) -> None:
@@ -399,6 +404,7 @@ def init_single_process_megatron(seed: int = 1234, init_file: Optional[str] = No
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     from megatron_cegrpo.compat.cpu import apply_cpu_compat
+    from megatron_cegrpo.compat.placement import process_group_backend
 
     apply_cpu_compat()
     created = False
@@ -407,9 +413,8 @@ def init_single_process_megatron(seed: int = 1234, init_file: Optional[str] = No
             fd, init_file = tempfile.mkstemp(prefix="megatron_cegrpo_pg_")
             os.close(fd)
             os.unlink(init_file)
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
         torch.distributed.init_process_group(
-            backend, init_method=f"file://{init_file}", rank=0, world_size=1
+            process_group_backend(), init_method=f"file://{init_file}", rank=0, world_size=1
         )
         created = True
     if not parallel_state.model_parallel_is_initialized():

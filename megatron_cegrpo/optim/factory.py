@@ -35,16 +35,24 @@ def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: OptimConfig) -> t
     Returns:
         ``deepspeed.ops.adam.DeepSpeedCPUAdam`` without CUDA (with
         :func:`replay_cpu_adam_bias_correction` as a ``load_state_dict`` post-hook), ``FusedAdam``
-        with it (whose kernel takes beta^t from the step count alone: nothing to replay).
+        with it (whose kernel takes beta^t from the step count alone: nothing to replay); where
+        FusedAdam's JIT build fails (no nvcc, or one that does not match torch's CUDA), torch's
+        fused ``AdamW`` / ``Adam`` with a warning line.
     """
     adamw = cfg.optimizer != "adam"
     kwargs = dict(lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
                   weight_decay=cfg.weight_decay)
     params = list(params)
     if torch.cuda.is_available():
-        from deepspeed.ops.adam import FusedAdam
+        try:
+            from deepspeed.ops.adam import FusedAdam
 
-        return FusedAdam(params, adam_w_mode=adamw, **kwargs)
+            return FusedAdam(params, adam_w_mode=adamw, **kwargs)
+        except Exception as e:  # its JIT build needs nvcc matching torch's CUDA; torch's fused kernel does not
+            print(f"[cegrpo] warning: DeepSpeed's FusedAdam is unavailable ({type(e).__name__}: "
+                  f"{str(e).splitlines()[0] if str(e) else ''}); using torch.optim.{'AdamW' if adamw else 'Adam'}"
+                  f"(fused=True), the same update", flush=True)
+            return (torch.optim.AdamW if adamw else torch.optim.Adam)(params, fused=True, **kwargs)
     from deepspeed.ops.adam import DeepSpeedCPUAdam
 
     opt = DeepSpeedCPUAdam(params, adamw_mode=adamw, **kwargs)

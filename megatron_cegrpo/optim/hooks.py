@@ -15,6 +15,8 @@ from typing import Callable, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
+from megatron_cegrpo.compat.placement import compute_device, like
+
 __all__ = ["SignCorrectionHook", "GradClipHook"]
 
 
@@ -83,6 +85,8 @@ class SignCorrectionHook:
                     raise ValueError(f"sign shape {tuple(s.shape)} != parameter shape {tuple(p.shape)}")
             if all(s is None for s in signs):
                 signs = None
+            else:  # on each parameter's device, in its own dtype (compat/placement.py, rule 3)
+                signs = [None if s is None else like(s, p, dtype=s.dtype) for s, p in zip(signs, self.params)]
         self.signs = signs
 
     @torch.no_grad()
@@ -147,13 +151,14 @@ class GradClipHook:
 
     @torch.no_grad()
     def __call__(self, optimizer, args, kwargs) -> None:
-        sq = torch.zeros((), dtype=torch.float64)
+        sq = torch.zeros((), dtype=torch.float64, device=compute_device())  # summed where the gradients are
         external = self.external_terms() if self.external_terms is not None else {}
         for p in self.norm_params:
             if id(p) in external:
-                sq += external[id(p)]
+                sq += like(external[id(p)], sq)
             elif p.grad is not None:
                 sq += p.grad.detach().double().square().sum()
+        sq = sq.cpu()  # one device sync; the scalar all-reduce is control plane (gloo: placement.py)
         if self.group is not None and dist.is_initialized():
             dist.all_reduce(sq, group=self.group)
         norm = float(sq.sqrt())

@@ -87,7 +87,7 @@ class StageWeightGatherer:
     def gather(self) -> Optional[List[Dict[str, torch.Tensor]]]:
         """Returns on the driver one state dict per stage (stage order); None elsewhere."""
         if self.pp_rank != 0:
-            flat = flatten_params(list(self.model.parameters()))
+            flat = flatten_params(list(self.model.parameters())).cpu()  # the driver receives on the CPU
             dist.send(flat, dst=self.driver, group=self.group)
             self.last_bytes = flat.numel() * flat.element_size()
             return None

@@ -6,6 +6,7 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
+from megatron_cegrpo.compat.placement import compute_device
 from megatron_cegrpo.rollout.base import RolloutEngine, RolloutOutput, register_rollout_engine
 
 __all__ = ["HFRolloutEngine"]
@@ -29,6 +30,8 @@ class HFRolloutEngine(RolloutEngine):
             ``dtype="bf16"`` holds the same bf16 values exactly (every bf16 number is an fp32
             number) and runs at fp32 speed on a CPU without native bf16 matmuls
             (``compat/precision.py``). Logits are upcast to fp32 for the log-probs either way.
+        device: where the model runs (default ``compat.placement.compute_device()``: this rank's GPU
+            where CUDA is available). Prompts go there; the returned tensors are on the CPU.
 
     Raises:
         ValueError: ``dtype="fp32"`` with ``compute_dtype="bf16"`` (the weights would be rounded
@@ -39,7 +42,7 @@ class HFRolloutEngine(RolloutEngine):
 
     def __init__(self, hf_config, hf_state_dict: Dict[str, torch.Tensor], tokenizer,
                  eos_token_ids: Optional[Sequence[int]] = None, dtype: str = "fp32",
-                 compute_dtype: Optional[str] = None):
+                 compute_dtype: Optional[str] = None, device: Optional[torch.device] = None):
         from transformers import AutoModelForCausalLM
 
         compute_dtype = compute_dtype or dtype
@@ -48,7 +51,9 @@ class HFRolloutEngine(RolloutEngine):
                              "to bf16 to compute in it); fix: pass --rollout-dtype bf16")
         self.tokenizer = tokenizer
         self.weight_dtype = self.DTYPES[dtype]
-        self.model = AutoModelForCausalLM.from_config(hf_config, dtype=self.DTYPES[compute_dtype])
+        # the compute device (compat/placement.py): the GPU of this rank where CUDA is available
+        self.device = compute_device() if device is None else torch.device(device)
+        self.model = AutoModelForCausalLM.from_config(hf_config, dtype=self.DTYPES[compute_dtype]).to(self.device)
         self.model.eval()
         self.update_weights(hf_state_dict)
         eos = list(eos_token_ids) if eos_token_ids else [tokenizer.eos_token_id]
@@ -60,7 +65,7 @@ class HFRolloutEngine(RolloutEngine):
     def update_weights(self, hf_state_dict: Dict[str, torch.Tensor]) -> None:
         """Copy weights in place, rounded to the ``dtype`` the sampler holds (then stored in the
         compute dtype, exactly). Raises KeyError naming missing/unexpected keys."""
-        own = self.model.state_dict()
+        own = self.model.state_dict()  # on self.device: copy_ moves each weight there
         missing = [k for k in own if k not in hf_state_dict and not _is_tied_alias(self.model, k)]
         unexpected = [k for k in hf_state_dict if k not in own]
         if missing or unexpected:
@@ -88,7 +93,8 @@ class HFRolloutEngine(RolloutEngine):
         n = len(prompt_ids)
         bs = batch_size or n
         out = RolloutOutput([], [], [], [], torch.zeros(n, dtype=torch.bool))
-        with torch.random.fork_rng(devices=[]):
+        # the device's generator draws the tokens: fork (and so restore) it too on a GPU
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
             if generator_seed is not None:
                 torch.manual_seed(generator_seed)
             for start in range(0, n, bs):
@@ -111,14 +117,15 @@ class HFRolloutEngine(RolloutEngine):
             kwargs.update(do_sample=False)
         else:
             kwargs.update(do_sample=True, temperature=temperature, top_p=top_p, top_k=0)
-        gen = self.model.generate(input_ids=ids, attention_mask=attn, **kwargs)
-        resp = gen.sequences[:, plen:]
+        gen = self.model.generate(input_ids=ids.to(self.device), attention_mask=attn.to(self.device), **kwargs)
+        resp = gen.sequences[:, plen:].cpu()  # the rollout's tensors stay on the CPU (RolloutOutput)
         if return_logprobs:
             # one step at a time: gen.logits is T raw (unprocessed) [n, V] tensors; stacking them
             # and a log-softmax copy would hold 2 more [n, T, V] buffers at the peak
             temp = 1.0 if greedy else float(temperature)
-            logp = torch.stack([torch.log_softmax(step.float() / temp, dim=-1).gather(-1, resp[:, i:i + 1]).squeeze(-1)
-                                for i, step in enumerate(gen.logits)], dim=1)
+            drawn = resp.to(self.device)
+            logp = torch.stack([torch.log_softmax(step.float() / temp, dim=-1).gather(-1, drawn[:, i:i + 1]).squeeze(-1)
+                                for i, step in enumerate(gen.logits)], dim=1).cpu()
             del gen
         else:
             logp = torch.zeros(resp.shape, dtype=torch.float32)

@@ -153,7 +153,8 @@ class StageWorker:
         out = {"logprobs": ca.logprobs_from_logits(logits, mb["labels"]).detach()}
         if want_entropy:
             out["entropy"] = ca.entropy_from_logits(logits).detach()
-        return torch.zeros(()), torch.tensor(0, dtype=torch.int), out
+        return (torch.zeros((), device=logits.device), torch.zeros((), dtype=torch.int, device=logits.device),
+                out)
 
     def _update_loss_fn(self, num_tokens: float, num_seqs: float, mb, logits):
         """The update's loss; with the old log-probs taken from this pass

@@ -38,6 +38,7 @@ from tqdm import tqdm
 from megatron_cegrpo.arguments import TrainConfig
 from megatron_cegrpo.checkpointing import is_save_iteration
 from megatron_cegrpo.compat.precision import precision_warning
+from megatron_cegrpo.compat.placement import place_batch
 from megatron_cegrpo.initialize import DistContext
 from megatron_cegrpo.metrics import PhaseTimers, format_progress
 from megatron_cegrpo.models.stage import build_policy_stage
@@ -87,9 +88,7 @@ class GRPOTrainer:
         self.dense_steps = DenseSteps(cfg.codec.dense_step_interval, self.stage, self.drift.controller)
         self.circuits: List[Circuit] = circuits_of(cfg, ctx, self.stage)
         self.fidelity = GradFidelityProbe(self.stage) if cfg.logging.grad_fidelity_interval else None
-        if self.fidelity is not None:
-            self.fidelity.declare_metrics(self.reducer)
-        for c in self.circuits:
+        for c in ([self.fidelity] if self.fidelity is not None else []) + self.circuits:
             c.declare_metrics(self.reducer)
         self.timers = PhaseTimers()
         self.checkpointer = Checkpointer(cfg, ctx, policy.hf_config, self._log)
@@ -148,12 +147,13 @@ class GRPOTrainer:
         stage, timers = self.stage, self.timers
         t = self.iteration + 1
         t_start = time.perf_counter()
-        full, batch = self.rollout(t)  # the whole batch (driver only) and this replica's share
+        full, received = self.rollout(t)  # the whole batch (driver only) and this replica's share
+        batch = place_batch(received, self.ctx.device)  # on the stage's device (compat/placement.py)
         if not self.dense_steps.is_dense(t):  # masks of this iteration, on a background thread
             stage.prefetch_codec(batch, t)
         for c in self.circuits:
             with timers.phase(c.phase):
-                c.after_rollout(t, full if full is not None else batch)
+                c.after_rollout(t, full if full is not None else received)  # CPU tensors
         with self.dense_steps.iteration(t):  # a dense step: dense boundaries, no correction (dense_step.py)
             stats = {}
             if not self.cfg.old_log_prob_from_update:  # else the update pass's own (stage.update)
