@@ -22,7 +22,9 @@ that batch and the same (never updated) weights:
 3. ``bytes_ratio``: every byte the codec put on the wire in those passes, both directions,
    summed over the stages (whatever the codec bills to the communicator's ByteMeter: payloads,
    scales, basis or other side traffic), over the dense bytes of the same tensors — the
-   trainer's ``comm/bytes_ratio``;
+   trainer's ``comm/bytes_ratio``; ``bytes_per_response_token``: the same bytes over the
+   batch's response tokens (the trainer's ``comm/boundary_bytes_per_response_token``: the
+   comparison at equal wire cost per trained token, whatever the prompts' share of positions);
 4. ``error_persistence``: ``codec/error_persistence`` between successive batches (from
    the second batch on; undefined for a codec without error, e.g. dense).
 
@@ -79,7 +81,8 @@ TRAINER_FLAGS = [
     "--deepspeed_config", os.path.join(REPO, "ds_configs", "cpu_adamw.json"),
 ]
 #: row fields (name, metric key); cos_stage<i> for every stage is added per run
-FIELDS = [("bytes_ratio", "comm/bytes_ratio"), ("mismatch", "mismatch/abs_logprob_diff_mean"),
+FIELDS = [("bytes_ratio", "comm/bytes_ratio"), ("bytes_per_response_token", "comm/boundary_bytes_per_response_token"),
+          ("mismatch", "mismatch/abs_logprob_diff_mean"),
           ("cos", "fidelity/cos"), ("cos_stage0", "fidelity/cos/stage_0"),
           ("sign_agreement", "fidelity/sign_agreement"), ("norm_ratio", "fidelity/norm_ratio"),
           ("error_persistence", "codec/error_persistence")]
@@ -264,6 +267,9 @@ def _run(trainer, args, specs: List[str]) -> Optional[List[Dict]]:
             if ctx.is_driver:
                 m = reducer.reduce(gathered)
                 m["seconds"] = time.perf_counter() - t1
+                # the wire cost per token the batch trains on (issue 32 item 4; the ledger's key)
+                m["comm/boundary_bytes_per_response_token"] = (
+                    (m.get("comm/fwd_bytes", 0) + m.get("comm/bwd_bytes", 0)) / max(int(batch["response_lengths"].sum()), 1))
                 per[s].append(m)
                 say(f"batch {t}/{args.batches} {s}: bytes_ratio {m['comm/bytes_ratio']:.4f} mismatch "
                     f"{m.get('mismatch/abs_logprob_diff_mean', float('nan')):.3f} cos "

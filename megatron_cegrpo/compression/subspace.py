@@ -248,6 +248,15 @@ class SubspaceQuantHalf(DirectionCodec):
             are sent sorted by them. The first
             message at a boundary (and the first after ``reset`` or a change of d) fits a fresh
             ``top_basis`` on the critical path. Wire layout, bytes and receiver unchanged.
+        every: (pcaq) steps one basis serves, >= 1 (issue 32 item 3: a basis fitted to the
+            model's activations and kept, its bytes amortised). 1 (default): a basis per step.
+            R > 1: one basis per (boundary, window of R steps: ``step // R``), fitted from the
+            window's first message and sent with it, then held at both ends (``state_dict``:
+            a resume inside a window decodes with the same basis) for every message of the
+            window; its bytes are amortised over R steps (``step_nbytes``), so ``share`` can
+            shrink by R and the coefficients get the bits. The seeds' warning applies: a basis
+            held for R steps throws away the same subspace on each of them
+            (``codec/error_persistence``), so R is judged over a long horizon, not on fidelity.
     Raises:
         ValueError: parameters out of range (the message names the parameter); at
         encode/decode, a shape whose budget leaves no coefficient bits.
@@ -259,7 +268,7 @@ class SubspaceQuantHalf(DirectionCodec):
     tp_splittable = True
 
     def __init__(self, keep_ratio: float = 0.05, rank: int = 128, share: float = 0.12, max_bits: int = 8,
-                 outliers: int = 1, warm: int = 0, lag: int = 0):
+                 outliers: int = 1, warm: int = 0, lag: int = 0, every: int = 1):
         if not 0.0 < float(keep_ratio) <= 1.0:
             raise ValueError(f"keep_ratio must lie in (0, 1], got {keep_ratio}")
         if int(rank) < 1 or not 0.0 <= float(share) < 1.0 or not 1 <= int(max_bits) <= 16 or int(outliers) < 0:
@@ -276,6 +285,10 @@ class SubspaceQuantHalf(DirectionCodec):
                              f"previous message, by warm-started iterations, so it needs warm >= 1; "
                              f"fix: {self.name}/warm=1/lag=1 (or lag=0)")
         self.lag = int(lag)
+        if int(every) < 1 or (int(every) > 1 and self.refresh != "step"):
+            raise ValueError(f"{self.name}/every={every}: every is the number of steps one basis serves, >= 1, and "
+                             f"only a per-step basis (pcaq) can serve several; fix: pcaq/every=8 (or every=1)")
+        self.every = int(every)
         self._state = {"send": OrderedDict(), "recv": OrderedDict()}  # (boundary, step) -> (v fp32, lam list)
         # warm > 0: boundary -> fp32 [r, d]: lag=0, the last basis sent there; lag=1, the next one to send
         self._warm_basis = {}
@@ -355,21 +368,35 @@ class SubspaceQuantHalf(DirectionCodec):
                 self.background_jobs += 1
 
     def state_dict(self) -> dict:
-        """Checkpointable state that outlives a step: ``{}`` unless ``warm`` > 0, then
-        ``{"warm_basis": {boundary: fp32 [r, d]}}`` (the per-step bases are rebuilt each step)."""
-        if not self.warm:
-            return {}
-        self._settle()
-        return {"warm_basis": {b: v.clone() for b, v in self._warm_basis.items()}}
+        """Checkpointable state that outlives a step: ``{"warm_basis": {boundary: fp32 [r, d]}}``
+        when ``warm`` > 0, ``{"window_basis": {role: {(boundary, window): (v fp32 [r, d], lam
+        list)}}}`` when ``every`` > 1 (the per-step bases of ``every`` = 1 are rebuilt each step);
+        ``{}`` otherwise."""
+        out = {}
+        if self.warm:
+            self._settle()
+            out["warm_basis"] = {b: v.clone() for b, v in self._warm_basis.items()}
+        if self.every > 1:
+            out["window_basis"] = {role: {k: (v.clone(), list(lam)) for k, (v, lam) in store.items()}
+                                   for role, store in self._state.items()}
+        return out
 
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict` output (``{}``: no warm basis, the next one is a fresh eigh).
 
         Raises:
-            ValueError: keys other than ``warm_basis``, or a warm basis for a half with warm = 0.
+            ValueError: keys other than ``warm_basis`` / ``window_basis``, a warm basis for a half with
+                warm = 0, or a window basis for a half with every = 1.
         """
         state = dict(state or {})
         bases = state.pop("warm_basis", None)
+        windows = state.pop("window_basis", None)
+        if windows is not None and self.every == 1:
+            raise ValueError(f"the checkpoint's {self.name} half holds a basis over several steps, this run's has "
+                             f"every=1; fix: resume with the checkpoint's {self.name}/every=R in --boundary-codec")
+        for role, store in (windows or {}).items():
+            self._state[role] = OrderedDict((tuple(int(x) for x in k), (v.float().clone(), list(lam)))
+                                            for k, (v, lam) in store.items())
         if state:
             raise ValueError(f"{self.name}: unexpected codec state keys {sorted(state)}")
         if bases and not self.warm:
@@ -403,6 +430,18 @@ class SubspaceQuantHalf(DirectionCodec):
             raise ValueError(f"{self.name}: keep ratio {self.keep_ratio} leaves no coefficient bits for shape {shape}")
         return min(bits, self.max_bits * r)
 
+    def _key(self, ctx) -> Tuple[int, int]:
+        """(boundary, the step's basis window): ``step // every`` (``every`` = 1: the step)."""
+        return int(ctx.boundary), int(ctx.step) // self.every
+
+    def step_nbytes(self, shape, elem: int, messages: int, keys: int) -> int:
+        """As the base class's, with the basis amortised over ``every`` steps (rounded up)."""
+        messages = int(messages)
+        if messages <= 0 or self.every == 1:
+            return super().step_nbytes(shape, elem, messages, keys)
+        basis = self.nbytes(shape, elem, True) - self.nbytes(shape, elem, False)
+        return messages * self.nbytes(shape, elem, False) + math.ceil(basis / self.every)
+
     def _carries_basis(self, key, role: str) -> bool:
         return self.refresh == "microbatch" or key not in self._state[role]
 
@@ -416,7 +455,7 @@ class SubspaceQuantHalf(DirectionCodec):
 
     def wire_shape(self, shape, ctx, dtype, role):
         elem = torch.empty((), dtype=dtype).element_size()
-        first = self._carries_basis((ctx.boundary, ctx.step), role)
+        first = self._carries_basis(self._key(ctx), role)
         return (self.nbytes(shape, elem, first) // elem,)
 
     # ---- state ---------------------------------------------------------------------------
@@ -438,7 +477,7 @@ class SubspaceQuantHalf(DirectionCodec):
         s, b, d = _check_shape(t.shape)
         elem = t.element_size()
         x = t.detach().reshape(-1, d).float()
-        key, parts = (ctx.boundary, ctx.step), []
+        key, parts = self._key(ctx), []
         idx = torch.sort(torch.topk(x.norm(dim=-1), self.outlier_count(t.shape)).indices).values
         parts += [tensor_bytes(idx.to(torch.int32)), tensor_bytes(x[idx].half())]
         # outliers leave the basis and the column scales: the basis is fit with their rows zeroed
@@ -471,7 +510,7 @@ class SubspaceQuantHalf(DirectionCodec):
         s, b, d = _check_shape(shape)
         elem = payload.element_size()
         r = self.basis_rows(shape, elem)
-        key, k = (ctx.boundary, ctx.step), self.outlier_count(shape)
+        key, k = self._key(ctx), self.outlier_count(shape)
         if role == "send":
             carries = payload.numel() * elem == self.nbytes(shape, elem, True)
         else:

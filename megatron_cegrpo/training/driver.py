@@ -188,7 +188,8 @@ class Driver:
 
     @staticmethod
     def batch_metrics(batch: Dict[str, torch.Tensor]) -> Dict[str, float]:
-        """verl's ``critic/*``, ``response_length/*`` and ``prompt_length/mean`` of a batch."""
+        """verl's ``critic/*``, ``response_length/*`` and ``prompt_length/mean`` of a batch, and
+        ``batch/response_tokens`` (the tokens the loss trains on; the ledger's per-token bytes)."""
         scores, resp_len = batch["scores"], batch["response_lengths"].float()
         adv_seq = batch["advantages"].sum(1) / batch["loss_mask"].sum(1).clamp(min=1)
         return {
@@ -200,6 +201,7 @@ class Driver:
             "response_length/min": float(resp_len.min()),
             "response_length/clip_ratio": float(1.0 - batch["finished"].mean()),
             "prompt_length/mean": float(batch["prompt_lengths"].float().mean()),
+            "batch/response_tokens": int(batch["response_lengths"].sum()),
         }
 
     # ------------------------------------------------------------------ step 8

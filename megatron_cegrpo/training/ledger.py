@@ -60,9 +60,15 @@ def whole_step_ledger(m: Dict) -> Dict[str, float]:
 
     Args:
         m: the iteration's reduced metrics (bytes as ints; a missing key counts 0: no
-            anchor, an untied model, PP = 1).
+            anchor, an untied model, PP = 1), and ``batch/response_tokens`` (the batch's response
+            tokens, ``Driver.batch_metrics``).
     Returns:
-        the three keys; the ratio is 0.0 when nothing would cross a host.
+        the three keys (the ratio is 0.0 when nothing would cross a host), and, where the batch
+        has response tokens, ``comm/boundary_bytes_per_response_token`` (the boundaries' bytes)
+        and ``comm/total_bytes_per_response_token`` (every part's): bytes per token the batch
+        trains on (issue 32 item 4), the measure that compares codecs at the same wire cost
+        whatever the prompts' share of the positions (``--shared-prefix`` sends each prompt once
+        per group) and the responses' lengths.
     Raises:
         ValueError: a negative byte count (a metering bug).
     """
@@ -76,8 +82,13 @@ def whole_step_ledger(m: Dict) -> Dict[str, float]:
     for _, actual, ref, minus in LEDGER_PARTS:
         sent += total(actual)
         dense += total(ref) - total(minus)
-    return {"comm/total_bytes": sent, "comm/total_dense_bytes": dense,
-            "comm/total_ratio": sent / dense if dense else 0.0}
+    out = {"comm/total_bytes": sent, "comm/total_dense_bytes": dense,
+           "comm/total_ratio": sent / dense if dense else 0.0}
+    tokens = int(m.get("batch/response_tokens", 0))
+    if tokens > 0:  # the wire cost of what the batch teaches: comparable across prompt sharing and lengths
+        out["comm/boundary_bytes_per_response_token"] = total(LEDGER_PARTS[0][1]) / tokens
+        out["comm/total_bytes_per_response_token"] = sent / tokens
+    return out
 
 
 class RunLedger:

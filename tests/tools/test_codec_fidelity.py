@@ -12,7 +12,7 @@ import torch
 
 from distributed_util import PARITY_REWARD, REPO
 
-FIELDS = ("bytes_ratio", "mismatch", "cos", "cos_stage0", "sign_agreement", "norm_ratio", "error_persistence",
+FIELDS = ("bytes_ratio", "bytes_per_response_token", "mismatch", "cos", "cos_stage0", "sign_agreement", "norm_ratio", "error_persistence",
           "cos_stage1")
 
 
@@ -45,6 +45,9 @@ def test_tool_rows_match_hand_computation(tmp_path):
     assert dense["error_persistence"] is None  # no error, no direction
     # mask: k = ceil(0.25 * 64) = 16 of d = 64 both directions, every pass
     assert mask["bytes_ratio"] == 16 / 64 and mask["bytes_ratio_se"] == 0.0
+    for t in (0, 1):  # the same batch and passes: per response token, the ratio of the bytes
+        pm, pd = mask["per_batch"]["bytes_per_response_token"][t], dense["per_batch"]["bytes_per_response_token"][t]
+        assert pd > 0 and math.isclose(pm / pd, 16 / 64, rel_tol=1e-12)
     assert mask["mismatch"] > 1e-3
     assert mask["per_batch"]["error_persistence"][0] is None and -1 <= mask["error_persistence"] <= 1
     for t in (1, 2):

@@ -25,6 +25,13 @@ def test_totals_are_the_sums_of_the_parts():
                    "comm/total_ratio": sent / dense}
 
 
+def test_bytes_per_response_token():
+    out = whole_step_ledger({**PARTS, "batch/response_tokens": 58})
+    assert out["comm/boundary_bytes_per_response_token"] == (290 + 290) / 58
+    assert out["comm/total_bytes_per_response_token"] == out["comm/total_bytes"] / 58
+    assert "comm/boundary_bytes_per_response_token" not in whole_step_ledger({**PARTS, "batch/response_tokens": 0})
+
+
 def test_missing_parts_count_zero_and_negative_bytes_are_refused():
     assert whole_step_ledger({}) == {"comm/total_bytes": 0, "comm/total_dense_bytes": 0, "comm/total_ratio": 0.0}
     only = whole_step_ledger({"comm/fwd_bytes": 5, "comm/dense_equiv_bytes": 100})
