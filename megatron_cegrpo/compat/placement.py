@@ -20,9 +20,10 @@ Three rules, on CPU hosts and GPU hosts alike:
    sampler weight) is moved to the device and dtype of the tensor it is combined with, at the point
    of use.
 
-``tests/compat/test_placement.py`` checks rule 2 on CPU (every collective of a gloo-backed run gets
-CPU tensors) and that the rules hold for a batch; ``tests/gpu/test_cuda_paths.py`` runs the CUDA
-side where a GPU is present (``tools/device_check.sh``).
+``tests/compat/test_placement.py`` checks the backend choice and rules 1 and 3 on CPU;
+``tests/gpu/test_cuda_paths.py`` runs the CUDA side where a GPU is present (``tools/device_check.sh``;
+what ran on an H200 and what has not: ``docs/gpu.md``). Rule 2 across ranks has not run on GPUs
+(one was lent): it is PyTorch's own routing, used as documented.
 """
 
 from __future__ import annotations

@@ -24,6 +24,7 @@ Bytes of one message of N = s * b tokens, r basis rows, B coefficient bits per t
 elem = the wire dtype's element size (everything padded once to whole elements)::
 
     basis (pcaq: first message of the step; lrq: every message)   r * (2 d + 4)
+    shared sink (pcaq/sink=1: a flag byte + position 0 in fp16)   2 d + 1
     outlier tokens (index int32 + the token in fp16)              K * (2 d + 4)
     column scales (fp32)                                          4 r
     coefficients                                                  ceil(N * B / 8)
@@ -257,6 +258,15 @@ class SubspaceQuantHalf(DirectionCodec):
             shrink by R and the coefficients get the bits. The seeds' warning applies: a basis
             held for R steps throws away the same subspace on each of them
             (``codec/error_persistence``), so R is judged over a long horizon, not on fidelity.
+        sink: (pcaq) 0 (default) or 1 (issue 32 item 2): position 0 of every sequence (the
+            attention sink: SmolLM2's boundary state there is ~165x the median token's norm and,
+            under causal attention after the same first token, the same vector in every
+            sequence) crosses once per message: a flag byte and one fp16 row, instead of b
+            outlier rows. The sender checks that the b rows are bit-identical (flag 1: the
+            receiver writes the row into all b; the rows leave the basis and the scales, as
+            outliers do); where they are not (other first tokens), flag 0 and those rows are
+            coded like any token. Use with ``outliers=0`` (the sink was the outlier): the
+            b (2 d + 4) outlier bytes become 2 d + 1.
     Raises:
         ValueError: parameters out of range (the message names the parameter); at
         encode/decode, a shape whose budget leaves no coefficient bits.
@@ -268,7 +278,7 @@ class SubspaceQuantHalf(DirectionCodec):
     tp_splittable = True
 
     def __init__(self, keep_ratio: float = 0.05, rank: int = 128, share: float = 0.12, max_bits: int = 8,
-                 outliers: int = 1, warm: int = 0, lag: int = 0, every: int = 1):
+                 outliers: int = 1, warm: int = 0, lag: int = 0, every: int = 1, sink: int = 0):
         if not 0.0 < float(keep_ratio) <= 1.0:
             raise ValueError(f"keep_ratio must lie in (0, 1], got {keep_ratio}")
         if int(rank) < 1 or not 0.0 <= float(share) < 1.0 or not 1 <= int(max_bits) <= 16 or int(outliers) < 0:
@@ -289,6 +299,10 @@ class SubspaceQuantHalf(DirectionCodec):
             raise ValueError(f"{self.name}/every={every}: every is the number of steps one basis serves, >= 1, and "
                              f"only a per-step basis (pcaq) can serve several; fix: pcaq/every=8 (or every=1)")
         self.every = int(every)
+        if int(sink) not in (0, 1) or (int(sink) and self.refresh != "step"):
+            raise ValueError(f"{self.name}/sink={sink}: sink=1 sends position 0 of the sequences once per message "
+                             f"(the forward half, pcaq); fix: pcaq/sink=1/outliers=0 (or sink=0)")
+        self.sink = int(sink)
         self._state = {"send": OrderedDict(), "recv": OrderedDict()}  # (boundary, step) -> (v fp32, lam list)
         # warm > 0: boundary -> fp32 [r, d]: lag=0, the last basis sent there; lag=1, the next one to send
         self._warm_basis = {}
@@ -424,7 +438,8 @@ class SubspaceQuantHalf(DirectionCodec):
         """B, coefficient bits per token (ValueError if < 1)."""
         s, b, d = _check_shape(shape)
         r = self.basis_rows(shape, elem)
-        avail = self.budget(shape, elem) * (1.0 - self.share) - 4 * r - self.outlier_count(shape) * (2 * d + 4)
+        avail = (self.budget(shape, elem) * (1.0 - self.share) - 4 * r - self.outlier_count(shape) * (2 * d + 4)
+                 - self.sink * (2 * d + 1))
         bits = math.floor(8 * avail / max(s * b, 1))
         if bits < 1:
             raise ValueError(f"{self.name}: keep ratio {self.keep_ratio} leaves no coefficient bits for shape {shape}")
@@ -448,7 +463,8 @@ class SubspaceQuantHalf(DirectionCodec):
     def nbytes(self, shape, elem, first_of_step):
         s, b, d = _check_shape(shape)
         r = self.basis_rows(shape, elem)
-        raw = 4 * r + packed_nbytes(s * b, self.coef_bits(shape, elem)) + self.outlier_count(shape) * (2 * d + 4)
+        raw = (4 * r + packed_nbytes(s * b, self.coef_bits(shape, elem)) + self.outlier_count(shape) * (2 * d + 4)
+               + self.sink * (2 * d + 1))
         if first_of_step or self.refresh == "microbatch":
             raw += r * (2 * d + 4)
         return wire_numel(raw, _dtype_of(elem)) * elem
@@ -478,10 +494,19 @@ class SubspaceQuantHalf(DirectionCodec):
         elem = t.element_size()
         x = t.detach().reshape(-1, d).float()
         key, parts = self._key(ctx), []
-        idx = torch.sort(torch.topk(x.norm(dim=-1), self.outlier_count(t.shape)).indices).values
+        norms, sink = x.norm(dim=-1), torch.zeros(0, dtype=torch.long, device=x.device)
+        if self.sink:  # rows 0..b-1 of the s-major [N, d] view: position 0 of each sequence
+            shared = bool((x[:b] == x[0]).all())  # checked, not assumed
+            parts += [torch.tensor([int(shared)], dtype=torch.uint8, device=x.device),
+                      tensor_bytes((x[0] if shared else torch.zeros_like(x[0])).half())]
+            if shared:
+                sink = torch.arange(b, device=x.device)
+                norms = norms.index_fill(0, sink, -1.0)  # not outliers too
+        idx = torch.sort(torch.topk(norms, self.outlier_count(t.shape)).indices).values
         parts += [tensor_bytes(idx.to(torch.int32)), tensor_bytes(x[idx].half())]
-        # outliers leave the basis and the column scales: the basis is fit with their rows zeroed
-        # and their coefficient rows are zero (rows of x v^T are independent: no copy of x)
+        # outliers (and a shared sink) leave the basis and the column scales: the basis is fit with
+        # their rows zeroed and their coefficient rows are zero (rows of x v^T are independent)
+        idx = torch.cat([sink, idx]) if self.sink else idx
         coef = None
         if self._carries_basis(key, "send"):
             v16, lam, coef = self._fit_basis(x, idx, self.basis_rows(t.shape, elem), ctx.boundary)
@@ -516,6 +541,11 @@ class SubspaceQuantHalf(DirectionCodec):
         else:
             carries = self._carries_basis(key, "recv")
         reader = ByteReader(wire_to_bytes(payload))
+        sink_row = None
+        if self.sink:
+            shared = bool(reader.take_as((1,), torch.uint8)[0])
+            row = reader.take_as((d,), torch.float16).to(payload.device).float()
+            sink_row = row if shared else None
         idx = reader.take_as((k,), torch.int32).to(payload.device).long()
         rows = reader.take_as((k, d), torch.float16).to(payload.device).float()
         if carries:
@@ -528,6 +558,8 @@ class SubspaceQuantHalf(DirectionCodec):
         bits = allocate_bits(lam_list, self.coef_bits(shape, elem), self.max_bits)
         c_hat = dequantize_columns(reader, s * b, bits, device=payload.device)
         out = (c_hat @ v).index_copy_(0, idx, rows)
+        if sink_row is not None:
+            out[:b] = sink_row
         return out.view(s, b, d).to(payload.dtype)
 
 

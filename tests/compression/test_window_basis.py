@@ -80,3 +80,49 @@ def test_a_resume_inside_a_window_decodes_as_the_straight_run():
 def test_bad_window_specs_name_the_fix(spec, msg):
     with pytest.raises(ValueError, match=msg):
         build_codec(spec, 0.05)
+
+
+def _with_sink(seed, shared=True):
+    """_data with a 150x-norm position 0, the same vector in every sequence when ``shared``."""
+    x = _data(seed)
+    g = torch.Generator().manual_seed(seed + 99)
+    row = 150 * torch.randn(48, generator=g)
+    x[0] = row if shared else row + torch.randn(2, 48, generator=g)
+    return x
+
+
+def test_a_shared_sink_crosses_once_per_message_and_exactly():
+    """pcaq/sink=1/outliers=0: one fp16 row and a flag instead of b outlier rows (the documented
+    bytes), position 0 decoded to that row in every sequence, the other tokens coded better than
+    when the sink sets the scales; rows that differ are coded like any token (flag 0)."""
+    spec = "pcaq/rank=10/sink=1/outliers=0:lrq/rank=6"
+    sender, receiver = build_codec(spec, 0.25), build_codec(spec, 0.25)
+    half = sender.fwd
+    d, b = SHAPE[2], SHAPE[1]
+    # at 5 %: the bytes the coefficients do not get are 2d + 1 for the sink against b (2d + 4) outlier bytes
+    tight = build_codec(spec, 0.05).fwd
+    plain = build_codec("pcaq/rank=10:lrq/rank=6", 0.05).fwd  # outliers=1: b rows of 2d + 4
+    assert tight.outlier_count(SHAPE) == 0 and plain.outlier_count(SHAPE) == b
+    assert tight.coef_bits(SHAPE, 4) == math.floor(
+        8 * (tight.budget(SHAPE, 4) * (1 - tight.share) - 4 * 10 - (2 * d + 1)) / (SHAPE[0] * b))
+    assert plain.coef_bits(SHAPE, 4) == math.floor(
+        8 * (plain.budget(SHAPE, 4) * (1 - plain.share) - 4 * 10 - b * (2 * d + 4)) / (SHAPE[0] * b))
+    assert tight.coef_bits(SHAPE, 4) > plain.coef_bits(SHAPE, 4)
+    x = _with_sink(3)
+    ctx = _ctx(0)
+    p = sender.encode_forward(x, ctx)
+    assert p.numel() * 4 == half.nbytes(SHAPE, 4, True)
+    y = receiver.decode_forward(p, ctx, SHAPE)
+    assert torch.equal(sender.decode_sent_forward(p, ctx, SHAPE), y)
+    assert torch.equal(y[0], x[0].half().float().expand(b, d))  # the sink, fp16-exact, in every sequence
+    no_sink = build_codec("pcaq/rank=10/outliers=0:lrq/rank=6", 0.25)
+    y0 = no_sink.decode_forward(no_sink.encode_forward(x, ctx), ctx, SHAPE)
+    assert (y[1:] - x[1:]).norm() < 0.5 * (y0[1:] - x[1:]).norm()
+    # position 0 differs between the sequences: flag 0, same bytes, decoded like the other tokens
+    xd = _with_sink(4, shared=False)
+    p2 = sender.encode_forward(xd, _ctx(1))
+    assert p2.numel() * 4 == half.nbytes(SHAPE, 4, True)
+    y2 = receiver.decode_forward(p2, _ctx(1), SHAPE)
+    assert not torch.equal(y2[0, 0], y2[0, 1]) and torch.isfinite(y2).all()
+    with pytest.raises(ValueError, match=r"lrq takes no parameter 'sink'"):
+        build_codec("pcaq:lrq/sink=1", 0.05)
