@@ -13,6 +13,8 @@ the variant's compute dtype (``perf/mfu/actor``):
   bf16            --bf16 (bf16 passes over fp32 masters), a bf16 sampler computing in bf16
                   (--rollout-compute-dtype bf16), old log-probs from the update pass: the path
                   ``make demo`` takes where bf16 is native
+  bf16-mb8        bf16 with micro-batches of 8 sequences (the control of the next)
+  bf16-shared-prefix  bf16-mb8 with --shared-prefix (each prompt once per group; issue 32 item 1)
 
     python -m benchmarks.bench_iteration [--iters 10] [--variants fp32-separate bf16] [--work-dir DIR]
 
@@ -37,8 +39,13 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VARIANTS = {
     "fp32-separate": {"PRECISION_FLAGS": "--rollout-dtype fp32"}, "fp32": {"PRECISION_FLAGS": "--rollout-dtype fp32"},
     "bf16": {"PRECISION_FLAGS": "--bf16 --rollout-compute-dtype bf16"},
+    "bf16-mb8": {"PRECISION_FLAGS": "--bf16 --rollout-compute-dtype bf16"},
+    "bf16-shared-prefix": {"PRECISION_FLAGS": "--bf16 --rollout-compute-dtype bf16"},
 }
-EXTRA = {"fp32-separate": ["--recompute-old-log-prob"]}
+#: flags after the script's own (the later occurrence wins): --shared-prefix needs micro-batches of whole
+#: groups (8 = G), and bf16-mb8 is the same micro-batch without sharing, its control
+EXTRA = {"fp32-separate": ["--recompute-old-log-prob"], "bf16-mb8": ["--micro-batch-size", "8"],
+         "bf16-shared-prefix": ["--micro-batch-size", "8", "--shared-prefix"]}
 PHASES = ("gen", "old_log_prob", "update", "anchor", "sync", "probe", "broadcast")
 
 
@@ -70,6 +77,9 @@ def summarize(records):
     ``timing_s/step``); a phase a variant does not run is absent."""
     steps = [r for r in records if "timing_s/step" in r]
     out = {"step": statistics.median(r["timing_s/step"] for r in steps), "iterations": len(steps)}
+    bnd = [r.get("comm/fwd_bytes", 0) + r.get("comm/bwd_bytes", 0) for r in steps]
+    if any(bnd):  # the boundary's wire bytes an iteration (what --shared-prefix cuts)
+        out["boundary_bytes"] = statistics.median(bnd)
     for k in ("perf/flops/actor", "perf/mfu/actor"):
         vals = [r[k] for r in steps if k in r]
         if vals:
@@ -116,11 +126,12 @@ def main(argv=None) -> int:
     print(f"\nmedian seconds per iteration over {args.iters} iterations (fire iterations included); "
           f"ratio = step / {args.variants[0]}'s step")
     cols = [p for p in PHASES if any(p in r for r in res.values())]
-    print(f"{'variant':<15} {'step':>7} " + " ".join(f"{c:>12}" for c in cols) + f" {'ratio':>6} {'update TFLOP/s':>14}"
-          f" {'MFU':>6}")
+    print(f"{'variant':<19} {'step':>7} " + " ".join(f"{c:>12}" for c in cols) + f" {'ratio':>6} {'update TFLOP/s':>14}"
+          f" {'MFU':>6} {'boundary MB':>11}")
     for v, r in res.items():
-        print(f"{v:<15} {r['step']:>7.1f} " + " ".join(f"{r[c]:>12.1f}" if c in r else f"{'-':>12}" for c in cols)
-              + f" {r['step'] / base:>6.2f} {r.get('perf/flops/actor', 0):>14.3f} {r.get('perf/mfu/actor', 0):>6.1%}")
+        print(f"{v:<19} {r['step']:>7.1f} " + " ".join(f"{r[c]:>12.1f}" if c in r else f"{'-':>12}" for c in cols)
+              + f" {r['step'] / base:>6.2f} {r.get('perf/flops/actor', 0):>14.3f} {r.get('perf/mfu/actor', 0):>6.1%}"
+              f" {r.get('boundary_bytes', 0) / 1e6:>11.3f}")
     with open(os.path.join(work, "bench_iteration.json"), "w") as f:
         json.dump(res, f, indent=2)
     print(f"[bench_iteration] results: {os.path.join(work, 'bench_iteration.json')}")
