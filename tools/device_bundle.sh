@@ -20,7 +20,10 @@ grep -qx '/.devbundle/' .git/info/exclude 2>/dev/null || echo '/.devbundle/' >> 
 grep -qx '/.devstash/' .git/info/exclude 2>/dev/null || echo '/.devstash/' >> .git/info/exclude
 mkdir -p $B/whl $B/data/mawps $B/gguf-parts
 SITE=$($PY -c "import importlib.util, os; print(os.path.dirname(os.path.dirname(importlib.util.find_spec('deepspeed').origin)))")
-tar --exclude=__pycache__ -C "$SITE" -cJf $B/site.tar.xz megatron deepspeed math_verify latex2sympy2_extended antlr4 gguf hjson
+# with their dist-info: latex2sympy2_extended checks the antlr4 runtime's version from its metadata
+( cd "$SITE" && tar --exclude=__pycache__ -cJf "$OLDPWD/$B/site.tar.xz" megatron deepspeed math_verify \
+    latex2sympy2_extended antlr4 gguf hjson megatron_core-*.dist-info deepspeed-*.dist-info math_verify-*.dist-info \
+    latex2sympy2_extended-*.dist-info antlr4_python3_runtime-*.dist-info gguf-*.dist-info hjson-*.dist-info )
 ver() { $PY -c "import importlib.metadata as m; print(m.version('$1'))"; }
 $PY -m pip download -q --no-deps --only-binary=:all: --python-version "$PYV" --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d $B/whl \

@@ -7,16 +7,18 @@
 #          at 1024 and 8192 tokens per micro-batch
 #   train  TRAIN_ITERS (5) iterations of single-rank SmolLM2-135M GRPO in bf16 on the GPU
 #
-#   bash tools/device_check.sh OUT_DIR [SECTIONS]      # SECTIONS: default "env tests bench train"
+#   bash tools/device_check.sh OUT_DIR [SECTIONS]      # SECTIONS: default "env train tests bench"
 #
-# The GPU host has torch and transformers but nothing else of the stack, and no network: the caller
-# puts into .devbundle/ (git-ignored) what tools/device_bundle.sh prepares: site.tar.xz (megatron-core,
-# DeepSpeed, math-verify and the other pure-Python packages, as installed here), whl/ (pydantic's
-# compiled core for the host's Python), data/ (CEGRPO_DATA_ROOT), smollm2-hf/ (SmolLM2's config and
-# tokenizer), gguf.sha256 and pieces of SmolLM2's GGUF (gguf-parts/smollm2.gguf.part-*), which may arrive over several calls:
-# they are kept in $DEVICE_STASH (/tmp/cegrpo_stash) until all have come. Without the whole GGUF, `train` runs SmolLM2's
-# architecture with random weights (same shapes and FLOPs; its rewards are 0, so it trains nothing)
-# and says so.
+# The GPU host has torch and transformers but nothing else of the stack, and no network. The
+# caller puts into .devbundle/ (git-ignored) what tools/device_bundle.sh prepares, naming each
+# path in the device call's `carry`: site.tar.xz (megatron-core, DeepSpeed, math-verify and the
+# other pure-Python packages as installed here, with their metadata), whl/ (pydantic's compiled
+# core for the host's Python), data/ (CEGRPO_DATA_ROOT), smollm2-hf/ (SmolLM2's config and
+# tokenizer), gguf.sha256 and ONE piece of SmolLM2's GGUF per call (gguf-parts/smollm2.gguf.part-NN:
+# the whole file is over a call's 64 MiB). The pieces are kept in $DEVICE_STASH (/tmp/cegrpo_stash,
+# outside the checkout) while the host stays up between back-to-back calls; once all have come and
+# the sha256 matches, `train` uses the real model. Without it, `train` runs SmolLM2's architecture
+# with random weights (same shapes and FLOPs; its rewards are 0, so it trains nothing) and says so.
 set -u
 OUT_DIR=${1:?usage: tools/device_check.sh OUT_DIR [SECTIONS]}
 SECTIONS=${2:-env train tests bench}
