@@ -35,8 +35,8 @@ W_BYTES = 49152 * 64 * 4  # tiny-llama's tied embedding, fp32
 #: stale copy of W is not part of it); the resumed run's run totals add its restart's start-up bytes
 BYTE_KEYS = ("comm/embd_sync_bytes", "comm/embd_full_sync_bytes", "anchor/bytes_in", "anchor/bytes_out",
              "anchor/received_bytes_total", "anchor/bytes_ship", "anchor/bytes_ship_fp32", "comm/total_bytes",
-             "comm/total_dense_bytes", "comm/total_ratio", "comm/run_total_bytes", "comm/run_total_dense_bytes",
-             "comm/run_total_ratio", "sync/local_changed_frac")
+             "comm/total_dense_bytes", "comm/total_ratio", "comm/total_bytes_per_response_token", "comm/run_total_bytes",
+             "comm/run_total_dense_bytes", "comm/run_total_ratio", "sync/local_changed_frac")
 
 
 def _launch(tmp_path, pp, anchors, resume, *extra):
