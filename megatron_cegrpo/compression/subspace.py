@@ -223,7 +223,77 @@ def warm_basis(x: torch.Tensor, v_prev: torch.Tensor, r: int, iters: int = 1) ->
     return v.half(), lam
 
 
-class SubspaceQuantHalf(DirectionCodec):
+class _WarmBasisFitting:
+    """The sender's basis fitting of :class:`SubspaceQuantHalf`: a fresh ``top_basis``, or with
+    ``warm`` > 0 warm-started subspace iterations from the previous basis at the boundary, on the
+    critical path (``lag`` = 0) or on a background thread one message behind (``lag`` = 1). The
+    attributes it uses (``warm``, ``lag``, ``rank``, ``_warm_basis``, ``_pending``,
+    ``background_s``, ``background_jobs``) are set by :class:`SubspaceQuantHalf`'s constructor."""
+
+    def _fit_basis(self, x: torch.Tensor, idx: torch.Tensor, r: int, boundary: int):
+        """The sender's basis of ``x`` [N, d] fp32 with the outlier rows ``idx`` (int64 [K])
+        zeroed: ``top_basis`` (``warm`` = 0, or no earlier basis of this width at ``boundary``),
+        else ``warm_basis`` from the previous one (``lag`` = 0) or the basis the background
+        thread built from the previous message (``lag`` = 1); remembers the fp16-rounded result
+        per boundary when ``warm`` > 0. ``x`` itself is not written. Returns (v fp16 [r, d],
+        lam fp32 [r], coefficients fp32 [N, r] with zero rows at ``idx``, or None when the
+        caller has to project)."""
+        if not self.warm:
+            return top_basis(_zero_rows(x, idx), r) + (None,)
+        boundary = int(boundary)
+        if self.lag:
+            return self._fit_lagged(x, idx, r, boundary)
+        prev = self._warm_basis.get(boundary)
+        if prev is None or prev.shape[1] != x.shape[1]:
+            v16, lam = top_basis(_zero_rows(x, idx), r)
+        else:
+            v16, lam = warm_basis(_zero_rows(x, idx), prev, r, self.warm)
+        self._warm_basis[boundary] = v16.float()
+        return v16, lam, None
+
+    def _fit_lagged(self, x: torch.Tensor, idx: torch.Tensor, r: int, boundary: int):
+        """``lag`` = 1: send the basis finished off the critical path, then start the next one.
+
+        The background job keeps min(rank, d) rows (a later message whose shape allows more
+        rows than this one takes a prefix: the rows are sorted by the previous data's variance);
+        a stored basis of another width or with fewer than r rows gives a fresh ``top_basis``."""
+        self._settle(boundary)
+        nxt = self._warm_basis.get(boundary)
+        d = x.shape[1]
+        if nxt is None or nxt.shape[1] != d or nxt.shape[0] < r:
+            v16, lam = top_basis(_zero_rows(x, idx), r)
+            coef, v_prev = None, v16.float()
+        else:
+            v16, v_prev = nxt[:r].half(), nxt
+            coef = (x @ v16.float().t()).index_fill_(0, idx, 0.0)
+            lam = coef.square().mean(dim=0) if x.shape[0] else torch.zeros(r)
+            # rows sorted by this message's variance: equal bit widths form contiguous column runs
+            order = torch.argsort(lam, descending=True, stable=True)
+            v16, lam, coef = v16[order], lam[order], coef[:, order]
+        warm, r_job = self.warm, max(int(r), min(self.rank, d))
+
+        def job():
+            t0 = time.thread_time()
+            v_next, _ = warm_basis(_zero_rows(x, idx), v_prev, r_job, warm)
+            return v_next.float(), time.thread_time() - t0
+
+        # reads x (the caller's boundary tensor, which the pipeline does not write after the send)
+        self._pending[boundary] = _background().submit(job)
+        return v16, lam, coef
+
+    def _settle(self, boundary: Optional[int] = None) -> None:
+        """Wait for the pending background basis of ``boundary`` (None: of every boundary) and
+        make it the next basis to send."""
+        for b in ([boundary] if boundary is not None else list(self._pending)):
+            fut = self._pending.pop(b, None)
+            if fut is not None:
+                v_next, took = fut.result()
+                self._warm_basis[b] = v_next
+                self.background_s += took
+                self.background_jobs += 1
+
+
+class SubspaceQuantHalf(_WarmBasisFitting, DirectionCodec):
     """Sent PCA basis + bit-allocated coefficients (module docstring for layout and bytes).
 
     Args:
@@ -318,68 +388,6 @@ class SubspaceQuantHalf(DirectionCodec):
         which differs between data-parallel replicas; a warm-started basis (``warm`` > 0) from
         the earlier messages of the run."""
         return self.refresh == "microbatch" and not self.warm
-
-    def _fit_basis(self, x: torch.Tensor, idx: torch.Tensor, r: int, boundary: int):
-        """The sender's basis of ``x`` [N, d] fp32 with the outlier rows ``idx`` (int64 [K])
-        zeroed: ``top_basis`` (``warm`` = 0, or no earlier basis of this width at ``boundary``),
-        else ``warm_basis`` from the previous one (``lag`` = 0) or the basis the background
-        thread built from the previous message (``lag`` = 1); remembers the fp16-rounded result
-        per boundary when ``warm`` > 0. ``x`` itself is not written. Returns (v fp16 [r, d],
-        lam fp32 [r], coefficients fp32 [N, r] with zero rows at ``idx``, or None when the
-        caller has to project)."""
-        if not self.warm:
-            return top_basis(_zero_rows(x, idx), r) + (None,)
-        boundary = int(boundary)
-        if self.lag:
-            return self._fit_lagged(x, idx, r, boundary)
-        prev = self._warm_basis.get(boundary)
-        if prev is None or prev.shape[1] != x.shape[1]:
-            v16, lam = top_basis(_zero_rows(x, idx), r)
-        else:
-            v16, lam = warm_basis(_zero_rows(x, idx), prev, r, self.warm)
-        self._warm_basis[boundary] = v16.float()
-        return v16, lam, None
-
-    def _fit_lagged(self, x: torch.Tensor, idx: torch.Tensor, r: int, boundary: int):
-        """``lag`` = 1: send the basis finished off the critical path, then start the next one.
-
-        The background job keeps min(rank, d) rows (a later message whose shape allows more
-        rows than this one takes a prefix: the rows are sorted by the previous data's variance);
-        a stored basis of another width or with fewer than r rows gives a fresh ``top_basis``."""
-        self._settle(boundary)
-        nxt = self._warm_basis.get(boundary)
-        d = x.shape[1]
-        if nxt is None or nxt.shape[1] != d or nxt.shape[0] < r:
-            v16, lam = top_basis(_zero_rows(x, idx), r)
-            coef, v_prev = None, v16.float()
-        else:
-            v16, v_prev = nxt[:r].half(), nxt
-            coef = (x @ v16.float().t()).index_fill_(0, idx, 0.0)
-            lam = coef.square().mean(dim=0) if x.shape[0] else torch.zeros(r)
-            # rows sorted by this message's variance: equal bit widths form contiguous column runs
-            order = torch.argsort(lam, descending=True, stable=True)
-            v16, lam, coef = v16[order], lam[order], coef[:, order]
-        warm, r_job = self.warm, max(int(r), min(self.rank, d))
-
-        def job():
-            t0 = time.thread_time()
-            v_next, _ = warm_basis(_zero_rows(x, idx), v_prev, r_job, warm)
-            return v_next.float(), time.thread_time() - t0
-
-        # reads x (the caller's boundary tensor, which the pipeline does not write after the send)
-        self._pending[boundary] = _background().submit(job)
-        return v16, lam, coef
-
-    def _settle(self, boundary: Optional[int] = None) -> None:
-        """Wait for the pending background basis of ``boundary`` (None: of every boundary) and
-        make it the next basis to send."""
-        for b in ([boundary] if boundary is not None else list(self._pending)):
-            fut = self._pending.pop(b, None)
-            if fut is not None:
-                v_next, took = fut.result()
-                self._warm_basis[b] = v_next
-                self.background_s += took
-                self.background_jobs += 1
 
     def state_dict(self) -> dict:
         """Checkpointable state that outlives a step: ``{"warm_basis": {boundary: fp32 [r, d]}}``
