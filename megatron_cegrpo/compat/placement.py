@@ -4,9 +4,10 @@ crosses a process (issue 29 item 4).
 Three rules, on CPU hosts and GPU hosts alike:
 
 1. **Compute device** (:func:`compute_device`): the current CUDA device where CUDA is available
-   (``initialize.py`` sets it to ``LOCAL_RANK``), else the CPU. The stage's parameters (megatron-core
-   builds them there), its optimizer state, the anchor's M, the HF sampler and every batch a stage
-   trains on (:func:`place_batch`) live on it.
+   (``initialize.py`` sets it to ``LOCAL_RANK``), else the CPU. The stage's parameters
+   (``models/builder.py`` moves them there), its optimizer state, the HF sampler and every batch a
+   stage trains on (:func:`place_batch`) live on it. The anchor's M stays on the CPU
+   (``anchor/memory.py`` moves each gradient to it).
 2. **Process groups carry two backends on GPU hosts** (:func:`process_group_backend`):
    ``"cpu:gloo,cuda:nccl"``, PyTorch's device-mapped backend, so that a collective routes by the
    tensor's device: the control plane (pickled batches, scalar flags, fp64 norms and metric sums,
