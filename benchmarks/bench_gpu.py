@@ -26,7 +26,7 @@ import json
 import platform
 import statistics
 import sys
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Optional
 
 import torch
 
@@ -35,19 +35,23 @@ from megatron_cegrpo.bootstrap import bootstrap
 DTYPE = torch.bfloat16
 
 
-def cuda_ms(fn: Callable[[], object], reps: int = 20, warmup: int = 3) -> float:
-    """Median milliseconds of ``fn()`` between two CUDA events (host launch gaps included)."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
+def cuda_ms(fn: Callable, reps: int = 20, warmup: int = 3, setup: Optional[Callable] = None) -> float:
+    """Median milliseconds of ``fn(setup())`` (``fn()`` without ``setup``) between two CUDA events
+    (host launch gaps included); ``setup`` runs before each call, untimed."""
     times = []
-    for _ in range(reps):
+    for i in range(warmup + reps):
+        arg = setup() if setup is not None else None
+        torch.cuda.synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        fn()
+        if setup is not None:
+            fn(arg)
+        else:
+            fn()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end))
+        if i >= warmup:
+            times.append(start.elapsed_time(end))
     return statistics.median(times)
 
 
@@ -125,17 +129,7 @@ def _measure_codec(codec, row, x, grad, shape, ctx, step) -> Dict:
         gy = codec.decode_backward(codec.encode_backward(grad, c), c, shape)
         return y, gy
 
-    times = []
-    for _ in range(23):
-        c = crossing()
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        critical(c)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    row["critical_ms"] = statistics.median(times[3:])
+    row["critical_ms"] = cuda_ms(critical, setup=crossing)
     row["share_of_layer_fwd_bwd"] = row["critical_ms"] / row["layer_fwd_bwd_ms"]
     return row
 

@@ -186,18 +186,18 @@ GPU_JSON = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "
 
 
 def _measured_mask_row(a, path: str, key: str, tool: str) -> dict:
-    """The timed ``mask`` row for ``a.d`` of a ``tool --out`` file (rows under ``key``); a note
-    when it was timed at another micro-batch shape. Raises SystemExit when there is none."""
+    """(The timed ``mask`` row for ``a.d`` of a ``tool --out`` file (rows under ``key``), the whole
+    file); a note when it was timed at another micro-batch shape. Raises SystemExit when there is none."""
     with open(path) as f:
-        rows = [r for r in json.load(f)[key]
-                if r.get("d") == a.d and r.get("codec") == "mask" and "note" not in r and "error" not in r]
+        doc = json.load(f)
+    rows = [r for r in doc[key] if r.get("d") == a.d and r.get("codec") == "mask" and "note" not in r and "error" not in r]
     if not rows:
         raise SystemExit(f"{path} has no timed mask row for d={a.d} (run {tool} with that d)")
     r = rows[0]
     if r["tokens"] != a.seq_len * a.micro_batch:
         print(f"note: {path} was timed at {r['tokens']} tokens per micro-batch, "
               f"the projection uses {a.seq_len * a.micro_batch}")
-    return r
+    return r, doc
 
 
 def main(argv=None):
@@ -250,13 +250,13 @@ def main(argv=None):
 
     scenarios = [("GPU (assumed %.0f TFLOP/s per stage)" % a.tflops, dict(layer_fwd_bwd_ms=None), a.codec_share)]
     if a.gpu_json:
-        r = _measured_mask_row(a, a.gpu_json, "rows", "bench_gpu")
-        scenarios.append((f"{json.load(open(a.gpu_json)).get('device', 'GPU')} (measured: layer f+b "
+        r, doc = _measured_mask_row(a, a.gpu_json, "rows", "bench_gpu")
+        scenarios.append((f"{doc.get('device', 'GPU')} (measured: layer f+b "
                           f"{r['layer_fwd_bwd_ms']:.2f} ms, mask codec {100 * r['share_of_layer_fwd_bwd']:.0f}% of it "
                           f"on the critical path)", dict(layer_fwd_bwd_ms=r["layer_fwd_bwd_ms"]),
                           r["share_of_layer_fwd_bwd"]))
     if a.codec_json:
-        r = _measured_mask_row(a, a.codec_json, "time", "bench_codec")
+        r, _ = _measured_mask_row(a, a.codec_json, "time", "bench_codec")
         scenarios.append((f"this CPU (measured: layer f+b {r['layer_fwd_bwd_ms']:.0f} ms, mask codec "
                           f"{100 * r['share_of_layer_fwd_bwd']:.2f}% of it on the critical path)",
                           dict(layer_fwd_bwd_ms=r["layer_fwd_bwd_ms"]), r["share_of_layer_fwd_bwd"]))

@@ -246,6 +246,7 @@ def _run(trainer, args, specs: List[str]) -> Optional[List[Dict]]:
     from megatron_cegrpo.compression import build_codec
     from megatron_cegrpo.pipeline.boundary_error import BoundaryErrorTracker
     from megatron_cegrpo.training.fidelity import GradFidelityProbe
+    from megatron_cegrpo.training.ledger import boundary_bytes
 
     ctx, reducer, probe = trainer.ctx, _reducer(), GradFidelityProbe(trainer.stage)
     codecs = {s: build_codec(s, args.keep_ratio) for s in specs}
@@ -269,7 +270,7 @@ def _run(trainer, args, specs: List[str]) -> Optional[List[Dict]]:
                 m["seconds"] = time.perf_counter() - t1
                 # the wire cost per token the batch trains on (issue 32 item 4; the ledger's key)
                 m["comm/boundary_bytes_per_response_token"] = (
-                    (m.get("comm/fwd_bytes", 0) + m.get("comm/bwd_bytes", 0)) / max(int(batch["response_lengths"].sum()), 1))
+                    boundary_bytes(m) / max(int(batch["response_lengths"].sum()), 1))
                 per[s].append(m)
                 say(f"batch {t}/{args.batches} {s}: bytes_ratio {m['comm/bytes_ratio']:.4f} mismatch "
                     f"{m.get('mismatch/abs_logprob_diff_mean', float('nan')):.3f} cos "

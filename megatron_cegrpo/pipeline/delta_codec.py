@@ -48,9 +48,9 @@ class SyncRejected(Exception):
 
 def bf16_bits(tensors: List[torch.Tensor]) -> torch.Tensor:
     """int16 [sum numel] on the CPU: the bit patterns of ``tensors`` flattened in order and rounded
-    to bf16 (round-to-nearest-even). Any float dtype on any device in; bf16 values are copied
+    to bf16 (round-to-nearest-even). Any float dtype in, all on one device (one copy to the CPU); bf16 values are copied
     unchanged. The sync's frames are CPU bytes (zlib, digests; through gloo: compat/placement.py)."""
-    return torch.cat([t.detach().reshape(-1).to(torch.bfloat16).cpu() for t in tensors]).view(torch.int16)
+    return torch.cat([t.detach().reshape(-1).to(torch.bfloat16) for t in tensors]).cpu().view(torch.int16)
 
 
 def state_digest(bits: torch.Tensor) -> Tuple[int, int]:

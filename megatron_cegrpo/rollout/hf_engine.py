@@ -118,12 +118,12 @@ class HFRolloutEngine(RolloutEngine):
         else:
             kwargs.update(do_sample=True, temperature=temperature, top_p=top_p, top_k=0)
         gen = self.model.generate(input_ids=ids.to(self.device), attention_mask=attn.to(self.device), **kwargs)
-        resp = gen.sequences[:, plen:].cpu()  # the rollout's tensors stay on the CPU (RolloutOutput)
+        drawn = gen.sequences[:, plen:]
+        resp = drawn.cpu()  # the rollout's tensors stay on the CPU (RolloutOutput)
         if return_logprobs:
             # one step at a time: gen.logits is T raw (unprocessed) [n, V] tensors; stacking them
             # and a log-softmax copy would hold 2 more [n, T, V] buffers at the peak
             temp = 1.0 if greedy else float(temperature)
-            drawn = resp.to(self.device)
             logp = torch.stack([torch.log_softmax(step.float() / temp, dim=-1).gather(-1, drawn[:, i:i + 1]).squeeze(-1)
                                 for i, step in enumerate(gen.logits)], dim=1).cpu()
             del gen

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 from typing import Dict, Optional, Tuple
 
-__all__ = ["LEDGER_PARTS", "whole_step_ledger", "RunLedger"]
+__all__ = ["LEDGER_PARTS", "whole_step_ledger", "boundary_bytes", "RunLedger"]
 
 #: (part, keys summed for the bytes sent, keys summed for the dense reference, keys subtracted from it)
 LEDGER_PARTS: Tuple[Tuple[str, Tuple[str, ...], Tuple[str, ...], Tuple[str, ...]], ...] = (
@@ -53,6 +53,11 @@ LEDGER_PARTS: Tuple[Tuple[str, Tuple[str, ...], Tuple[str, ...], Tuple[str, ...]
     ("anchor", ("anchor/bytes_in", "anchor/bytes_out"),
      ("anchor/bytes_in", "anchor/bytes_out", "anchor/bytes_ship_fp32"), ("anchor/bytes_ship",)),
 )
+
+
+def boundary_bytes(m: Dict) -> int:
+    """The boundaries' bytes of one iteration's metrics ``m`` (the ledger's first part; 0 when absent)."""
+    return sum(int(m.get(k, 0)) for k in LEDGER_PARTS[0][1])
 
 
 def whole_step_ledger(m: Dict) -> Dict[str, float]:
@@ -86,7 +91,7 @@ def whole_step_ledger(m: Dict) -> Dict[str, float]:
            "comm/total_ratio": sent / dense if dense else 0.0}
     tokens = int(m.get("batch/response_tokens", 0))
     if tokens > 0:  # the wire cost of what the batch teaches: comparable across prompt sharing and lengths
-        out["comm/boundary_bytes_per_response_token"] = total(LEDGER_PARTS[0][1]) / tokens
+        out["comm/boundary_bytes_per_response_token"] = boundary_bytes(m) / tokens
         out["comm/total_bytes_per_response_token"] = sent / tokens
     return out
 
