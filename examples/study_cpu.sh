@@ -13,6 +13,9 @@
 #                          quantised coefficients, backward low-rank), BEST_PAIR     first seed
 #   pcaq:lrq_anchor        the same pair + anchor: the best compressed arm            SEEDS
 #   <arm>_filter           any arm with --filter-groups (DAPO's dynamic sampling),   only in ARMS=
+#   <arm>_dense<N>         any arm with a dense step every N iterations              only in ARMS=
+#                          (--dense-step-interval N, docs/dense_steps.md; its bytes count
+#                          in the arm's boundary bytes)
 #   <codec>, <codec>_anchor  every other registered codec (lowrank, ...)             first seed
 #
 # Every arm: same seed(s), same data order, same held-out rows (--holdout-seed), no KL, no
@@ -71,6 +74,11 @@ MULTI_SEED=${MULTI_SEED:-"dense mask_anchor ${BEST_PAIR}_anchor"}  # the control
 # arm -> "codec anchor_ranks extra flags..."; ARM_filter: ARM with DAPO's dynamic sampling
 # (--filter-groups, at most MAX_GEN_BATCHES generation rounds an iteration; docs/dynamic_sampling.md)
 arm_spec() {
+  if [[ "$1" =~ ^(.+)_dense([0-9]+)$ ]]; then
+    local base=${BASH_REMATCH[1]} every=${BASH_REMATCH[2]}
+    echo "$(arm_spec "$base") --dense-step-interval $every"
+    return
+  fi
   case "$1" in
     *_filter) echo "$(arm_spec "${1%_filter}") --filter-groups --max-num-gen-batches $MAX_GEN_BATCHES" ;;
     dense) echo "dense 0" ;;

@@ -65,3 +65,21 @@ def test_the_demo_runs_the_studys_configuration(tmp_path):
     # what differs, on purpose: the demo is short and fires its anchor every 4 iterations
     assert (d["--train-iters"], d["--anchor-interval"], d["--anchor-delay"]) == ("10", "4", "4")
     assert (s["--train-iters"], s["--anchor-interval"], s["--anchor-delay"]) == ("48", "8", "8")
+
+
+def test_study_arm_suffixes_add_their_flags(tmp_path):
+    """``<arm>_dense<N>`` adds ``--dense-step-interval N`` to the arm's command and ``_filter`` adds
+    DAPO's dynamic sampling; the arm's folder keeps its whole name."""
+    env = _env(DRY_RUN="1", ARMS="mask_anchor_dense16 pcaq:lrq_anchor_dense8_filter", SEEDS="1234",
+               STUDY_DIR=str(tmp_path / "study"))
+    study = subprocess.run(["bash", "examples/study_cpu.sh"], cwd=REPO, env=env, capture_output=True, text=True,
+                           timeout=120)
+    assert study.returncode == 0, study.stderr
+    lines = {ln.split(" seed ")[0][len("[study] "):]: shlex.split(ln.split(": ", 1)[1])
+             for ln in study.stdout.splitlines() if " seed 1234: flock" in ln}
+    dense16, both = _flags(lines["mask_anchor_dense16"]), _flags(lines["pcaq:lrq_anchor_dense8_filter"])
+    assert (dense16["--boundary-codec"], dense16["--anchor-ranks"], dense16["--dense-step-interval"]) == ("mask", "1", "16")
+    assert "--filter-groups" not in dense16
+    assert (both["--boundary-codec"], both["--anchor-ranks"], both["--dense-step-interval"]) == ("pcaq:lrq", "1", "8")
+    assert "--filter-groups" in both and both["--max-num-gen-batches"] == "4"
+    assert dense16["--log-dir"] == str(tmp_path / "study" / "mask_anchor_dense16-s1234")
