@@ -653,6 +653,9 @@ class LoggingConfig:
     peak_tflops: Optional[float] = option(None, "the hardware's peak TFLOP/s in the compute dtype over all the "
                                                 "trainer's stage ranks: with it, perf/mfu/actor is logged "
                                                 "(training/perf.py; benchmarks/bench_iteration.py measures it)")
+    log_weight_sample: int = option(0, "after every iteration append N sampled fp32 coordinates of each stage's "
+                                       "weights to <log-dir>/weight_trace/ (training/weight_trace.py; read by "
+                                       "tools/forecast_report.py; 0: off, e.g. 262144)")
 
     RESUME = ()  # logging never changes the trajectory
 
@@ -672,6 +675,8 @@ class LoggingConfig:
         _check_int("--drift-probe-window", self.drift_probe_window, 2, "e.g. --drift-probe-window 8")
         _check_int("--grad-fidelity-interval", self.grad_fidelity_interval, 0,
                    "e.g. --grad-fidelity-interval 4, or 0 for no probe")
+        _check_int("--log-weight-sample", self.log_weight_sample, 0,
+                   "e.g. --log-weight-sample 262144, or 0 for no weight trace")
         if self.wandb_mode is not None:
             _check_choice("--wandb-mode", self.wandb_mode, ("online", "offline", "disabled"))
         for flag, value in (("--wandb-run-name", self.wandb_run_name), ("--wandb-mode", self.wandb_mode)):

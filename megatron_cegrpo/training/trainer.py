@@ -53,6 +53,7 @@ from megatron_cegrpo.training.fidelity import GradFidelityProbe
 from megatron_cegrpo.training.perf import perf_metrics
 from megatron_cegrpo.training.reduce import StageMetricsReducer
 from megatron_cegrpo.training.stage import StageWorker
+from megatron_cegrpo.training.weight_trace import start_weight_trace
 
 __all__ = ["GRPOTrainer"]
 
@@ -109,6 +110,7 @@ class GRPOTrainer:
         del policy
         if cfg.checkpoint.load:
             self._resume_driver()
+        self.weight_trace = start_weight_trace(cfg, ctx, self.stage.named_owned, self.iteration)  # or a no-op
         codec, d = self.stage.codec, self.stage.tf_config.hidden_size
         self._log(f"model {cfg.model.model}: {self.stage.tf_config.num_layers} layers, d={d}, PP={ctx.pp_size}, "
                   + (f"TP={ctx.tp_size}, " if ctx.tp_size > 1 else "")
@@ -185,6 +187,7 @@ class GRPOTrainer:
             if is_save_iteration(t, c.save, c.save_interval, self.cfg.optim.train_iters):
                 self._full_sync(t)  # before the metrics: its bytes are this iteration's
         self.iteration = t
+        self.weight_trace.record(t)  # --log-weight-sample
         return self._metrics(full, stats, t, time.perf_counter() - t_start)
 
     def rollout(self, t: int):
@@ -334,8 +337,7 @@ class GRPOTrainer:
 
     # ------------------------------------------------------------------ checkpoints
     def _full_sync(self, t: int) -> None:
-        """The whole tied embedding to the first stage (``TiedEmbeddingSync.full_sync``), once per
-        iteration t, so that a checkpoint's first-stage file holds the true W."""
+        """The whole tied embedding W to the first stage once per iteration t: its file holds the true W."""
         if self._synced_at != t and self.ctx.is_replica_leader:  # only replica 0 writes checkpoints
             self.stage.tied.full_sync()
             self._synced_at = t

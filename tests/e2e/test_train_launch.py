@@ -5,6 +5,7 @@ custom reward function (``--custom-reward-function``) that scores the response l
 parity: groups get mixed rewards, advantages are non-zero and every stage must move.
 """
 
+import importlib.util
 import json
 import math
 import os
@@ -13,6 +14,11 @@ import sys
 
 
 from distributed_util import PARITY_REWARD, REPO, free_port, launcher
+from megatron_cegrpo.training.weight_trace import read_trace
+
+_spec = importlib.util.spec_from_file_location("forecast_report_tool", os.path.join(REPO, "tools", "forecast_report.py"))
+forecast_report = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(forecast_report)
 
 REWARD = PARITY_REWARD
 
@@ -61,9 +67,17 @@ def test_deepspeed_launcher_mask_codec(tmp_path):
     cmd = [launcher("deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()),
            "megatron_cegrpo/train.py", *COMMON, "--boundary-codec", "mask", "--boundary-keep-ratio", "0.05",
            "--custom-reward-function", f"{tmp_path / 'reward.py'}:parity_reward",
-           "--log-dir", str(tmp_path / "run")]
+           "--log-dir", str(tmp_path / "run"), "--log-weight-sample", "500"]
     metrics, out = _run(cmd, tmp_path)
     _common_checks(metrics)
+    # --log-weight-sample: each stage's 500 coordinates at the start and after every iteration
+    for stage in (0, 1):
+        meta = json.loads((tmp_path / "run" / "weight_trace" / f"stage{stage}_tp0.json").read_text())
+        assert meta["coordinates"] == 500 and sum(p["count"] for p in meta["sampled"]) == 500
+        trace = read_trace(str(tmp_path / "run" / "weight_trace" / f"stage{stage}_tp0.bin"), 500)
+        assert sorted(trace) == [0, 1, 2, 3]
+        assert all((trace[t] != trace[t - 1]).any() for t in (1, 2, 3))  # every stage moved every step
+    assert forecast_report.main([str(tmp_path / "run"), "--cadence", "1:1"]) == 0
     for m in metrics:
         # tiny-llama: d = 64, k = ceil(0.05 * 64) = 4; measured by the meter, fwd + bwd
         assert m["comm/bytes_ratio"] == 4 / 64
