@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple, get_type_hints
 
 from megatron_cegrpo.errors import ConfigError, one_line
+from megatron_cegrpo.layout import Layout
 
 __all__ = [
     "ConfigError",
@@ -1010,39 +1011,24 @@ class TrainConfig:
 
 
     # --- data parallel (issue 14) ---
+    def layout(self, world_size: int) -> Layout:
+        """The launch's rank layout (``layout.Layout``: DP, who is who) for ``world_size`` ranks."""
+        p = self.parallel
+        return Layout(world_size, p.pipeline_model_parallel_size, p.tensor_model_parallel_size,
+                      self.anchor.anchor_ranks)
+
     def data_parallel_size(self, world_size: int) -> int:
         """DP = (world - --anchor-ranks) / (TP x PP), Megatron's convention (any TP, PP); 0 when the
-        launch does not divide (``validate`` names the fix). Rank order: ``initialize.data_parallel_size``."""
-        p = self.parallel
-        trainers = world_size - self.anchor.anchor_ranks
-        mp = p.tensor_model_parallel_size * p.pipeline_model_parallel_size
-        return trainers // mp if trainers >= mp and trainers % mp == 0 else 0
+        launch does not divide (``validate`` names the fix). ``layout.Layout.dp``."""
+        return self.layout(world_size).dp
 
     def _validate_data_parallel(self, world_size: int) -> None:
-        """The launch: world = TP x PP x DP + anchor ranks with DP >= 1; at DP > 1 each replica's share
-        of a mini-batch is whole micro-batches, and the codec is replica-invariant
+        """The launch: world = TP x PP x DP + anchor ranks with DP >= 1 (``Layout.check``); at DP > 1
+        each replica's share of a mini-batch is whole micro-batches, and the codec is replica-invariant
         (``BoundaryCodec.replica_invariant``: its payloads depend on their own micro-batch only, so the
-        replicas send what one replica would). Raises ConfigError (one line; at TP = 1 the message
-        names PP alone, at TP > 1 both flags)."""
-        p, anchors = self.parallel, self.anchor.anchor_ranks
-        pp, tp, dp = p.pipeline_model_parallel_size, p.tensor_model_parallel_size, self.data_parallel_size(world_size)
-        if not dp:
-            mp = tp * pp
-            fit = mp * max(1, (world_size - anchors) // mp) + anchors
-            alt = ""
-            if anchors and world_size == pp:
-                alt = ", or pass --anchor-ranks 0 for the fast circuit alone"
-            elif world_size == 1 and tp == 1:
-                alt = ", or pass --pipeline-model-parallel-size 1 --anchor-ranks 0 for one plain process"
-            trainers = world_size - anchors
-            raise ConfigError(
-                f"world size {world_size} minus --anchor-ranks ({anchors}) leaves {trainers} trainer rank"
-                f"{'' if trainers == 1 else 's'}, not a multiple of "
-                + (f"--tensor-model-parallel-size ({tp}) x --pipeline-model-parallel-size ({pp}) (world = TP ranks "
-                   "x stages x data-parallel replicas + anchor ranks)" if tp > 1 else
-                   f"--pipeline-model-parallel-size ({pp}) (world = stages x data-parallel replicas + anchor ranks)")
-                + f"; fix: launch with `deepspeed --num_gpus {fit}` "
-                f"(or `torchrun --nproc-per-node {fit}`){alt}")
+        replicas send what one replica would). Raises ConfigError (one line)."""
+        p = self.parallel
+        dp = self.layout(world_size).check()
         if dp == 1:
             return
         gbs = self.global_batch_size

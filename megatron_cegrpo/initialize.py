@@ -22,9 +22,9 @@ import torch.distributed as dist
 from megatron_cegrpo.compat import apply_cpu_compat
 from megatron_cegrpo.compat.placement import process_group_backend
 from megatron_cegrpo.errors import ConfigError
+from megatron_cegrpo.layout import Layout
 
-__all__ = ["DistContext", "initialize_distributed", "shutdown_distributed", "set_seed", "PEER_LIFETIME_TIMEOUT",
-           "data_parallel_size"]
+__all__ = ["DistContext", "initialize_distributed", "shutdown_distributed", "set_seed", "PEER_LIFETIME_TIMEOUT"]
 
 #: Timeout of the groups whose waits last as long as the schedule makes them (DESIGN.md section 4):
 #: the stages waiting while the driver generates or evaluates, the anchor waiting c iterations for
@@ -68,6 +68,7 @@ class DistContext:
     # global ranks of data-parallel replica 0's stages, stage order (the pipeline the driver, the
     # sampler sync, checkpoints and the anchor talk to)
     stage_ranks: Optional[list] = None
+    layout: Optional[Layout] = None  # the launch's rank layout (layout.py)
 
     @property
     def is_driver(self) -> bool:
@@ -83,8 +84,8 @@ class DistContext:
         return self.pp_rank == self.pp_size - 1
 
     def replica_of(self, rank: int) -> int:
-        """The data-parallel replica of trainer rank ``rank`` (:func:`data_parallel_size`'s layout)."""
-        return (rank // self.tp_size) % self.dp_size
+        """The data-parallel replica of trainer rank ``rank`` (``Layout.replica_of``)."""
+        return self.layout.replica_of(rank)
 
     @property
     def is_pipeline_leader(self) -> bool:
@@ -126,7 +127,7 @@ def initialize_distributed(pipeline_model_parallel_size: int, seed: int,
 
     ``tensor_model_parallel_size`` (``--tensor-model-parallel-size``, TP): megatron's TP groups
     (TP fastest); with an anchor rank the trainer grid holds them too (``_initialize_with_anchor``).
-    Data parallel (issue 14): DP from :func:`data_parallel_size`; the stage's megatron ``dp`` group is ``DistContext.dp_group``.
+    Data parallel (issue 14): DP from the launch's ``Layout`` (layout.py); the stage's megatron ``dp`` group is ``DistContext.dp_group``.
 
     ``timeout_minutes`` (``--distributed-timeout-minutes``) bounds the trainer's collectives
     and pipeline transfers; the waits the schedule sizes (driver-only phases, the anchor
@@ -148,7 +149,8 @@ def initialize_distributed(pipeline_model_parallel_size: int, seed: int,
             _unlink_deepspeed_shm_buffer()
     world = dist.get_world_size()
     tp, pp = int(tensor_model_parallel_size), pipeline_model_parallel_size
-    dp = _check_layout(world, pp, tp, anchor_ranks)
+    layout = _check_layout(world, pp, tp, anchor_ranks)
+    dp = layout.dp
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     if not cpu:
@@ -162,7 +164,7 @@ def initialize_distributed(pipeline_model_parallel_size: int, seed: int,
 
     device = torch.device("cpu") if cpu else torch.device("cuda", local_rank)
     if anchor_ranks:
-        return _initialize_with_anchor(pp, dp, seed, world, local_rank, local_world, device, tp=tp)
+        return _initialize_with_anchor(layout, seed, local_rank, local_world, device)
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=tp, pipeline_model_parallel_size=pipeline_model_parallel_size
@@ -188,7 +190,7 @@ def initialize_distributed(pipeline_model_parallel_size: int, seed: int,
         tp_group=parallel_state.get_tensor_model_parallel_group(),
         dp_rank=parallel_state.get_data_parallel_rank(), dp_size=dp,
         dp_group=parallel_state.get_data_parallel_group() if dp > 1 else None,
-        stage_ranks=[i * dp * tp for i in range(pipeline_model_parallel_size)],
+        stage_ranks=layout.stage_ranks, layout=layout,
     )
 
 
@@ -215,31 +217,15 @@ def _init_default_group(backend: str, timeout: timedelta) -> None:
     deepspeed.init_distributed(dist_backend=backend, verbose=False, timeout=timeout)
 
 
-def _check_layout(world: int, pp: int, tp: int, anchor_ranks: int) -> int:
-    """The launch fits TP x PP x DP + anchor ranks; returns DP. Raises ConfigError naming the flags."""
+def _check_layout(world: int, pp: int, tp: int, anchor_ranks: int) -> Layout:
+    """The launch's :class:`Layout` once it fits TP x PP x DP + anchor ranks (``Layout.check``;
+    ``TrainConfig.validate(world_size)`` catches a misfit earlier, with the same line). Raises
+    ConfigError naming the flags."""
     if anchor_ranks not in (0, 1):
         raise ConfigError(f"--anchor-ranks must be 0 or 1 in this version, got {anchor_ranks}; fix: pass 0 or 1")
-    return data_parallel_size(world, pp, anchor_ranks, tp)
-
-
-def data_parallel_size(world: int, pp: int, anchor_ranks: int = 0, tp: int = 1) -> int:
-    """DP = (world - anchor ranks) / (TP x PP), Megatron's convention.
-
-    Rank layout (megatron-core's default order tp-cp-ep-dp-pp, ``parallel_state`` and
-    ``HyperCommGrid`` alike): trainer rank ``r`` is TP rank ``r % TP``, replica ``(r // TP) % DP``,
-    stage ``r // (TP x DP)`` (``DistContext.replica_of``); the anchor ranks follow the trainer ranks.
-
-    Raises:
-        ConfigError: ``world - anchor_ranks`` is not a positive multiple of TP x PP
-            (``TrainConfig.validate(world_size)`` catches it earlier, naming the launch fix).
-    """
-    trainers, mp = world - anchor_ranks, tp * pp
-    if trainers < mp or trainers % mp:
-        raise ConfigError(
-            f"world size {world} minus --anchor-ranks ({anchor_ranks}) leaves {trainers} trainer ranks, not a multiple "
-            f"of --tensor-model-parallel-size ({tp}) x --pipeline-model-parallel-size ({pp}); fix: launch with "
-            f"`--num_gpus {mp * max(1, trainers // mp) + anchor_ranks}`")
-    return trainers // mp
+    layout = Layout(world, pp, tp, anchor_ranks)
+    layout.check()
+    return layout
 
 
 def _pipeline_groups_with_peer_lifetime_timeout(world: int, pp: int) -> Any:
@@ -292,19 +278,19 @@ def _grid_collection(grid) -> Any:
     return pgc
 
 
-def _initialize_with_anchor(pp: int, dp: int, seed: int, world: int, local_rank: int, local_world: int,
-                            device: torch.device, tp: int = 1) -> DistContext:
-    """Trainer grid on ranks 0..tp*dp*pp-1 (megatron's order, TP fastest: rank = stage x DP x TP +
-    replica x TP + TP rank), anchor grid on the last rank (every rank joins every new_group, in the
-    same order). The embedding groups join the first and last stage of each (replica, TP rank), as
-    ``parallel_state`` does; the RNG tracker is seeded with this rank's TP rank."""
+def _initialize_with_anchor(layout: Layout, seed: int, local_rank: int, local_world: int,
+                            device: torch.device) -> DistContext:
+    """Trainer grid on ranks 0..tp*dp*pp-1 (megatron's order, TP fastest: ``Layout``), anchor grid
+    on the last rank (every rank joins every new_group, in the same order). The embedding groups
+    join the first and last stage of each (replica, TP rank), as ``parallel_state`` does; the RNG
+    tracker is seeded with this rank's TP rank."""
     from megatron.core import parallel_state
     from megatron.core.hyper_comm_grid import HyperCommGrid
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     dims = ["tp", "cp", "dp", "pp"]
-    per_stage = tp * dp
-    trainers = pp * per_stage
+    tp, dp, pp, world = layout.tp, layout.dp, layout.pp, layout.world
+    per_stage, trainers = layout.per_stage, layout.trainers
     trainer = _grid_collection(HyperCommGrid([tp, 1, dp, pp], dims, rank_offset=0))
     anchor = _grid_collection(HyperCommGrid([1, 1, 1, 1], dims, rank_offset=trainers))
     rank = dist.get_rank()
@@ -315,22 +301,22 @@ def _initialize_with_anchor(pp: int, dp: int, seed: int, world: int, local_rank:
             embd = g
     rollout_group = dist.new_group(list(range(trainers)), timeout=PEER_LIFETIME_TIMEOUT)
     anchor_group = dist.new_group(list(range(world)), timeout=PEER_LIFETIME_TIMEOUT)
-    is_anchor = rank >= trainers
+    is_anchor = layout.is_anchor(rank)
     pgc = anchor if is_anchor else trainer
     pgc.embd = None if is_anchor else embd
-    tp_rank = 0 if is_anchor else rank % tp
+    tp_rank = 0 if is_anchor else layout.tp_rank(rank)
     # what megatron otherwise gets from parallel_state.initialize_model_parallel
     parallel_state._set_global_memory_buffer()
     set_seed(seed)
     model_parallel_cuda_manual_seed(seed, tp_rank=tp_rank, ep_rank=0, etp_rank=0)
     return DistContext(
         rank=rank, world_size=world, local_rank=local_rank, local_world_size=local_world,
-        pp_rank=0 if is_anchor else rank // per_stage, pp_size=1 if is_anchor else pp, pp_group=pgc.pp,
+        pp_rank=0 if is_anchor else layout.pp_rank(rank), pp_size=1 if is_anchor else pp, pp_group=pgc.pp,
         embd_group=pgc.embd, pg_collection=pgc, device=device, anchor_rank=trainers, is_anchor=is_anchor,
         rollout_group=None if is_anchor else rollout_group, anchor_group=anchor_group,
         tp_rank=tp_rank, tp_size=1 if is_anchor else tp, tp_group=None if is_anchor or tp == 1 else pgc.tp,
-        dp_rank=0 if is_anchor else (rank // tp) % dp, dp_size=1 if is_anchor else dp,
-        dp_group=pgc.dp if dp > 1 and not is_anchor else None, stage_ranks=[i * per_stage for i in range(pp)],
+        dp_rank=0 if is_anchor else layout.replica_of(rank), dp_size=1 if is_anchor else dp,
+        dp_group=pgc.dp if dp > 1 and not is_anchor else None, stage_ranks=layout.stage_ranks, layout=layout,
     )
 
 

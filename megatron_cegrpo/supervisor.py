@@ -53,22 +53,19 @@ def should_supervise(env: Mapping[str, str] = os.environ) -> bool:
 def rank_role(argv: List[str], rank: int, world_size: int) -> str:
     """``"anchor"`` for the anchor ranks (the last ``--anchor-ranks`` of the world, DESIGN.md
     section 1), else ``"pipeline stage <rank>"``, or with data parallelism (issue 14; stage-major
-    ranks, ``initialize.data_parallel_size``) ``"pipeline stage <s> (data-parallel replica <r>)"``;
+    ranks, ``layout.Layout``) ``"pipeline stage <s> (data-parallel replica <r>)"``;
     at ``--tensor-model-parallel-size`` T > 1 (Megatron's order, TP fastest) the parenthesis adds
     ``"TP rank <t>"``, e.g. ``"pipeline stage 1 (data-parallel replica 0, TP rank 1)"``."""
     from megatron_cegrpo.arguments import AnchorConfig, ParallelConfig
+    from megatron_cegrpo.layout import Layout
 
     ap = argparse.ArgumentParser(add_help=False)
     ap.add_argument("--anchor-ranks", type=int, default=AnchorConfig.anchor_ranks)
     ap.add_argument("--pipeline-model-parallel-size", type=int, default=ParallelConfig.pipeline_model_parallel_size)
     ap.add_argument("--tensor-model-parallel-size", type=int, default=ParallelConfig.tensor_model_parallel_size)
     args, _ = ap.parse_known_args(argv)
-    if args.anchor_ranks > 0 and rank >= world_size - args.anchor_ranks:
-        return "anchor"
-    tp = max(args.tensor_model_parallel_size, 1)
-    dp = max(1, (world_size - max(args.anchor_ranks, 0)) // (max(args.pipeline_model_parallel_size, 1) * tp))
-    where = ([f"data-parallel replica {(rank // tp) % dp}"] if dp > 1 else []) + ([f"TP rank {rank % tp}"] if tp > 1 else [])
-    return f"pipeline stage {rank // (tp * dp)}" + (f" ({', '.join(where)})" if where else "")
+    return Layout(world_size, max(args.pipeline_model_parallel_size, 1), max(args.tensor_model_parallel_size, 1),
+                  max(args.anchor_ranks, 0)).role(rank)
 
 
 def _save_dir(argv: List[str]) -> Optional[str]:

@@ -214,11 +214,24 @@ def test_dp_needs_whole_micro_batches_per_replica_at_tp2():
 
 def test_rank_layout_and_roles_are_megatrons_tp_dp_pp():
     from megatron_cegrpo.initialize import DistContext
+    from megatron_cegrpo.layout import Layout
     from megatron_cegrpo.supervisor import rank_role
 
+    layout = Layout(8, pp=2, tp=2, anchor_ranks=0)
     ctx = DistContext(rank=0, world_size=8, local_rank=0, local_world_size=8, pp_rank=0, pp_size=2, pp_group=None,
-                      embd_group=None, pg_collection=None, device=torch.device("cpu"), tp_size=2, dp_size=2)
+                      embd_group=None, pg_collection=None, device=torch.device("cpu"), tp_size=2, dp_size=2,
+                      layout=layout)
     assert [ctx.replica_of(r) for r in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]
+    assert ([layout.tp_rank(r) for r in range(8)], [layout.pp_rank(r) for r in range(8)]) == (
+        [0, 1, 0, 1, 0, 1, 0, 1], [0, 0, 0, 0, 1, 1, 1, 1])
+    assert layout.stage_ranks == [0, 4] and layout.dp == 2 and layout.per_stage == 4
+    # with the anchor: the last rank, after TP 1 x DP 2 x PP 2 trainer ranks
+    with_anchor = Layout(5, pp=2, tp=1, anchor_ranks=1)
+    assert [with_anchor.role(r) for r in range(5)] == [
+        "pipeline stage 0 (data-parallel replica 0)", "pipeline stage 0 (data-parallel replica 1)",
+        "pipeline stage 1 (data-parallel replica 0)", "pipeline stage 1 (data-parallel replica 1)", "anchor"]
+    assert with_anchor.stage_ranks == [0, 2] and with_anchor.fitting_world() == 5
+    assert Layout(4, pp=2, tp=1, anchor_ranks=1).dp == 0  # 3 trainer ranks do not fit PP 2
     argv = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--anchor-ranks", "0"]
     assert rank_role(argv, 6, 8) == "pipeline stage 1 (data-parallel replica 1, TP rank 0)"
     assert rank_role(argv, 3, 4) == "pipeline stage 1 (TP rank 1)"
