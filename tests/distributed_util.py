@@ -14,6 +14,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 #: restart: the run's byte totals (they add the restart's start-up messages: the stages' hello to the
 #: anchor and its answer) and the share of the driver's own stage whose bf16 value changed since the
 #: sampler's last sync (after a restart the last sync is the one that loaded the checkpoint's weights)
+#: the whole step's totals (training/ledger.py): a resumed run's carry its restart's start-up bytes
+#: (the anchor's hello, the sampler's resync), so resume comparisons leave them out
+STEP_TOTALS = ("comm/total_bytes", "comm/total_dense_bytes", "comm/total_ratio", "comm/total_bytes_per_response_token")
 RESUME_VOLATILE = ("comm/run_total_bytes", "comm/run_total_dense_bytes", "comm/run_total_ratio",
                    "sync/local_changed_frac")
 

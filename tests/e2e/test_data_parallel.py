@@ -25,7 +25,7 @@ import os
 import pytest
 import torch
 
-from distributed_util import PARITY_REWARD, REPO, RESUME_VOLATILE, run_ranks
+from distributed_util import PARITY_REWARD, REPO, RESUME_VOLATILE, STEP_TOTALS, run_ranks
 from megatron_cegrpo.training.perf import WALL_CLOCK_PREFIXES
 from megatron_cegrpo.arguments import build_config, parse_args
 from megatron_cegrpo.errors import ConfigError
@@ -151,8 +151,7 @@ def test_checkpoint_saved_at_dp2_resumes_bit_exactly(runs):
     assert y.pop("anchor/bytes_in") > x.pop("anchor/bytes_in")
     out_a, out_b = x.pop("anchor/bytes_out"), y.pop("anchor/bytes_out")
     assert 0 < out_a - out_b < 2048
-    for k in ("comm/total_bytes", "comm/total_dense_bytes", "comm/total_ratio", "comm/total_bytes_per_response_token",
-              *RESUME_VOLATILE):
+    for k in (*STEP_TOTALS, *RESUME_VOLATILE):
         x.pop(k), y.pop(k)
     assert x == y, {k: (x[k], y.get(k)) for k in x if x[k] != y.get(k)}
     for r, (p, q) in enumerate(zip(straight, resumed)):

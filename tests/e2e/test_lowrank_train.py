@@ -20,7 +20,7 @@ import subprocess
 import torch
 from safetensors.torch import load_file
 
-from distributed_util import PARITY_REWARD, REPO, RESUME_VOLATILE, free_port, launcher
+from distributed_util import PARITY_REWARD, REPO, RESUME_VOLATILE, STEP_TOTALS, free_port, launcher
 from megatron_cegrpo.training.perf import WALL_CLOCK_PREFIXES
 from megatron_cegrpo.compression.lowrank import initial_basis
 
@@ -84,8 +84,7 @@ def test_lowrank_anchor_owned_basis_resumes_bit_exactly(tmp_path):
     assert 0 < out_a - out_b < 2048, (out_a, out_b)
     # the first shipment after a restart is the straight run's delta (the mirrors agreed at start-up,
     # as test_resume); the whole-step totals carry the hello's bytes
-    for k in ("comm/total_bytes", "comm/total_dense_bytes", "comm/total_ratio",
-                  "comm/total_bytes_per_response_token", *RESUME_VOLATILE):
+    for k in (*STEP_TOTALS, *RESUME_VOLATILE):
         a.pop(k, None), b.pop(k, None)
     assert a == b, {k: (a[k], b.get(k)) for k in a if a[k] != b.get(k)}
     for wa, wb in zip(_weights(tmp_path / "ck1"), _weights(tmp_path / "ck2")):

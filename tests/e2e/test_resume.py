@@ -19,7 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from distributed_util import REPO, RESUME_VOLATILE, free_port
+from distributed_util import REPO, RESUME_VOLATILE, STEP_TOTALS, free_port
 from distributed_util import PARITY_REWARD as REWARD, launcher as _launcher
 from megatron_cegrpo.training.perf import WALL_CLOCK_PREFIXES
 
@@ -114,8 +114,7 @@ def test_sigkill_and_resume_is_bit_identical(tmp_path, anchors, extra, kill_at):
         # before it an fp32 keyframe went here), so the anchor's running count is the same too
         ship = next(t for t in resumed if a[t]["anchor/bytes_ship"])
         assert b[ship]["anchor/bytes_ship"] == a[ship]["anchor/bytes_ship"] < a[ship]["anchor/bytes_ship_fp32"] // 7
-        for k in ("comm/total_bytes", "comm/total_dense_bytes", "comm/total_ratio",
-                  "comm/total_bytes_per_response_token"):  # the hello, above
+        for k in STEP_TOTALS:  # the hello, above
             a[first].pop(k), b[first].pop(k)
     for step in resumed:
         for k in RESUME_VOLATILE:

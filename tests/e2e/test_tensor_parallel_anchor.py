@@ -56,7 +56,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # distributed_util
 sys.path.insert(0, HERE)  # the TP = 1 comparison helpers
 
-from distributed_util import PARITY_REWARD, RESUME_VOLATILE, run_ranks  # noqa: E402
+from distributed_util import PARITY_REWARD, RESUME_VOLATILE, STEP_TOTALS, run_ranks  # noqa: E402
 from test_tensor_parallel_train import (fingerprint, load_metrics, load_stages, read_reference,  # noqa: E402
                                        write_reference)
 
@@ -224,7 +224,7 @@ def test_tp2_anchor_signs_and_every_weight_against_a_live_tp1_run(tp2, tmp_path)
 #: the stages' hello (parameter names and mirror digest, once) and the anchor's 1-byte answers, the
 #: anchor's answer to the straight run's save, and the totals that sum them
 RESUME_BYTES = ("anchor/bytes_in", "anchor/bytes_out", "anchor/bytes_ship", "anchor/received_bytes_total",
-                "comm/total_bytes", "comm/total_dense_bytes", "comm/total_ratio", "comm/total_bytes_per_response_token")
+                *STEP_TOTALS)
 
 
 def test_resume_at_tp2_with_the_anchor_is_bit_exact(tmp_path):

@@ -22,7 +22,7 @@ import os
 import pytest
 import torch
 
-from distributed_util import PARITY_REWARD, REPO, run_ranks
+from distributed_util import PARITY_REWARD, REPO, STEP_TOTALS, run_ranks
 from megatron_cegrpo.training.perf import WALL_CLOCK_PREFIXES
 
 WORKER = os.path.join(REPO, "tests", "e2e", "tied_sync_worker.py")
@@ -34,8 +34,8 @@ W_BYTES = 49152 * 64 * 4  # tiny-llama's tied embedding, fp32
 #: iteration and over the run) and the share of the driver's own stage whose bf16 value changed (its
 #: stale copy of W is not part of it); the resumed run's run totals add its restart's start-up bytes
 BYTE_KEYS = ("comm/embd_sync_bytes", "comm/embd_full_sync_bytes", "anchor/bytes_in", "anchor/bytes_out",
-             "anchor/received_bytes_total", "anchor/bytes_ship", "anchor/bytes_ship_fp32", "comm/total_bytes",
-             "comm/total_dense_bytes", "comm/total_ratio", "comm/total_bytes_per_response_token", "comm/run_total_bytes",
+             "anchor/received_bytes_total", "anchor/bytes_ship", "anchor/bytes_ship_fp32", *STEP_TOTALS,
+             "comm/run_total_bytes",
              "comm/run_total_dense_bytes", "comm/run_total_ratio", "sync/local_changed_frac")
 
 
