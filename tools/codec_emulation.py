@@ -78,12 +78,11 @@ def run(model, batch, codec, step, mbs, layer, first_ids):
 
 def iteration_bytes_ratio(codec, shape, mbs_per_pass):
     """Documented bytes of one demo iteration (3 forward passes, 1 backward) over dense."""
-    from megatron_cegrpo.compression import PairCodec
     from megatron_cegrpo.compression.spec import spec_bytes
 
     s, b, d = shape
     dense = 4 * mbs_per_pass * s * b * d * 4
-    if not isinstance(codec, PairCodec) and codec is not None and not hasattr(codec, "k"):
+    if codec is not None and not codec.claims_budget:  # dense
         return 1.0
     f, bw = spec_bytes(codec, shape, 4, 3 * mbs_per_pass, mbs_per_pass)
     return (f + bw) / dense

@@ -142,6 +142,22 @@ class BoundaryCodec(abc.ABC):
     #: the same bits and sends 1/T of each payload and basis (``pipeline/communicator.py``);
     #: ``TrainConfig._validate_tensor_parallel`` refuses the codecs where this is False.
     tp_splittable = False
+    #: the codec claims the ``--boundary-keep-ratio`` budget: its constructor takes ``keep_ratio`` and
+    #: the start-up byte-budget check applies (``spec.check_codec_budget``). False: ``dense``, the
+    #: uncompressed control
+    claims_budget = True
+    #: the run-level options (``TrainConfig.boundary_codec_options``: ``q_owner``, ``anchor_interval``,
+    #: ``tokens_per_iteration``) its constructor takes; ``build_codec`` passes only these
+    RUN_OPTIONS: Tuple[str, ...] = ()
+
+    def summary(self, d: int) -> str:
+        """What the start-up line adds after the codec's name at width ``d`` (e.g. mask: ``" (k=29 of
+        d)"``); "" when there is nothing to add."""
+        return ""
+
+    def check_width(self, d: int) -> None:
+        """Raise ValueError (naming the flag) when the budget cannot code width ``d`` at all; the
+        default codes any width."""
 
     @abc.abstractmethod
     def payload_shape(self, shape: Tuple[int, int, int]) -> Tuple[int, ...]:
@@ -224,6 +240,8 @@ class DenseCodec(BoundaryCodec):
     bytes on the wire per direction = s * b * d * element_size.
     """
 
+    claims_budget = False  # the control: keeps everything
+
     replica_invariant = True
     tp_splittable = True
 
@@ -300,6 +318,9 @@ class MaskCodec(BoundaryCodec):
         self.derivations = {"precomputed": 0, "on_demand": 0}
 
     # -- helpers -----------------------------------------------------------
+    def summary(self, d: int) -> str:
+        return f" (k={self.k(d)} of d)"
+
     def k(self, d: int) -> int:
         """Number of kept channels for hidden size d."""
         return keep_count(int(d), self.keep_ratio)

@@ -20,7 +20,6 @@ Pure tensor code: no torch.distributed.
 from __future__ import annotations
 
 import abc
-import inspect
 from typing import Callable, Dict, List, Tuple, Type
 
 import torch
@@ -60,18 +59,16 @@ def get_half(name: str, keep_ratio: float, params: Dict[str, str]) -> "Direction
     cls = _HALVES.get(name)
     if cls is None:
         raise ValueError(f"unknown half codec {name!r}; valid: {', '.join(available_halves())}")
-    sig = inspect.signature(cls)
     kwargs = {}
     for key, raw in params.items():
-        if key == "keep_ratio" or key not in sig.parameters:
-            allowed = [p for p in sig.parameters if p != "keep_ratio"]
-            raise ValueError(f"{name} takes no parameter {key!r} (its parameters: {', '.join(allowed) or 'none'})")
-        default = sig.parameters[key].default
+        kind = cls.PARAMS.get(key)
+        if kind is None:
+            raise ValueError(f"{name} takes no parameter {key!r} (its parameters: {', '.join(cls.PARAMS) or 'none'})")
         try:
-            kwargs[key] = float(raw) if isinstance(default, float) else int(raw)
+            kwargs[key] = kind(raw)
         except ValueError:
             raise ValueError(f"{name}/{key}={raw!r} is not a number") from None
-    if "keep_ratio" in sig.parameters:
+    if cls.claims_budget:
         kwargs["keep_ratio"] = keep_ratio
     return cls(**kwargs)
 
@@ -92,6 +89,10 @@ class DirectionCodec(abc.ABC):
     #: of both roles follow deterministically from the dense tensor, ctx and the payloads received
     #: (no side channel), so a stage's TP ranks, holding identical tensors, encode identical bits
     tp_splittable = False
+    #: the half is sized by the run's ``--boundary-keep-ratio`` (its constructor takes ``keep_ratio``)
+    claims_budget = True
+    #: the ``name/key=value`` parameters a spec may set, with their types, in the constructor's order
+    PARAMS: Dict[str, type] = {}
 
     @abc.abstractmethod
     def wire_shape(self, shape, ctx: BoundaryContext, dtype: torch.dtype, role: str) -> Tuple[int, ...]:
@@ -169,6 +170,7 @@ class DenseHalf(DirectionCodec):
     self_adjoint_linear = True
     replica_invariant = True
     tp_splittable = True
+    claims_budget = False
 
     def wire_shape(self, shape, ctx, dtype, role):
         return _check_shape(shape)

@@ -137,6 +137,8 @@ class LowRankCodec(BoundaryCodec):
             receiver asked to decode an iteration whose basis never arrived.
     """
 
+    RUN_OPTIONS = ("q_owner", "tokens_per_iteration", "anchor_interval")
+
     def __init__(self, keep_ratio: float = 0.05, q_owner: str = "fast", tokens_per_iteration: int = 16384,
                  anchor_interval: int = 4):
         if q_owner not in Q_OWNERS:
@@ -164,6 +166,13 @@ class LowRankCodec(BoundaryCodec):
     def rank(self, d: int) -> int:
         """r at hidden size d (:func:`lowrank_rank`)."""
         return lowrank_rank(d, self.keep_ratio, self.tokens_per_iteration, self.basis_sends_per_iteration)
+
+    def summary(self, d: int) -> str:
+        return f" (rank {self.rank(d)} of d, {self.q_owner}-owned basis)"
+
+    def check_width(self, d: int) -> None:
+        """A budget too small for rank 1 fails here, naming the flag (:func:`lowrank_rank`)."""
+        self.rank(d)
 
     def basis_shape(self, d: int) -> Tuple[int, int]:
         return (int(d), self.rank(d))

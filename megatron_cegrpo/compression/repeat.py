@@ -106,6 +106,9 @@ class RepeatPcaHalf(SubspaceQuantHalf):
 
     refresh = "step"
 
+    PARAMS = {"rank": int, "share": float, "max_bits": int, "outliers": int, "passes": int, "repeat": float,
+              "own": int, "warm": int, "lag": int}
+
     def __init__(self, keep_ratio: float = 0.05, rank: int = 144, share: float = 0.12, max_bits: int = 8,
                  outliers: int = 1, passes: int = 3, repeat: float = 0.002, own: int = 1, warm: int = 0,
                  lag: int = 0):

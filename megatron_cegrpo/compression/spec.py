@@ -21,7 +21,6 @@ Pure Python/tensor code: no torch.distributed.
 
 from __future__ import annotations
 
-import inspect
 import re
 import warnings
 from dataclasses import dataclass, field
@@ -89,12 +88,12 @@ def parse_codec_spec(text: str) -> CodecSpec:
 def build_codec(spec: str, keep_ratio: float, *, warn: bool = True, **options) -> BoundaryCodec:
     """The codec for ``--boundary-codec spec --boundary-keep-ratio keep_ratio``.
 
-    A single registered name gets ``keep_ratio`` when its constructor takes one (``mask``);
-    for the others (``dense``) it does not apply and a warning says so when it differs from
+    A single registered name gets ``keep_ratio`` when it claims the budget
+    (``BoundaryCodec.claims_budget``: ``mask``, ``lowrank``); for ``dense`` it does not apply and a warning says so when it differs from
     0.05 (``warn=False``: no warning, for the start-up checks that build a codec only to
     validate it). Each of ``options`` (``TrainConfig.boundary_codec_options``: the lowrank basis owner,
-    tokens per iteration, ...) goes to a single codec's constructor only when it names one of
-    its parameters. A pair gets a :class:`PairCodec` of its two halves, each sized for
+    tokens per iteration, ...) goes to a single codec's constructor only when the codec declares
+    it (``BoundaryCodec.RUN_OPTIONS``). A pair gets a :class:`PairCodec` of its two halves, each sized for
     ``keep_ratio``.
 
     Raises:
@@ -104,9 +103,8 @@ def build_codec(spec: str, keep_ratio: float, *, warn: bool = True, **options) -
     p = parse_codec_spec(spec)
     if p.single:
         cls = _REGISTRY[p.single]
-        params = inspect.signature(cls).parameters
-        kwargs = {k: v for k, v in options.items() if k in params}
-        if "keep_ratio" in params:
+        kwargs = {k: v for k, v in options.items() if k in cls.RUN_OPTIONS}
+        if cls.claims_budget:
             return cls(keep_ratio=keep_ratio, **kwargs)
         if keep_ratio != 0.05 and warn:
             warnings.warn(f"--boundary-keep-ratio {keep_ratio} is ignored by --boundary-codec {p.single}")
@@ -150,7 +148,7 @@ def check_codec_budget(codec: BoundaryCodec, keep_ratio: float, shape, messages:
     Raises:
         ValueError: the direction, its bytes and the budget.
     """
-    if not isinstance(codec, PairCodec) and "keep_ratio" not in inspect.signature(type(codec)).parameters:
+    if not codec.claims_budget:
         return
     s, b, d = (int(v) for v in shape)
     counts = (int(messages), int(messages if bwd_messages is None else bwd_messages))

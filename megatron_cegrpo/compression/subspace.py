@@ -347,6 +347,9 @@ class SubspaceQuantHalf(_WarmBasisFitting, DirectionCodec):
     #: quantiser are deterministic on bit-identical inputs (tests/compression/test_tp_codec_determinism.py)
     tp_splittable = True
 
+    PARAMS = {"rank": int, "share": float, "max_bits": int, "outliers": int, "warm": int, "lag": int, "every": int,
+              "sink": int}
+
     def __init__(self, keep_ratio: float = 0.05, rank: int = 128, share: float = 0.12, max_bits: int = 8,
                  outliers: int = 1, warm: int = 0, lag: int = 0, every: int = 1, sink: int = 0):
         if not 0.0 < float(keep_ratio) <= 1.0:
@@ -593,6 +596,8 @@ class LowRankQuantHalf(SubspaceQuantHalf):
     r shrinks so that the basis takes at most half of the budget."""
 
     refresh = "microbatch"
+
+    PARAMS = {"rank": int, "max_bits": int, "outliers": int, "warm": int, "lag": int}
 
     def __init__(self, keep_ratio: float = 0.05, rank: int = 48, max_bits: int = 8, outliers: int = 0,
                  warm: int = 0, lag: int = 0):

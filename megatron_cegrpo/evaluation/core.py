@@ -19,7 +19,6 @@ The suite used by the seeds' harness is :data:`DEFAULT_SUITE`.
 
 from __future__ import annotations
 
-import inspect
 import math
 import re
 import sys
@@ -311,13 +310,6 @@ def _encode(tokenizer, question: str, template: str):
     return torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
 
 
-def _accepts(fn, param: str) -> bool:
-    try:
-        return param in inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return False
-
-
 def _seed_for(seed: int, name: str) -> int:
     return (int(seed) * 1_000_003 + zlib.crc32(name.encode())) % (2 ** 31)
 
@@ -353,9 +345,8 @@ def evaluate_detailed(
         validate_records(name, recs)
 
     t_all = time.perf_counter()
-    # Scoring needs only the text: an engine that can skip its per-token log-probs (whose
-    # [batch, new tokens, vocab] logits dominate its memory) is asked to.
-    extra = {"return_logprobs": False} if _accepts(engine.generate, "return_logprobs") else {}
+    # Scoring needs only the text: the engine skips its per-token log-probs (whose
+    # [batch, new tokens, vocab] logits dominate its memory; RolloutEngine.generate)
     # prompts, longest first (padding waste is lowest when lengths are grouped)
     plans = []
     for name, recs in datasets.items():
@@ -378,8 +369,7 @@ def evaluate_detailed(
                 bar.set_description(f"eval {name} ({mode.describe()})")
             t0 = time.perf_counter()
             texts, lens, trunc = _generate_k(engine, name, recs, ids, order, mode, bar, max_new_tokens=max_new_tokens,
-                                             batch_size=batch_size, base_seed=_seed_for(seed, name), top_p=top_p,
-                                             extra=extra)
+                                             batch_size=batch_size, base_seed=_seed_for(seed, name), top_p=top_p)
             scores = _score_k(name, recs, texts, mode.k)
             res = DatasetResult(name, mode, recs, scores, texts, lens, trunc, time.perf_counter() - t0)
             report.datasets[name] = res
@@ -391,7 +381,7 @@ def evaluate_detailed(
     return report
 
 
-def _generate_k(engine, name, recs, ids, order, mode, bar, *, max_new_tokens, batch_size, base_seed, top_p, extra):
+def _generate_k(engine, name, recs, ids, order, mode, bar, *, max_new_tokens, batch_size, base_seed, top_p):
     """Each problem ``mode.k`` times in a row, in length order, in batches of ``batch_size``:
     returns (texts, response lengths, truncated flags), each [problem][sample]."""
     flat = [(i, j) for i in order for j in range(mode.k)]
@@ -405,7 +395,7 @@ def _generate_k(engine, name, recs, ids, order, mode, bar, *, max_new_tokens, ba
         out = engine.generate(
             [ids[i] for i, _ in chunk], max_new_tokens=max_new_tokens,
             temperature=1.0 if mode.greedy else float(mode.temperature), top_p=top_p,
-            greedy=mode.greedy, generator_seed=base_seed + c, **extra)
+            greedy=mode.greedy, generator_seed=base_seed + c, return_logprobs=False)
         if len(out.texts) != len(chunk):
             raise RuntimeError(f"evaluate {name!r}: the engine returned {len(out.texts)} responses "
                                f"for {len(chunk)} prompts")

@@ -51,7 +51,11 @@ class RolloutEngine(abc.ABC):
         top_p: float = 1.0,
         greedy: bool = False,
         generator_seed: Optional[int] = None,
+        return_logprobs: bool = True,
     ) -> RolloutOutput:
+        """One response per prompt. ``return_logprobs=False`` (evaluation: scoring needs only the
+        text) lets the engine skip the sampled tokens' log-probs; ``RolloutOutput.logprobs`` then
+        holds empty tensors or whatever the engine computed anyway."""
         ...
 
     @abc.abstractmethod

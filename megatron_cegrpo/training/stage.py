@@ -68,8 +68,7 @@ class StageWorker:
                        else [p.detach().clone() for p in self.model.parameters()])
         self.codec = build_codec(cfg.codec.boundary_codec, cfg.codec.boundary_keep_ratio,
                                  **cfg.boundary_codec_options())
-        if hasattr(self.codec, "rank"):  # a lowrank budget too small for rank 1 fails here, naming the flag
-            self.codec.rank(self.tf_config.hidden_size)
+        self.codec.check_width(self.tf_config.hidden_size)  # e.g. a lowrank budget too small for rank 1
         self.meter = ByteMeter()
         self.dp_group = ctx.dp_group  # this stage's data-parallel replicas (None at DP = 1; data_parallel.py)
         self.dp_bytes = 0  # comm/dp_grad_allreduce_bytes since the last stage_metrics

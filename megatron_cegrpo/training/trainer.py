@@ -115,9 +115,7 @@ class GRPOTrainer:
         self._log(f"model {cfg.model.model}: {self.stage.tf_config.num_layers} layers, d={d}, PP={ctx.pp_size}, "
                   + (f"TP={ctx.tp_size}, " if ctx.tp_size > 1 else "")
                   + (f"DP={ctx.dp_size}, " if ctx.dp_size > 1 else "") +
-                  f"codec={cfg.codec.boundary_codec}" + (f" (k={codec.k(d)} of d)" if hasattr(codec, "k") else "")
-                  + (f" (rank {codec.rank(d)} of d, {codec.q_owner}-owned basis)" if hasattr(codec, "rank") else "")
-                  + f"; set up in {time.perf_counter() - t0:.1f} s")
+                  f"codec={cfg.codec.boundary_codec}{codec.summary(d)}; set up in {time.perf_counter() - t0:.1f} s")
 
     def _log(self, msg: str) -> None:
         if self.ctx.is_driver:

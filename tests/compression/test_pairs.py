@@ -244,3 +244,30 @@ def test_sender_decode_of_its_own_payloads_equals_the_receivers_across_passes():
     for a, b in zip(at_sender, at_receiver):
         assert torch.equal(a, b)
     assert not sender.fwd._state["recv"]  # the sender's receive-side state stays empty
+
+
+def test_declared_capabilities_match_the_constructors():
+    """Each codec and half declares what it takes (no signature probing at build time): the
+    spec parameters ``PARAMS`` (names, order, types), ``claims_budget`` (a ``keep_ratio``) and a
+    whole codec's ``RUN_OPTIONS``; checked here against the constructors themselves."""
+    import inspect
+
+    from megatron_cegrpo.compression.codecs import _REGISTRY
+    from megatron_cegrpo.compression.halves import _HALVES
+
+    for name, cls in _HALVES.items():
+        sig = inspect.signature(cls).parameters
+        own = {k: type(p.default) for k, p in sig.items() if k != "keep_ratio"}
+        assert cls.PARAMS == own and list(cls.PARAMS) == list(own), name
+        assert cls.claims_budget == ("keep_ratio" in sig), name
+    for name, cls in _REGISTRY.items():
+        sig = inspect.signature(cls).parameters
+        assert cls.claims_budget == ("keep_ratio" in sig), name
+        assert set(cls.RUN_OPTIONS) <= set(sig), name
+    from megatron_cegrpo.arguments import TrainConfig
+
+    run_options = set(TrainConfig().boundary_codec_options())
+    for name, cls in _REGISTRY.items():
+        assert set(cls.RUN_OPTIONS) <= run_options, name
+    # what build_codec passes: lowrank takes every run option, mask none (its cache size is not one)
+    assert set(_REGISTRY["lowrank"].RUN_OPTIONS) == run_options and _REGISTRY["mask"].RUN_OPTIONS == ()

@@ -117,7 +117,8 @@ class _Engine:
     def __init__(self, answer):
         self.answer = answer
 
-    def generate(self, prompt_ids, *, max_new_tokens, temperature, top_p=1.0, greedy=False, generator_seed=None):
+    def generate(self, prompt_ids, *, max_new_tokens, temperature, top_p=1.0, greedy=False, generator_seed=None,
+                 return_logprobs=True):
         texts = [self.answer("".join(chr(int(i)) for i in p)) for p in prompt_ids]
         return RolloutOutput([p.clone() for p in prompt_ids], [torch.arange(2) for _ in texts],
                              [torch.zeros(2) for _ in texts], texts, torch.ones(len(texts), dtype=torch.bool))

@@ -62,7 +62,7 @@ class FakeEngine:
         raise AssertionError(f"unknown prompt {body[:60]!r}")
 
     def generate(self, prompt_ids, *, max_new_tokens, temperature, top_p=1.0, greedy=False,
-                 generator_seed=None):
+                 generator_seed=None, return_logprobs=True):
         qs = [self._question(p) for p in prompt_ids]
         self.calls.append((qs, temperature, greedy, generator_seed))
         texts = []
@@ -279,7 +279,7 @@ def test_summary_round_trip(tmp_path):
         load_summary(str(tmp_path / "junk.json"))
 
 
-def test_engine_that_can_skip_logprobs_is_asked_to():
+def test_evaluation_asks_the_engine_to_skip_logprobs():
     recs = load_dataset("mawps", limit=2)
     seen = []
 
