@@ -82,7 +82,7 @@ class DriftProbe:
     def run(self, batch: Dict[str, torch.Tensor], t: int) -> None:
         """The dense policy and base passes of iteration ``t`` at the current weights."""
         st = self.stage
-        lp_fn = partial(st._logprob_loss_fn, False)
+        lp_fn = partial(st.logprob_loss_fn, False)
         st.tied.refresh_rows(batch["tokens"])
         with st.comm.using(self.dense, self.meter):
             dense = st.runner.run(st.model, batch, step=t, forward_only=True, loss_fn=lp_fn)

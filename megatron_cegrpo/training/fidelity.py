@@ -158,7 +158,7 @@ class GradFidelityProbe:
         """Dense old-logprob (and reference) passes of iteration ``t``'s batch at the current
         weights; the last stage keeps them for :meth:`dense_gradient` (fp32 [N, S])."""
         st = self.stage
-        lp_fn = partial(st._logprob_loss_fn, False)
+        lp_fn = partial(st.logprob_loss_fn, False)
         st.model.eval()
         with _rng_preserved(), st.comm.using(self.dense_codec, self.meter):
             old = st.runner.run(st.model, batch, step=t, forward_only=True, loss_fn=lp_fn)

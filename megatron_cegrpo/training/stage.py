@@ -147,7 +147,10 @@ class StageWorker:
         micro-batches) on a background thread, off the critical path (issue 10 item 6)."""
         self.runner.prefetch(batch, step=t)
 
-    def _logprob_loss_fn(self, want_entropy: bool, mb, logits):
+    def logprob_loss_fn(self, want_entropy: bool, mb, logits):
+        """The schedule's loss function of a log-prob pass (no gradient): a zero loss and
+        ``{"logprobs": [b, s] fp32 at the sampling temperature}`` (+ ``"entropy"``), used by the
+        stage's passes and the probes (``drift_probe.py``, ``fidelity.py``)."""
         logits = logits.float() / self.temperature
         out = {"logprobs": ca.logprobs_from_logits(logits, mb["labels"]).detach()}
         if want_entropy:
@@ -179,7 +182,7 @@ class StageWorker:
         self.model.eval()  # dropout is 0 anyway; eval keeps the passes identical
         self.tied.refresh_rows(batch["tokens"])
         outs = self.runner.run(self.model, batch, step=t, forward_only=True,
-                               loss_fn=partial(self._logprob_loss_fn, True))
+                               loss_fn=partial(self.logprob_loss_fn, True))
         return self._set_old_log_probs(batch, outs)
 
     def _set_old_log_probs(self, batch: Dict[str, torch.Tensor], outs: List[dict]) -> Dict[str, float]:
@@ -199,7 +202,7 @@ class StageWorker:
     def ref_log_prob(self, batch: Dict[str, torch.Tensor], t: int) -> None:
         """Step 6: the reference's compressed pass with the same masks (``batch["ref_logprobs"]``)."""
         outs = self.runner.run(self.ref_model, batch, step=t, forward_only=True,
-                               loss_fn=partial(self._logprob_loss_fn, False))
+                               loss_fn=partial(self.logprob_loss_fn, False))
         if self.ctx.is_last_stage:
             batch["ref_logprobs"] = torch.cat([o["logprobs"] for o in outs])
 

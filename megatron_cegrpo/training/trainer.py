@@ -186,7 +186,12 @@ class GRPOTrainer:
                 self._full_sync(t)  # before the metrics: its bytes are this iteration's
         self.iteration = t
         self.weight_trace.record(t)  # --log-weight-sample
-        return self._metrics(full, stats, t, time.perf_counter() - t_start)
+        m = self._metrics(full, stats, t, time.perf_counter() - t_start)
+        if self.driver is not None:
+            if self.cfg.data.eval_interval and t % self.cfg.data.eval_interval == 0:  # the stages wait meanwhile
+                m.update(self.driver.evaluate_suite(t))
+            self.driver.write(m)
+        return m
 
     def rollout(self, t: int):
         """Steps 1-4 of iteration ``t``: the driver generates and scores the batch, every stage
@@ -223,7 +228,8 @@ class GRPOTrainer:
 
     def _metrics(self, batch, stats: Dict[str, float], t: int, seconds: float) -> Optional[Dict]:
         """Loss metrics from the last stage, every stage's reduced by the declared rules, the
-        driver's batch statistics and timers; written to the log on the driver. A stage's TP ranks
+        driver's batch statistics and timers (the driver's dict; ``train_step`` adds the
+        evaluation on its cadence and writes the log). A stage's TP ranks
         merge first (``StageMetricsReducer.merge_tp_ranks``: each rank's bytes and shard sums added),
         then its DP replicas; TP rank 0 of the driver's pipeline carries the stage's dict."""
         ctx = self.ctx
@@ -259,10 +265,6 @@ class GRPOTrainer:
         m.update(self.timers.snapshot_and_reset())
         m["timing_s/step"] = seconds
         m.update(perf_metrics(m, self.cfg.logging.peak_tflops))
-        every = self.cfg.data.eval_interval
-        if every and t % every == 0:  # the other stages wait for the next batch meanwhile
-            m.update(self.driver.evaluate_suite(t))
-        self.driver.write(m)
         return m
 
     # ------------------------------------------------------------------ the loop
