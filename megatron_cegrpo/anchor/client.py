@@ -29,6 +29,7 @@ from megatron_cegrpo.anchor.transport import (
     isend_object, recv_object, recv_tensor, send_object,
 )
 from megatron_cegrpo.restart import restarts_left
+from megatron_cegrpo.grpo.batch import RolloutBatch
 
 __all__ = ["AnchorClient", "ANCHOR_BATCH_KEYS"]
 
@@ -156,7 +157,7 @@ class AnchorClient:
         self._guard("waiting for sends", wait)
 
     # ------------------------------------------------------------------ the schedule
-    def after_rollout(self, t: int, batch: Dict[str, torch.Tensor]) -> None:
+    def after_rollout(self, t: int, batch: RolloutBatch) -> None:
         """Call on every trainer rank once iteration t's batch exists, before any update."""
         c = self.a.anchor_interval
         if is_ship_step(t, c) and self.alive:

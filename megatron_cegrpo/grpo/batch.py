@@ -9,11 +9,37 @@ logits at position j score ``labels[j]``; ``loss_mask[j]`` is 1 exactly where
 
 from __future__ import annotations
 
-from typing import Dict, List
+from typing import Dict, List, TypedDict
 
 import torch
 
-__all__ = ["pack_rollouts", "slice_batch", "microbatches", "replica_rows"]
+__all__ = ["RolloutBatch", "pack_rollouts", "slice_batch", "microbatches", "replica_rows"]
+
+
+class RolloutBatch(TypedDict, total=False):
+    """An iteration's batch: the one place its fields are written down (a plain dict at run time).
+
+    N rows: the iteration's sequences (``--rollout-batch-size`` x ``--num-generations``), a data-parallel
+    replica's share (``replica_rows``) or a micro-batch's slice; S columns: prompt + response,
+    right-padded to a multiple of 8. Position j scores ``labels[j]`` = token j + 1.
+    """
+
+    # made by pack_rollouts (the driver), broadcast to every stage
+    tokens: torch.Tensor            #: long [N, S], prompt + response + padding
+    position_ids: torch.Tensor      #: long [N, S], 0..S-1 per row
+    labels: torch.Tensor            #: long [N, S], tokens shifted left by one
+    loss_mask: torch.Tensor         #: fp32 [N, S], 1 where labels[j] is a response token
+    sampler_logprobs: torch.Tensor  #: fp32 [N, S], the dense sampler's log-probs (0 off the mask)
+    advantages: torch.Tensor        #: fp32 [N, S], the group-normalised advantage on response positions
+    scores: torch.Tensor            #: fp32 [N], the verifier's reward
+    sample_ids: torch.Tensor        #: long [N], the global row index (keys the PRF masks; kept by replicas)
+    response_lengths: torch.Tensor  #: long [N]
+    prompt_lengths: torch.Tensor    #: long [N]
+    # added by the driver (training/driver.py)
+    finished: torch.Tensor          #: fp32 [N], 1 where the response ended with EOS
+    # added by a stage's passes (training/stage.py)
+    old_logprobs: torch.Tensor      #: fp32 [N, S], the compressed view's log-probs before the step
+    ref_logprobs: torch.Tensor      #: fp32 [N, S], the frozen reference's (--kl-coef > 0)
 
 
 def pack_rollouts(
@@ -26,8 +52,8 @@ def pack_rollouts(
     pad_token_id: int,
     pad_to_multiple: int = 8,
     max_seq_length: int | None = None,
-) -> Dict[str, torch.Tensor]:
-    """Right-pad N prompt+response sequences into one batch.
+) -> RolloutBatch:
+    """Right-pad N prompt+response sequences into one batch (:class:`RolloutBatch`).
 
     Args:
         prompt_ids, response_ids: N LongTensors [P_i] and [R_i] (R_i >= 1).
@@ -86,12 +112,12 @@ def pack_rollouts(
     }
 
 
-def slice_batch(batch: Dict[str, torch.Tensor], start: int, end: int) -> Dict[str, torch.Tensor]:
+def slice_batch(batch: RolloutBatch, start: int, end: int) -> RolloutBatch:
     """Rows [start, end) of every per-sequence tensor in ``batch``."""
     return {k: v[start:end] for k, v in batch.items()}
 
 
-def microbatches(batch: Dict[str, torch.Tensor], micro_batch_size: int) -> List[Dict[str, torch.Tensor]]:
+def microbatches(batch: RolloutBatch, micro_batch_size: int) -> List[RolloutBatch]:
     """Split a batch of N rows into N / micro_batch_size consecutive micro-batches.
 
     Raises:

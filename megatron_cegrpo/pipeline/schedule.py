@@ -24,7 +24,7 @@ from megatron.core.pipeline_parallel.schedules import (
     forward_backward_pipelining_without_interleaving,
 )
 
-from megatron_cegrpo.grpo.batch import microbatches
+from megatron_cegrpo.grpo.batch import RolloutBatch, microbatches
 from megatron_cegrpo.grpo.shared_prefix import pack_shared_prefix, packed_microbatch, rows_from_packed
 from megatron_cegrpo.optim.mixed_precision import compute_precision
 
@@ -57,7 +57,7 @@ class PipelineRunner:
             raise ValueError(f"shared prefix: the group size {self.group} does not divide the micro-batch size "
                              f"{micro_batch_size}")
 
-    def plan(self, batch: Dict[str, torch.Tensor]) -> Tuple[list, int, int, List[torch.Tensor]]:
+    def plan(self, batch: RolloutBatch) -> Tuple[list, int, int, List[torch.Tensor]]:
         """What one pass over ``batch`` runs: (items, seq_length, micro_batch_size, boundary ids).
 
         Unshared: the row micro-batches, S, ``micro_batch_size`` and each micro-batch's
@@ -73,7 +73,7 @@ class PipelineRunner:
         items = [(mb, packed_microbatch(layout, i * m, (i + 1) * m)) for i, mb in enumerate(mbs)]
         return items, layout.seq_length, m // self.group, [mb["sample_ids"][::self.group] for mb in mbs]
 
-    def prefetch(self, batch: Dict[str, torch.Tensor], *, step: int) -> int:
+    def prefetch(self, batch: RolloutBatch, *, step: int) -> int:
         """Queue the codec's work for every micro-batch of ``batch`` at iteration ``step``
         (``CompressedP2PCommunicator.prefetch``: a background thread, off the critical path).
         Call it as soon as the iteration's batch is known; ``run`` queues whatever was not.
@@ -86,7 +86,7 @@ class PipelineRunner:
         _, seq_length, _, ids = self.plan(batch)
         return self.comm.prefetch(step, ids, seq_length)
 
-    def run(self, model: torch.nn.Module, batch: Dict[str, torch.Tensor], *, step: int,
+    def run(self, model: torch.nn.Module, batch: RolloutBatch, *, step: int,
             forward_only: bool, loss_fn: LossFn) -> List[dict]:
         """One schedule call over every row of ``batch``.
 

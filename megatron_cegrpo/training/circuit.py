@@ -9,9 +9,8 @@ from __future__ import annotations
 
 from typing import Dict, List, Protocol
 
-import torch
-
 from megatron_cegrpo.anchor.circuit import AnchorCircuit
+from megatron_cegrpo.grpo.batch import RolloutBatch
 
 __all__ = ["Circuit", "circuits_of"]
 
@@ -30,7 +29,7 @@ class Circuit(Protocol):
     def connect(self) -> None:
         """Once, after the checkpoint (if any) is loaded."""
 
-    def after_rollout(self, t: int, batch: Dict[str, torch.Tensor]) -> None:
+    def after_rollout(self, t: int, batch: RolloutBatch) -> None:
         """Iteration ``t``'s batch exists on every stage, before any pass."""
 
     def before_optimizer_step(self, t: int, timers) -> None:

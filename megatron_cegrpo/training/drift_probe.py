@@ -30,6 +30,7 @@ import torch
 from megatron_cegrpo.compression import ByteMeter, get_codec
 from megatron_cegrpo.grpo import core_algos as ca
 from megatron_cegrpo.training import data_parallel as dpx
+from megatron_cegrpo.grpo.batch import RolloutBatch
 
 __all__ = ["DriftProbe", "KL_TO_BASE_ESTIMATOR", "window_slope"]
 
@@ -79,7 +80,7 @@ class DriftProbe:
         reducer.declare("probe/bytes", "sum")
 
     @torch.no_grad()
-    def run(self, batch: Dict[str, torch.Tensor], t: int) -> None:
+    def run(self, batch: RolloutBatch, t: int) -> None:
         """The dense policy and base passes of iteration ``t`` at the current weights."""
         st = self.stage
         lp_fn = partial(st.logprob_loss_fn, False)
@@ -97,7 +98,7 @@ class DriftProbe:
         return {"probe/bytes": sent} if m["comm/dense_equiv_bytes"] else {}
 
     @torch.no_grad()
-    def metrics(self, batch: Dict[str, torch.Tensor], t: int, dense_step: bool = False) -> Dict[str, float]:
+    def metrics(self, batch: RolloutBatch, t: int, dense_step: bool = False) -> Dict[str, float]:
         """The last :meth:`run`'s numbers beside the compression view's, nats per response token
         over the batch's replicas (the last stage; {} on the others):
 

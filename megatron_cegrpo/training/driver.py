@@ -15,7 +15,7 @@ import torch
 from megatron_cegrpo.data import PromptSampler, build_prompt, load_train_split, select_prompts
 from megatron_cegrpo.evaluation import evaluate_detailed, load_eval_datasets, parse_dataset_specs, write_eval_rows
 from megatron_cegrpo.grpo import core_algos as ca
-from megatron_cegrpo.grpo.batch import pack_rollouts
+from megatron_cegrpo.grpo.batch import RolloutBatch, pack_rollouts
 from megatron_cegrpo.grpo.dynamic_sampling import enough_mixed, round_seed, select_groups
 from megatron_cegrpo.metrics import build_writers, lost_iterations, truncate_metrics
 from megatron_cegrpo.models import load_tokenizer, megatron_to_hf
@@ -123,7 +123,7 @@ class Driver:
         return torch.tensor(self.tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
 
     # ------------------------------------------------------------------ steps 1-3
-    def generate_and_score(self, t: int, timers) -> Dict[str, torch.Tensor]:
+    def generate_and_score(self, t: int, timers) -> RolloutBatch:
         """Draw B prompts, generate G responses each with the dense sampler, score them,
         group-normalise the advantages and pack the batch (``grpo/batch.py``).
 
@@ -168,7 +168,7 @@ class Driver:
             scores = score_responses(self.get_reward_fn, cfg.data.custom_reward_function, recs, out.texts)
         return out, scores
 
-    def _pack(self, out, scores: torch.Tensor, timers) -> Dict[str, torch.Tensor]:
+    def _pack(self, out, scores: torch.Tensor, timers) -> RolloutBatch:
         """Group-normalised advantages of ``scores`` and the packed batch of ``out``."""
         with timers.phase("reward"):
             adv = ca.compute_grpo_outcome_advantage(scores, self.cfg.grpo.num_generations,
@@ -187,7 +187,7 @@ class Driver:
         return dict(self._rollout_metrics)
 
     @staticmethod
-    def batch_metrics(batch: Dict[str, torch.Tensor]) -> Dict[str, float]:
+    def batch_metrics(batch: RolloutBatch) -> Dict[str, float]:
         """verl's ``critic/*``, ``response_length/*`` and ``prompt_length/mean`` of a batch, and
         ``batch/response_tokens`` (the tokens the loss trains on; the ledger's per-token bytes)."""
         scores, resp_len = batch["scores"], batch["response_lengths"].float()

@@ -52,6 +52,7 @@ from megatron_cegrpo.compression import ByteMeter, get_codec
 from megatron_cegrpo.models import allreduce_tied_embedding_grads
 from megatron_cegrpo.rng_state import get_rng_state, set_rng_state
 from megatron_cegrpo.training import data_parallel as dpx
+from megatron_cegrpo.grpo.batch import RolloutBatch
 
 __all__ = ["GradFidelityProbe", "gradient_sums", "fidelity_metrics", "SUM_KEYS"]
 
@@ -154,7 +155,7 @@ class GradFidelityProbe:
         reducer.declare(_PREFIX, "stages").derive(fidelity_metrics)
 
     @torch.no_grad()
-    def prepare(self, batch: Dict[str, torch.Tensor], t: int) -> None:
+    def prepare(self, batch: RolloutBatch, t: int) -> None:
         """Dense old-logprob (and reference) passes of iteration ``t``'s batch at the current
         weights; the last stage keeps them for :meth:`dense_gradient` (fp32 [N, S])."""
         st = self.stage

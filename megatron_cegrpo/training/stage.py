@@ -15,7 +15,7 @@ import torch
 
 from megatron_cegrpo.compression import ByteMeter, build_codec
 from megatron_cegrpo.grpo import core_algos as ca
-from megatron_cegrpo.grpo.batch import slice_batch
+from megatron_cegrpo.grpo.batch import RolloutBatch, slice_batch
 from megatron_cegrpo.grpo.loss import grpo_token_loss
 from megatron_cegrpo.models import hf_to_megatron, stage_layer_range
 from megatron_cegrpo.models.stage import PolicyStage
@@ -142,7 +142,7 @@ class StageWorker:
         self.clip(optimizer, args, kwargs)
 
     # ------------------------------------------------------------------ passes
-    def prefetch_codec(self, batch: Dict[str, torch.Tensor], t: int) -> None:
+    def prefetch_codec(self, batch: RolloutBatch, t: int) -> None:
         """Start the boundary codec's work for every pass of iteration t (the masks of its
         micro-batches) on a background thread, off the critical path (issue 10 item 6)."""
         self.runner.prefetch(batch, step=t)
@@ -175,7 +175,7 @@ class StageWorker:
         return loss, stats["tokens"].to(torch.int), stats
 
     @torch.no_grad()
-    def old_log_prob(self, batch: Dict[str, torch.Tensor], t: int) -> Dict[str, float]:
+    def old_log_prob(self, batch: RolloutBatch, t: int) -> Dict[str, float]:
         """Step 5: forward-only compressed pass; the last stage sets ``batch["old_logprobs"]``
         and returns the entropy and the sampler/trainer mismatch (nats/token). Skipped where
         ``cfg.old_log_prob_from_update``: :meth:`update` then sets the same numbers."""
@@ -185,7 +185,7 @@ class StageWorker:
                                loss_fn=partial(self.logprob_loss_fn, True))
         return self._set_old_log_probs(batch, outs)
 
-    def _set_old_log_probs(self, batch: Dict[str, torch.Tensor], outs: List[dict]) -> Dict[str, float]:
+    def _set_old_log_probs(self, batch: RolloutBatch, outs: List[dict]) -> Dict[str, float]:
         """On the last stage: ``batch["old_logprobs"]`` (fp32 [N, S]) from a pass's per-micro-batch
         ``logprobs`` and ``entropy``, and ``actor/entropy``, ``mismatch/abs_logprob_diff_mean``,
         ``mismatch/logprob_diff_mean`` (sampler minus trainer, nats per response token, over the
@@ -199,14 +199,14 @@ class StageWorker:
         return {"actor/entropy": ent, "mismatch/abs_logprob_diff_mean": absdiff, "mismatch/logprob_diff_mean": mdiff}
 
     @torch.no_grad()
-    def ref_log_prob(self, batch: Dict[str, torch.Tensor], t: int) -> None:
+    def ref_log_prob(self, batch: RolloutBatch, t: int) -> None:
         """Step 6: the reference's compressed pass with the same masks (``batch["ref_logprobs"]``)."""
         outs = self.runner.run(self.ref_model, batch, step=t, forward_only=True,
                                loss_fn=partial(self.logprob_loss_fn, False))
         if self.ctx.is_last_stage:
             batch["ref_logprobs"] = torch.cat([o["logprobs"] for o in outs])
 
-    def update(self, batch: Dict[str, torch.Tensor], t: int, probe=None) -> Dict[str, float]:
+    def update(self, batch: RolloutBatch, t: int, probe=None) -> Dict[str, float]:
         """Step 7: 1F1B forward+backward per mini-batch, tied-embedding sum (``self.tied``), optimizer step
         (corrections, then clipping); the LR schedule advances once per iteration. Where
         ``cfg.old_log_prob_from_update`` (one optimizer step over the whole batch) the pass's own
