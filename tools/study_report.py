@@ -31,6 +31,10 @@ summary field                source in metrics.jsonl
 ``boundary_bytes_ratio``     sum over steps of ``comm/fwd_bytes + comm/bwd_bytes`` / sum of
                              ``comm/dense_equiv_bytes`` (the run's cumulative
                              ``comm/bytes_ratio``, stage boundaries only)
+``truncated_before``,        ``val/holdout/response_length/clip_ratio`` at step 0 and at step
+``truncated_after``          ``iterations``: the held-out greedy answers cut at
+                             ``--eval-max-new-tokens`` (an answer cut before "The answer is N."
+                             scores 0); the table's "truncated" column, before -> after
 ``launch_wall_s``            (not from the log) the sum of ``wall_seconds``, one line per
                              (re)start written by study_cpu.sh, start-up included; None
                              without that file
@@ -348,7 +352,13 @@ def summarize_run(run_dir: str, rows_out: Optional[Dict] = None) -> Dict:
         a = pts.get(iterations) if iterations > 0 else None
         return b, a
 
+    def truncated(step):  # the held-out answers cut at --eval-max-new-tokens, that evaluation's share
+        v = [_num(r.get("val/holdout/response_length/clip_ratio")) for r in records
+             if "val/holdout/acc" in r and int(_num(r.get("step")) or 0) == step]
+        return v[-1] if v else None
+
     out = dict(_identity(run_dir))
+    out.update(truncated_before=truncated(0), truncated_after=truncated(iterations) if iterations > 0 else None)
     b, a = before_after("holdout")
     out.update(iterations=iterations, wall_s=wall,
                acc_before=b[0] if b else None, acc_after=a[0] if a else None,
@@ -538,7 +548,7 @@ def _anchor_cell(arm: Dict) -> str:
 def table(arms: Sequence[Dict]) -> str:
     """The markdown table of ``arms``."""
     head = ("| arm | seed | codec | anchor | iters | wall (min) | held-out before | after | gain (z) | rows | "
-            "boundary bytes |")
+            "boundary bytes | truncated |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for a in arms:
         lines.append(
@@ -546,8 +556,14 @@ def table(arms: Sequence[Dict]) -> str:
             f"{a['wall_s'] / 60:.1f} | {_fmt(a['acc_before'])} ± {_fmt(a['acc_before_stderr'])} | "
             f"{_fmt(a['acc_after'])} ± {_fmt(a['acc_stderr'])} | {_fmt(a['gain'], '{:+.3f}')} "
             f"({_fmt(a['gain_z'], '{:+.1f}')}) | {_fmt(a['heldout_rows'], '{:d}')} | "
-            f"{_fmt(a['boundary_bytes_ratio'], '{:.4f}')} |")
+            f"{_fmt(a['boundary_bytes_ratio'], '{:.4f}')} | {_truncated_cell(a)} |")
     return "\n".join(lines)
+
+
+def _truncated_cell(arm: Dict) -> str:
+    """The held-out greedy answers cut at the length limit, before -> after ("-": not logged)."""
+    b, a = arm.get("truncated_before"), arm.get("truncated_after")
+    return "-" if b is None and a is None else f"{_fmt(b, '{:.2f}')} -> {_fmt(a, '{:.2f}')}"
 
 
 def plot_steps(run_dirs: Sequence[str], labels: Sequence[str], out_dir: str) -> List[str]:
@@ -708,7 +724,12 @@ def _summarize_archive(runs: Sequence[str], root: str, summary_path: str) -> Tup
     return arms, rows
 
 
-def write_report(study_dir: Optional[str], docs_dir: str) -> Dict:
+#: the report's name (``<docs>/<name>.md``, ``<docs>/<name>/``) and title unless ``--name``/``--title`` say otherwise
+DEFAULT_NAME, DEFAULT_TITLE = "study", "CPU study: does it learn? (issue 11)"
+
+
+def write_report(study_dir: Optional[str], docs_dir: str, name: str = DEFAULT_NAME,
+                 title: str = DEFAULT_TITLE) -> Dict:
     """Archive every finished run under ``study_dir`` into ``<docs>/study/runs/`` (:func:`archive_runs`),
     summarize every archived run, carry the arms of the earlier ``summary.json`` whose logs are
     gone (:func:`_carried_arms`), compare every arm with dense on the same rows
@@ -719,8 +740,9 @@ def write_report(study_dir: Optional[str], docs_dir: str) -> Dict:
     or missing: the archive alone. Returns the summary dict plus ``unfinished`` (the live folders
     left out). Raises FileNotFoundError when there is no run at all and EvalRowsError (a
     ValueError; one line naming the file and the fix) for a per-row file that does not match its
-    run or the rows of the arm it is compared with."""
-    out_dir = os.path.join(docs_dir, "study")
+    run or the rows of the arm it is compared with. ``name``: another study beside the first (its
+    own ``<docs>/<name>.md`` and ``<docs>/<name>/``: e.g. the bf16 arms, a configuration of their own)."""
+    out_dir = os.path.join(docs_dir, name)
     archive = os.path.join(out_dir, "runs")
     live = find_runs(study_dir) if study_dir and os.path.isdir(study_dir) else []
     unfinished = [d for d in live if not os.path.isfile(os.path.join(d, "DONE"))]
@@ -747,19 +769,19 @@ def write_report(study_dir: Optional[str], docs_dir: str) -> Dict:
     figs = plot_steps([os.path.join(root, a["run_dir"]) for a in drawn], labels, out_dir)
     acc = plot_accuracy(arms, out_dir)
     figs += [acc] if acc else []
-    md = os.path.join(docs_dir, "study.md")
-    lines = _report_lines(arms, fractions, figs, os.path.relpath(archive, docs_dir), _kept_notes(md))
+    md = os.path.join(docs_dir, f"{name}.md")
+    lines = _report_lines(arms, fractions, figs, os.path.relpath(archive, docs_dir), _kept_notes(md), name, title)
     with open(md, "w", encoding="utf-8") as f:
         f.write("\n".join(lines))
     return dict(summary, unfinished=unfinished)
 
 
 def _report_lines(arms: Sequence[Dict], fractions: Sequence[Dict], figs: Sequence[str], archive: str,
-                  notes: str) -> List[str]:
-    """The lines of study.md (``archive``: the archive folder relative to the docs folder)."""
+                  notes: str, name: str = DEFAULT_NAME, title: str = DEFAULT_TITLE) -> List[str]:
+    """The lines of ``<name>.md`` (``archive``: the archive folder relative to the docs folder)."""
     others = sorted({n for a in arms for n in a["other"]})
     lost = [f"{a['arm']} seed {a['seed']}" for a in arms if a["logs_lost"]]
-    lines = ["# CPU study: does it learn? (issue 11)", "",
+    lines = [f"# {title}", "",
              "Written by `tools/study_report.py` from the arms' `metrics.jsonl`, archived in "
              f"`{archive}/` (runs of `examples/study_cpu.sh`). Held-out accuracy is "
              "greedy pass@1 on rows held out of the training file; ± is one standard error; the gain's z is "
@@ -788,17 +810,17 @@ def _report_lines(arms: Sequence[Dict], fractions: Sequence[Dict], figs: Sequenc
               "(how each column is computed: Method, below).", "", paired_table(arms), "",
               "Each arm's mean gain as a fraction of dense's mean gain:", "", fraction_table(fractions), ""]
     lines += method_lines()
-    lines += ["## Figures", ""] + [f"![{os.path.basename(p)[:-4]}](study/{os.path.basename(p)})" for p in figs]
+    lines += ["## Figures", ""] + [f"![{os.path.basename(p)[:-4]}]({name}/{os.path.basename(p)})" for p in figs]
     lines += ["", "## What the evidence says", "", NOTES_BEGIN, notes, NOTES_END, ""]
     return lines
 
 
-def show_summary(docs_dir: str, intro: bool = False) -> str:
+def show_summary(docs_dir: str, intro: bool = False, name: str = DEFAULT_NAME) -> str:
     """The table of the committed ``<docs>/study/summary.json`` (no run folder read, nothing
     written): what ``make demo`` prints after its short run; ``intro``: a line before it saying
     where the study lives and how many iterations its arms ran. Raises FileNotFoundError when
     the file is missing and ValueError (naming the file) when it is not a summary this tool wrote."""
-    path = os.path.join(docs_dir, "study", "summary.json")
+    path = os.path.join(docs_dir, name, "summary.json")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path} does not exist; fix: run tools/study_report.py on a study folder first")
     try:
@@ -811,7 +833,7 @@ def show_summary(docs_dir: str, intro: bool = False) -> str:
                          "tools/study_report.py") from None
     if not intro:
         return text
-    return (f"the study (docs/study.md; examples/study_cpu.sh, about an hour an arm here) ran {n} iterations "
+    return (f"the study (docs/{name}.md; examples/study_cpu.sh, about an hour an arm here) ran {n} iterations "
             f"an arm, side by side:\n{text}")
 
 
@@ -854,6 +876,9 @@ def main(argv=None) -> int:
     p.add_argument("study_dir", nargs="?", default=os.environ.get("STUDY_DIR", "/work/study-runs/study"),
                    help="folder of live arm folders to archive first (missing: the archive in docs/study/runs alone)")
     p.add_argument("--docs", default=os.path.join(os.path.dirname(_HERE), "docs"), help="docs folder to write")
+    p.add_argument("--name", default=DEFAULT_NAME,
+                   help="the study's name: writes <docs>/<name>.md and <docs>/<name>/ (default: study)")
+    p.add_argument("--title", default=DEFAULT_TITLE, help="the report's title")
     p.add_argument("--show", action="store_true",
                    help="print the table of the committed <docs>/study/summary.json and exit (reads no run, writes nothing)")
     p.add_argument("--run", metavar="LOG_DIR",
@@ -871,13 +896,13 @@ def main(argv=None) -> int:
                 print(f"error: {e}", file=sys.stderr)
                 rc = 2
         try:
-            print(show_summary(args.docs, intro=bool(args.run)))
+            print(show_summary(args.docs, intro=bool(args.run), name=args.name))
         except (FileNotFoundError, ValueError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
         return rc
     try:
-        s = write_report(args.study_dir, args.docs)
+        s = write_report(args.study_dir, args.docs, args.name, args.title)
     except (FileNotFoundError, ValueError) as e:  # ValueError: evaluation.EvalRowsError, a per-row file
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -888,7 +913,7 @@ def main(argv=None) -> int:
         if a.get("anchor_lost_step") is not None:
             print(f"warning: {a['arm']} seed {a['seed']}: the anchor was lost at step {a['anchor_lost_step']} "
                   "(anchor/alive 0); its row does not measure the arm it names after that step", file=sys.stderr)
-    print(f"wrote {os.path.join(args.docs, 'study.md')} and {os.path.join(args.docs, 'study', 'summary.json')}")
+    print(f"wrote {os.path.join(args.docs, args.name + '.md')} and {os.path.join(args.docs, args.name, 'summary.json')}")
     return 0
 
 

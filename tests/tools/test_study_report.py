@@ -23,9 +23,12 @@ def _step(t, score, fwd, bwd, dense, seconds, **extra):
             "comm/dense_equiv_bytes": dense, "timing_s/step": seconds, **extra}
 
 
-def _holdout(t, acc, se, seconds):
-    return {"step": t, "val/holdout/acc": acc, "val/holdout/acc_stderr": se, "val/holdout/num_rows": 300,
-            "timing_s/eval/holdout": seconds, "timing_s/eval": seconds}
+def _holdout(t, acc, se, seconds, clip=None):
+    out = {"step": t, "val/holdout/acc": acc, "val/holdout/acc_stderr": se, "val/holdout/num_rows": 300,
+           "timing_s/eval/holdout": seconds, "timing_s/eval": seconds}
+    if clip is not None:  # the share of held-out answers cut at the length limit
+        out["val/holdout/response_length/clip_ratio"] = clip
+    return out
 
 
 def _write_run(d: Path, records, arm=None, config=None, tail="", done=True):
@@ -49,12 +52,12 @@ def study(tmp_path):
               "val/mawps/singleop/num_rows": 300, "timing_s/eval": 50.0}
     # dense: finished, 2 iterations; the suite's final evaluation rides in the step-2 record
     _write_run(root / "dense-s1", [
-        other0, _holdout(0, 0.30, 0.02, 40.0),
+        other0, _holdout(0, 0.30, 0.02, 40.0, clip=0.33),
         _step(1, 0.25, 1000, 1000, 2000, 60.0),
         _step(2, 0.50, 1000, 1000, 2000, 62.5, **{"val/mawps/singleop/acc": 0.3,
                                                   "val/mawps/singleop/acc_stderr": 0.026,
                                                   "val/mawps/singleop/num_rows": 300, "timing_s/eval": 45.0}),
-        _holdout(2, 0.40, 0.03, 38.0),
+        _holdout(2, 0.40, 0.03, 38.0, clip=0.87),
     ], arm={"arm": "dense", "seed": 1, "codec": "dense", "anchor": False},
         tail='{"step": 3, "critic/sco')  # a line cut short by a kill
     (root / "dense-s1" / "wall_seconds").write_text("100\n250\n")  # started twice
@@ -93,9 +96,13 @@ def test_summary_values(study, tmp_path):
         "wall_s": 41.0 + 70.0, "acc_before": 0.30, "acc_after": None, "acc_stderr": None, "heldout_rows": 300,
         "boundary_bytes_ratio": 100 / 2000}
     assert mask["gain"] is None and mask["gain_z"] is None and mask["other"] == {} and mask["launch_wall_s"] is None
+    assert (dense["truncated_before"], dense["truncated_after"]) == (0.33, 0.87)
+    assert (mask["truncated_before"], mask["truncated_after"]) == (None, None)
 
     md = (docs / "study.md").read_text()
-    assert "| dense | 1 | dense | no | 2 | 4.9 | 0.300 ± 0.020 | 0.400 ± 0.030 | +0.100 (+2.8) | 300 | 1.0000 |" in md
+    assert ("| dense | 1 | dense | no | 2 | 4.9 | 0.300 ± 0.020 | 0.400 ± 0.030 | +0.100 (+2.8) | 300 | 1.0000 | "
+            "0.33 -> 0.87 |") in md
+    assert "| 0.0500 | - |" in md  # mask_anchor: no truncation logged
     assert f"{mod.NOTES_BEGIN}\nThe dense arm learns.\n{mod.NOTES_END}" in md and "old" not in md.splitlines()
     pngs = {p.name for p in (docs / "study").glob("*.png")}
     assert pngs == {"reward.png", "mismatch.png", "fidelity_cos.png", "kl.png", "entropy.png",
@@ -482,3 +489,18 @@ def test_the_committed_archive_without_per_row_files_still_builds(tmp_path):
     md = (docs / "study.md").read_text()
     assert mod.table(s["arms"]) in md and mod.table(committed["arms"]) in md
     assert "| mask_anchor | 4321 | +0.047 | n/a | n/a | +1.9 | n/a | n/a | n/a | n/a | n/a |" in md
+
+
+def test_a_named_study_beside_the_first(study, tmp_path):
+    """--name/--title: another study (e.g. the bf16 arms) gets its own page, folder and archive, and
+    --show reads it; the first study's files are not touched."""
+    mod = _tool()
+    docs = tmp_path / "docs"
+    assert mod.main([str(study), "--docs", str(docs), "--name", "study_bf16", "--title", "CPU study in bf16"]) == 0
+    md = (docs / "study_bf16.md").read_text()
+    assert md.startswith("# CPU study in bf16\n") and "](study_bf16/reward.png)" in md
+    assert sorted(p.name for p in (docs / "study_bf16" / "runs").iterdir()) == ["dense-s1", "mask_anchor-s1"]
+    assert not (docs / "study.md").exists() and not (docs / "study").exists()
+    summary = json.loads((docs / "study_bf16" / "summary.json").read_text())
+    assert mod.show_summary(str(docs), name="study_bf16") == mod.table(summary["arms"])
+    assert mod.show_summary(str(docs), intro=True, name="study_bf16").startswith("the study (docs/study_bf16.md;")
