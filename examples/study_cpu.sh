@@ -55,6 +55,9 @@ MAX_GEN_BATCHES=${MAX_GEN_BATCHES:-4}  # the *_filter arms' bound
 # the weight trajectory for tools/forecast_report.py (training/weight_trace.py): N sampled fp32
 # coordinates per stage after every iteration, about 1 MB an iteration per stage at 262144; 0: off
 WEIGHT_SAMPLE=${WEIGHT_SAMPLE:-262144}
+# damage to the base model (issue 33 item 6): every N iterations the drift probe's dense-view KL to
+# the base model, probe/kl_to_base (training/drift_probe.py; a few extra forward passes); 0: off
+DRIFT_PROBE_INTERVAL=${DRIFT_PROBE_INTERVAL:-$(( TRAIN_ITERS / 6 > 0 ? TRAIN_ITERS / 6 : 1 ))}
 
 # The learnable configuration (issue 11, "What to build" 1; docs/study.md says how it was chosen),
 # shared with `make demo`: TRAIN_DATA TEMPLATE NUM_HOLDOUT HOLDOUT_SEED MAX_NEW_TOKENS ... KL_COEF
@@ -130,7 +133,7 @@ run_arm() {  # run_arm ARM SEED
     --rollout-batch-size "$ROLLOUT_BATCH" --num-generations "$GROUP" --max-new-tokens "$MAX_NEW_TOKENS"
     --temperature "$TEMPERATURE" --train-iters "$TRAIN_ITERS" --lr "$LR" --kl-coef "$KL_COEF"
     --boundary-codec "$codec" --boundary-keep-ratio "$KEEP_RATIO" "${anchor_flags[@]}" "${extra_flags[@]}"
-    --seed "$seed" $PRECISION_FLAGS --log-weight-sample "$WEIGHT_SAMPLE" --deepspeed_config ds_configs/cpu_adamw.json --no-tqdm
+    --seed "$seed" $PRECISION_FLAGS --log-weight-sample "$WEIGHT_SAMPLE" --drift-probe-interval "$DRIFT_PROBE_INTERVAL" --deepspeed_config ds_configs/cpu_adamw.json --no-tqdm
     --log-dir "$dir" --save "$dir/ckpt" --save-interval "$SAVE_INTERVAL" --keep-last 1 "${load[@]}")
   echo "[study] $arm seed $seed: ${cmd[*]}"
   if [[ -n "${DRY_RUN:-}" ]]; then
