@@ -386,9 +386,20 @@ def summarize_run(run_dir: str, rows_out: Optional[Dict] = None) -> Dict:
     out["other"] = other
     lost = [int(_num(r.get("step")) or 0) for r in train if _num(r.get("anchor/alive")) == 0]
     out["anchor_lost_step"] = min(lost) if lost and out["anchor"] else None
+    out.update(_damage(train))
     out["launch_wall_s"] = _launch_wall(run_dir)
     out["run_dir"] = os.path.abspath(run_dir)
     return out
+
+
+def _damage(train: Sequence[dict]) -> Dict:
+    """Damage to the base model (issue 33 item 6): the last ``probe/kl_to_base`` (its step) and the
+    last ``actor/weight_rel_change``; None where the run logged none (no drift probe)."""
+    kl = [(int(_num(r.get("step")) or 0), _num(r.get("probe/kl_to_base"))) for r in train
+          if _num(r.get("probe/kl_to_base")) is not None]
+    moved = [_num(r.get("actor/weight_rel_change")) for r in train if _num(r.get("actor/weight_rel_change")) is not None]
+    return {"kl_to_base": kl[-1][1] if kl else None, "kl_to_base_step": kl[-1][0] if kl else None,
+            "weight_rel_change": moved[-1] if moved else None}
 
 
 def _paired_gain_fields(name: str, rows: Dict) -> Dict:
@@ -656,6 +667,23 @@ def paired_table(arms: Sequence[Dict]) -> str:
     return "\n".join(lines)
 
 
+def damage_table(arms: Sequence[Dict]) -> str:
+    """Damage to the base model per arm: KL to the base at the last probe, the weights' relative
+    movement at the end, the other data set before -> after ("-": not logged)."""
+    others = sorted({n for a in arms for n in a["other"]})
+    head = "| arm | seed | KL to base (dense view, last probe) | at step | weight movement (relative) |"
+    head += "".join(f" {n} before -> after |" for n in others)
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for a in arms:
+        cells = [a["arm"], str(a["seed"]), _fmt(a.get("kl_to_base"), "{:.2e}"), _fmt(a.get("kl_to_base_step"), "{:d}"),
+                 _fmt(a.get("weight_rel_change"), "{:.2e}")]
+        for n in others:
+            o = a["other"].get(n)
+            cells.append(f"{_fmt(o['acc_before'])} -> {_fmt(o['acc_after'])}" if o else "-")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def fraction_table(fractions: Sequence[Dict]) -> str:
     """The markdown table of :func:`fractions_of_dense`: each arm's mean gain over its seeds as a
     fraction of dense's, with the bootstrap interval ("n/a" where a run kept no per-row files)."""
@@ -809,6 +837,11 @@ def _report_lines(arms: Sequence[Dict], fractions: Sequence[Dict], figs: Sequenc
               "The same held-out rows before and after training, and against dense at the same seed "
               "(how each column is computed: Method, below).", "", paired_table(arms), "",
               "Each arm's mean gain as a fraction of dense's mean gain:", "", fraction_table(fractions), ""]
+    lines += ["## Damage to the base model", "",
+              "KL(pi || pi_base) per response token on a training batch through dense boundaries "
+              "(`probe/kl_to_base`, the drift probe of `--drift-probe-interval`), the weights' relative movement "
+              "(`actor/weight_rel_change`; the seeds report 0.03-0.13 %) and the other data set's accuracy.", "",
+              damage_table(arms), ""]
     lines += method_lines()
     lines += ["## Figures", ""] + [f"![{os.path.basename(p)[:-4]}]({name}/{os.path.basename(p)})" for p in figs]
     lines += ["", "## What the evidence says", "", NOTES_BEGIN, notes, NOTES_END, ""]

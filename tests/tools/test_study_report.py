@@ -53,8 +53,8 @@ def study(tmp_path):
     # dense: finished, 2 iterations; the suite's final evaluation rides in the step-2 record
     _write_run(root / "dense-s1", [
         other0, _holdout(0, 0.30, 0.02, 40.0, clip=0.33),
-        _step(1, 0.25, 1000, 1000, 2000, 60.0),
-        _step(2, 0.50, 1000, 1000, 2000, 62.5, **{"val/mawps/singleop/acc": 0.3,
+        _step(1, 0.25, 1000, 1000, 2000, 60.0, **{"actor/weight_rel_change": 1e-4, "probe/kl_to_base": 2e-3}),
+        _step(2, 0.50, 1000, 1000, 2000, 62.5, **{"actor/weight_rel_change": 3e-4, "val/mawps/singleop/acc": 0.3,
                                                   "val/mawps/singleop/acc_stderr": 0.026,
                                                   "val/mawps/singleop/num_rows": 300, "timing_s/eval": 45.0}),
         _holdout(2, 0.40, 0.03, 38.0, clip=0.87),
@@ -97,12 +97,16 @@ def test_summary_values(study, tmp_path):
         "boundary_bytes_ratio": 100 / 2000}
     assert mask["gain"] is None and mask["gain_z"] is None and mask["other"] == {} and mask["launch_wall_s"] is None
     assert (dense["truncated_before"], dense["truncated_after"]) == (0.33, 0.87)
+    assert (dense["kl_to_base"], dense["kl_to_base_step"], dense["weight_rel_change"]) == (2e-3, 1, 3e-4)
+    assert (mask["kl_to_base"], mask["weight_rel_change"]) == (None, None)
     assert (mask["truncated_before"], mask["truncated_after"]) == (None, None)
 
     md = (docs / "study.md").read_text()
     assert ("| dense | 1 | dense | no | 2 | 4.9 | 0.300 ± 0.020 | 0.400 ± 0.030 | +0.100 (+2.8) | 300 | 1.0000 | "
             "0.33 -> 0.87 |") in md
     assert "| 0.0500 | - |" in md  # mask_anchor: no truncation logged
+    assert "| dense | 1 | 2.00e-03 | 1 | 3.00e-04 | 0.250 -> 0.300 |" in md  # damage to the base model
+    assert "| mask_anchor-s1 | 1 | - | - | - | - |" in md
     assert f"{mod.NOTES_BEGIN}\nThe dense arm learns.\n{mod.NOTES_END}" in md and "old" not in md.splitlines()
     pngs = {p.name for p in (docs / "study").glob("*.png")}
     assert pngs == {"reward.png", "mismatch.png", "fidelity_cos.png", "kl.png", "entropy.png",
