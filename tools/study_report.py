@@ -397,7 +397,8 @@ def _damage(train: Sequence[dict]) -> Dict:
     last ``actor/weight_rel_change``; None where the run logged none (no drift probe)."""
     kl = [(int(_num(r.get("step")) or 0), _num(r.get("probe/kl_to_base"))) for r in train
           if _num(r.get("probe/kl_to_base")) is not None]
-    moved = [_num(r.get("actor/weight_rel_change")) for r in train if _num(r.get("actor/weight_rel_change")) is not None]
+    moved = [_num(r.get("actor/weight_rel_change")) for r in train
+             if _num(r.get("actor/weight_rel_change")) is not None]
     return {"kl_to_base": kl[-1][1] if kl else None, "kl_to_base_step": kl[-1][0] if kl else None,
             "weight_rel_change": moved[-1] if moved else None}
 
@@ -946,7 +947,8 @@ def main(argv=None) -> int:
         if a.get("anchor_lost_step") is not None:
             print(f"warning: {a['arm']} seed {a['seed']}: the anchor was lost at step {a['anchor_lost_step']} "
                   "(anchor/alive 0); its row does not measure the arm it names after that step", file=sys.stderr)
-    print(f"wrote {os.path.join(args.docs, args.name + '.md')} and {os.path.join(args.docs, args.name, 'summary.json')}")
+    print(f"wrote {os.path.join(args.docs, args.name + '.md')} and "
+          f"{os.path.join(args.docs, args.name, 'summary.json')}")
     return 0
 
 

@@ -16,7 +16,8 @@ import sys
 from distributed_util import PARITY_REWARD, REPO, free_port, launcher
 from megatron_cegrpo.training.weight_trace import read_trace
 
-_spec = importlib.util.spec_from_file_location("forecast_report_tool", os.path.join(REPO, "tools", "forecast_report.py"))
+_spec = importlib.util.spec_from_file_location("forecast_report_tool",
+                                               os.path.join(REPO, "tools", "forecast_report.py"))
 forecast_report = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(forecast_report)
 
