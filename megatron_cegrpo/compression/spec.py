@@ -89,13 +89,13 @@ def build_codec(spec: str, keep_ratio: float, *, warn: bool = True, **options) -
     """The codec for ``--boundary-codec spec --boundary-keep-ratio keep_ratio``.
 
     A single registered name gets ``keep_ratio`` when it claims the budget
-    (``BoundaryCodec.claims_budget``: ``mask``, ``lowrank``); for ``dense`` it does not apply
-    and a warning says so when it differs from
-    0.05 (``warn=False``: no warning, for the start-up checks that build a codec only to
-    validate it). Each of ``options`` (``TrainConfig.boundary_codec_options``: the lowrank basis owner,
-    tokens per iteration, ...) goes to a single codec's constructor only when the codec declares
-    it (``BoundaryCodec.RUN_OPTIONS``). A pair gets a :class:`PairCodec` of its two halves, each sized for
-    ``keep_ratio``.
+    (``BoundaryCodec.claims_budget``: ``mask``, ``lowrank``); for ``dense`` it does not apply and
+    a warning says so when it differs from 0.05 (``warn=False``: no warning, for the start-up
+    checks that build a codec only to validate it). Each of ``options``
+    (``TrainConfig.boundary_codec_options``: the lowrank basis owner, tokens per iteration, ...)
+    goes to a single codec's constructor only when the codec declares it
+    (``BoundaryCodec.RUN_OPTIONS``). A pair gets a :class:`PairCodec` of its two halves, each
+    sized for ``keep_ratio``.
 
     Raises:
         ValueError: malformed spec, unknown name, bad parameter, keep_ratio outside (0, 1].
