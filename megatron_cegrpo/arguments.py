@@ -881,6 +881,16 @@ class TrainConfig:
     def num_microbatches(self) -> int:
         return self.global_batch_size // self.parallel.micro_batch_size
 
+    def build_boundary_codec(self, warn: bool = False):
+        """The run's ``--boundary-codec`` (``compression.build_codec`` with the keep ratio and
+        :meth:`boundary_codec_options`): the one way the run's codec is made, for the start-up
+        checks (``warn`` False) and for each stage (``training/stage.py``, ``warn`` True: a keep ratio
+        the codec ignores is said once). Raises ValueError as ``build_codec``."""
+        from megatron_cegrpo.compression import build_codec
+
+        return build_codec(self.codec.boundary_codec, self.codec.boundary_keep_ratio, warn=warn,
+                           **self.boundary_codec_options())
+
     def boundary_codec_options(self) -> Dict[str, Any]:
         """Options for ``compression.build_codec`` beyond the keep ratio (each codec takes those
         its constructor names): the lowrank basis owner, the anchor interval c, and the boundary
@@ -1037,9 +1047,7 @@ class TrainConfig:
                 f"--global-batch-size={gbs} is not a multiple of data-parallel size ({dp}, from the world size) x "
                 f"--micro-batch-size ({p.micro_batch_size}): each replica runs whole micro-batches of every "
                 f"mini-batch; fix: pass --micro-batch-size {max(1, gbs // dp)} or a divisor of it")
-        from megatron_cegrpo.compression import build_codec
-
-        if not build_codec(self.codec.boundary_codec, self.codec.boundary_keep_ratio, warn=False).replica_invariant:
+        if not self.build_boundary_codec().replica_invariant:
             raise ConfigError(
                 f"--boundary-codec {self.codec.boundary_codec} keeps a basis across micro-batches (per step or per "
                 f"run), which data-parallel replicas (size {dp}) would each build from their own micro-batches; "
@@ -1057,11 +1065,8 @@ class TrainConfig:
         tp = self.parallel.tensor_model_parallel_size
         if tp == 1:
             return
-        from megatron_cegrpo.compression import build_codec
-
         c = self.codec
-        codec = build_codec(c.boundary_codec, c.boundary_keep_ratio, warn=False, **self.boundary_codec_options())
-        if not codec.tp_splittable:
+        if not self.build_boundary_codec().tp_splittable:
             what = (f"--boundary-codec {c.boundary_codec} --lowrank-q-owner anchor: the anchor sends the basis to "
                     f"each stage's TP rank 0 only, so the other {tp - 1} TP rank(s) could not decode; fix: pass "
                     "--lowrank-q-owner fast" if c.boundary_codec == "lowrank" else

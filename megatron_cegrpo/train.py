@@ -159,12 +159,12 @@ def _check_codec_budget(cfg, hf_config) -> None:
     """``--boundary-codec``'s documented bytes within the ``--boundary-keep-ratio`` budget it
     claims, per direction, over one iteration's messages at the longest micro-batch
     (``compression.check_codec_budget``). Raises ConfigError naming both flags."""
-    from megatron_cegrpo.compression import build_codec, check_codec_budget
+    from megatron_cegrpo.compression import check_codec_budget
 
     c, r, g = cfg.codec, cfg.rollout, cfg.grpo
     if cfg.parallel.pipeline_model_parallel_size < 2:
         return
-    codec = build_codec(c.boundary_codec, c.boundary_keep_ratio, warn=False)
+    codec = cfg.build_boundary_codec()
     mbs = cfg.parallel.micro_batch_size
     per_pass = g.sequences_per_iteration // mbs
     fwd = per_pass * (int(not cfg.old_log_prob_from_update) + int(g.kl_coef > 0) + g.ppo_epochs)

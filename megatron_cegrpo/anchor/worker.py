@@ -30,7 +30,6 @@ from megatron_cegrpo.anchor.transport import (
     TAG_SIGN_INFO, TAG_SIGNS, TAG_STATS,
     is_fire_step, is_ship_step, isend_object, recv_object, recv_tensor, unflatten,
 )
-from megatron_cegrpo.compression import build_codec
 from megatron_cegrpo.grpo import core_algos as ca
 from megatron_cegrpo.grpo.batch import microbatches
 from megatron_cegrpo.grpo.loss import grpo_token_loss
@@ -152,7 +151,7 @@ class AnchorWorker:
         if c.boundary_codec != "lowrank" or c.lowrank_q_owner != "anchor":
             return None
         d = int(self.model.config.hidden_size)
-        r = build_codec("lowrank", c.boundary_keep_ratio, **self.cfg.boundary_codec_options()).rank(d)
+        r = self.cfg.build_boundary_codec().rank(d)  # the stages' lowrank codec
         last_layers = [meta["layer_offset"] - 1 for meta in self.stage_meta[1:]]
         return AnchorBasis(self.model.decoder.layers, last_layers, self.cfg.optim.seed, d, r,
                            next(self.model.parameters()).dtype)

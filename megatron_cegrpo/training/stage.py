@@ -13,7 +13,7 @@ from typing import Callable, Dict, List, Tuple
 
 import torch
 
-from megatron_cegrpo.compression import ByteMeter, build_codec
+from megatron_cegrpo.compression import ByteMeter
 from megatron_cegrpo.grpo import core_algos as ca
 from megatron_cegrpo.grpo.batch import RolloutBatch, slice_batch
 from megatron_cegrpo.grpo.loss import grpo_token_loss
@@ -66,8 +66,7 @@ class StageWorker:
         # theta_0 for actor/weight_rel_change: the frozen base stage's weights when there is one
         self.theta0 = ([p.detach() for p in self.base_model.parameters()] if self.base_model is not None
                        else [p.detach().clone() for p in self.model.parameters()])
-        self.codec = build_codec(cfg.codec.boundary_codec, cfg.codec.boundary_keep_ratio,
-                                 **cfg.boundary_codec_options())
+        self.codec = cfg.build_boundary_codec(warn=True)
         self.codec.check_width(self.tf_config.hidden_size)  # e.g. a lowrank budget too small for rank 1
         self.meter = ByteMeter()
         self.dp_group = ctx.dp_group  # this stage's data-parallel replicas (None at DP = 1; data_parallel.py)
