@@ -127,8 +127,7 @@ def initialize_distributed(pipeline_model_parallel_size: int, seed: int,
 
     ``tensor_model_parallel_size`` (``--tensor-model-parallel-size``, TP): megatron's TP groups
     (TP fastest); with an anchor rank the trainer grid holds them too (``_initialize_with_anchor``).
-    Data parallel (issue 14): DP from the launch's ``Layout`` (layout.py); the stage's megatron
-    ``dp`` group is ``DistContext.dp_group``.
+    Data parallel (issue 14): DP from the ``Layout`` (layout.py); its megatron group: ``DistContext.dp_group``.
 
     ``timeout_minutes`` (``--distributed-timeout-minutes``) bounds the trainer's collectives
     and pipeline transfers; the waits the schedule sizes (driver-only phases, the anchor

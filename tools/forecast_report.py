@@ -33,16 +33,13 @@ import sys
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
-import torch
 
-from megatron_cegrpo.anchor.forecast import forecast_error, get_forecast
-from megatron_cegrpo.anchor.ring import CheckpointRing
-from megatron_cegrpo.training.weight_trace import read_trace
+from megatron_cegrpo.bootstrap import bootstrap
 
 __all__ = ["load_trajectory", "score", "main"]
 
 
-def load_trajectory(run_dir: str) -> Dict[int, torch.Tensor]:
+def load_trajectory(run_dir: str) -> Dict[int, "torch.Tensor"]:
     """``{iteration: float64 vector}`` of every stage's sampled coordinates, concatenated in file
     name order, for the iterations every stage recorded.
 
@@ -50,6 +47,10 @@ def load_trajectory(run_dir: str) -> Dict[int, torch.Tensor]:
         FileNotFoundError: no ``weight_trace/*.json`` under ``run_dir`` (the run lacked
             ``--log-weight-sample``).
     """
+    import torch
+
+    from megatron_cegrpo.training.weight_trace import read_trace
+
     metas = sorted(glob.glob(os.path.join(run_dir, "weight_trace", "*.json")))
     if not metas:
         raise FileNotFoundError(f"{run_dir}/weight_trace/: no trace; fix: run with --log-weight-sample N "
@@ -62,7 +63,7 @@ def load_trajectory(run_dir: str) -> Dict[int, torch.Tensor]:
     return {s: torch.from_numpy(np.concatenate([t[s] for t in traces]).astype(np.float64)) for s in steps}
 
 
-def score(traj: Dict[int, torch.Tensor], c: int, K: int, damping: float,
+def score(traj: Dict[int, "torch.Tensor"], c: int, K: int, damping: float,
           forecast: str = "secant") -> List[Tuple[int, float]]:
     """``[(fire t, forecast_error)]`` of the anchor's ``forecast`` at cadence ``c``, delay ``K``
     (a positive multiple of c) and ``damping``, over the fires the trajectory covers.
@@ -70,6 +71,9 @@ def score(traj: Dict[int, torch.Tensor], c: int, K: int, damping: float,
     Raises:
         ValueError: c < 1, or K not a positive multiple of c (the anchor's own rule).
     """
+    from megatron_cegrpo.anchor.forecast import forecast_error, get_forecast
+    from megatron_cegrpo.anchor.ring import CheckpointRing
+
     if c < 1 or K < c or K % c:
         raise ValueError(f"cadence c={c}, delay K={K}: K must be a positive multiple of c")
     fn = get_forecast(forecast, **({"damping": damping} if forecast == "secant" else {}))
@@ -121,6 +125,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--check-metrics", action="store_true",
                     help="print the run's own anchor/forecast_error beside the estimate")
     a = ap.parse_args(argv)
+    bootstrap()
     try:
         traj = load_trajectory(a.run_dir)
     except FileNotFoundError as e:
