@@ -47,11 +47,11 @@ def test_a_restarted_worker_loads_the_newest_checkpoint_under_save(tmp_path):
 def test_the_supervisor_says_what_happens_next(tmp_path):
     save = tmp_path / "ckpt"
     argv = ["--model", "tiny-llama", "--save", str(save), "--save-interval", "2"]
-    assert supervisor._restart_line(argv, {}) is None and supervisor._restart_line(argv, SPENT) is None
-    assert supervisor._restart_line(argv, SECOND) == (
+    assert supervisor.restart_line(argv, {}) is None and supervisor.restart_line(argv, SPENT) is None
+    assert supervisor.restart_line(argv, SECOND) == (
         "torchrun restarts every rank (restart 2 of 2) to start over from iteration 0 (no checkpoint written yet)")
     _checkpoint(save, 4)
-    assert supervisor._restart_line(argv, FIRST) == (
+    assert supervisor.restart_line(argv, FIRST) == (
         f"torchrun restarts every rank (restart 1 of 2) to resume from the newest complete checkpoint "
         f"{save / 'iter_0000004'}")
     # without restarts: one more line naming torchrun --max-restarts

@@ -35,6 +35,7 @@ from typing import Dict, List, Optional
 import torch.distributed as dist
 from tqdm import tqdm
 
+from megatron_cegrpo import heartbeat
 from megatron_cegrpo.arguments import TrainConfig
 from megatron_cegrpo.checkpointing import is_save_iteration
 from megatron_cegrpo.compat.precision import precision_warning
@@ -279,6 +280,7 @@ class GRPOTrainer:
                if self.driver is not None and cfg.logging.tqdm else None)
         last = None
         while self.iteration < cfg.optim.train_iters:
+            heartbeat.mark("iteration", self.iteration + 1)
             last = self.train_step()
             c = cfg.checkpoint
             if is_save_iteration(self.iteration, c.save, c.save_interval, cfg.optim.train_iters):
