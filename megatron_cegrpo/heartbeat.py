@@ -156,15 +156,16 @@ class Heartbeat:
                 return
 
     # ------------------------------------------------------------------ the decision
-    def stale(self, now: float) -> List[int]:
-        """The peers whose counter has not moved for ``timeout_s`` (a peer never seen counts from
-        this watchdog's start), finished ranks left out."""
+    def stale(self, now: float, after_s: Optional[float] = None) -> List[int]:
+        """The peers whose counter has not moved for ``after_s`` (default ``timeout_s``; a peer never
+        seen counts from this watchdog's start), finished ranks left out."""
+        after_s = self.timeout_s if after_s is None else after_s
         out = []
         for r in range(self.world_size):
             if r == self.rank:
                 continue
             n, since, rec = self._seen.get(r, (None, self._started, {}))
-            if not rec.get("done") and now - since > self.timeout_s:
+            if not rec.get("done") and now - since > after_s:
                 out.append(r)
         return out
 
@@ -185,6 +186,7 @@ class Heartbeat:
         fresh = [r for r in range(self.world_size) if r not in stale]
         if self.rank != min(fresh):
             return ""
+        stale = self.stale(now, self.timeout_s / 2)  # also the ranks that fell silent with it (one host's)
         named = "; ".join(self._describe(r, now) for r in stale)
         return (f"[cegrpo] {named}: hung, or its host or the link to it is down (--heartbeat-timeout-minutes "
                 f"{self.timeout_s / 60:g}); rank {self.rank} stops{self.stop_line}")

@@ -148,6 +148,7 @@ def initialize_distributed(pipeline_model_parallel_size: int, seed: int,
         _init_default_group(process_group_backend(), timedelta(minutes=timeout_minutes))
         if cpu:
             _unlink_deepspeed_shm_buffer()
+        _agree_on_restart_count()
     world = dist.get_world_size()
     tp, pp = int(tensor_model_parallel_size), pipeline_model_parallel_size
     layout = _check_layout(world, pp, tp, anchor_ranks)
@@ -216,6 +217,24 @@ def _init_default_group(backend: str, timeout: timedelta) -> None:
         dist.init_process_group(backend, store=dist.PrefixStore(f"cegrpo/restart_{r.count}/", store),
                                 rank=int(os.environ["RANK"]), world_size=world, timeout=timeout)
     deepspeed.init_distributed(dist_backend=backend, verbose=False, timeout=timeout)
+
+
+def _agree_on_restart_count() -> None:
+    """Under torchrun ``--max-restarts`` on several hosts, each host's agent counts only its own
+    workers' failures (pytorch/pytorch#108158): a host whose workers were stopped because another
+    host's failed restarts them with its count unchanged (0 on the first restart). Every rank takes
+    the largest count of the world (one all-reduce on the default group) into
+    ``TORCHELASTIC_RESTART_COUNT``, so that the driver's ``recovery/*`` metrics and the anchor
+    client's restarts left agree on every host (``restart.py``). A lower bound of the restarts when
+    hosts fail in turn (each round raises some host's count; the largest need not grow)."""
+    from megatron_cegrpo.restart import ENV_COUNT, elastic_restarts
+
+    r = elastic_restarts()
+    if r is None or dist.get_world_size() == 1:
+        return
+    count = torch.tensor([r.count], dtype=torch.int64)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    os.environ[ENV_COUNT] = str(int(count.item()))
 
 
 def _check_layout(world: int, pp: int, tp: int, anchor_ranks: int) -> Layout:

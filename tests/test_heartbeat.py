@@ -90,3 +90,13 @@ def test_a_finished_rank_is_not_named():
     outs = _finish(procs)
     assert [p.returncode for p in procs] == [0, 0, 0], outs
     assert not any("[cegrpo]" in out for out in outs), outs
+
+
+def test_the_bound_is_on_by_default_only_under_torchrun_restarts():
+    from megatron_cegrpo.heartbeat import DEFAULT_TIMEOUT_MINUTES, heartbeat_timeout_s
+
+    elastic = {"TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "3"}
+    assert heartbeat_timeout_s(None, elastic) == DEFAULT_TIMEOUT_MINUTES * 60 == 60.0
+    assert heartbeat_timeout_s(None, {}) is None  # the DeepSpeed launcher: today's behaviour
+    assert heartbeat_timeout_s(None, dict(elastic, TORCHELASTIC_MAX_RESTARTS="0")) is None
+    assert heartbeat_timeout_s(0.25, {}) == 15.0 and heartbeat_timeout_s(0, elastic) is None
