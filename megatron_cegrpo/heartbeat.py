@@ -17,8 +17,9 @@ So every rank (the pipeline stages, the driver and the anchor) runs two threads 
   notices when this rank itself has not reached the store for ``timeout_s`` (its link is down).
 
 Either way the rank prints one line and ends its worker with :data:`EXIT_NO_HEARTBEAT`; the rank
-that reports a peer is the lowest rank that still beats (the others end quietly), a rank cut off
-from the store reports itself. Under torchrun ``--max-restarts`` the agent then restarts every
+that reports a peer is the lowest rank that still beats (the others end quietly, a few beats later,
+so that the reporter prints before the agents stop it), a rank cut off from the store reports
+itself (its local rank 0). Under torchrun ``--max-restarts`` the agent then restarts every
 rank from the newest complete checkpoint (``restart.py``), as for a killed rank; without it the run
 stops and the line says how to get restarts.
 
@@ -86,6 +87,7 @@ class Heartbeat:
         self._beats = 0
         self._mark = {"phase": "start-up", "iteration": 0}
         self._stop = threading.Event()
+        self._finished = threading.Event()  # stop() was called: this rank's work ended
         self._seen: Dict[int, tuple] = {}  # rank -> (its counter, this clock when it last moved, its record)
         self._contact = time.monotonic()  # the last time this rank reached the store
         self._started = time.monotonic()
@@ -109,6 +111,7 @@ class Heartbeat:
     def stop(self, done: bool = True) -> None:
         """Stop both threads; ``done``: post that this rank finished (its peers never name it)."""
         self._stop.set()
+        self._finished.set()
         if done:
             try:
                 self._post(done=True)
@@ -147,13 +150,18 @@ class Heartbeat:
     def _watch_loop(self) -> None:
         while not self._stop.wait(self.interval_s):
             line = self.check(time.monotonic())
-            if line is not None and not self._stop.is_set():
-                self.fired = line
-                if line:
-                    print(line, flush=True)
-                sys.stdout.flush()
-                self._on_fire(EXIT_NO_HEARTBEAT)
+            if line is None or self._stop.is_set():
+                continue
+            # a quiet rank gives the reporting one time to print first: the first exit makes the
+            # agents stop every other rank, the reporter too
+            if line == "" and self._finished.wait(2 * self.interval_s + 1.0):
                 return
+            self.fired = line
+            if line:
+                print(line, flush=True)
+            sys.stdout.flush()
+            self._on_fire(EXIT_NO_HEARTBEAT)
+            return
 
     # ------------------------------------------------------------------ the decision
     def stale(self, now: float, after_s: Optional[float] = None) -> List[int]:
