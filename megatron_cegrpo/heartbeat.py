@@ -237,10 +237,11 @@ def start_heartbeat(ctx, timeout_s: float, argv: Optional[List[str]] = None) -> 
     return _ACTIVE
 
 
-def mark(phase: str, iteration: int) -> None:
-    """Record this rank's progress on its watchdog (nothing without one)."""
+def mark(phase: str, iteration: int) -> int:
+    """Record this rank's progress on its watchdog (nothing without one); returns ``iteration``."""
     if _ACTIVE is not None:
         _ACTIVE.mark(phase, iteration)
+    return iteration
 
 
 def stop_heartbeat(done: bool = True) -> None:

@@ -148,7 +148,6 @@ def initialize_distributed(pipeline_model_parallel_size: int, seed: int,
         _init_default_group(process_group_backend(), timedelta(minutes=timeout_minutes))
         if cpu:
             _unlink_deepspeed_shm_buffer()
-        _agree_on_restart_count()
     world = dist.get_world_size()
     tp, pp = int(tensor_model_parallel_size), pipeline_model_parallel_size
     layout = _check_layout(world, pp, tp, anchor_ranks)
@@ -204,7 +203,8 @@ def _init_default_group(backend: str, timeout: timedelta) -> None:
     the group is first started on that store under a prefix of this restart, as torch's elastic
     once did (``/worker/attempt_N``): the store outlives the dead start, whose process groups left
     their addresses under the same keys (a restarted rank connected to a dead peer's port:
-    "Connection refused", pytorch/pytorch#135712); deepspeed then adopts that group."""
+    "Connection refused", pytorch/pytorch#135712); deepspeed then adopts that group. Then every
+    rank takes the world's restart count (:func:`_agree_on_restart_count`)."""
     import deepspeed
 
     from megatron_cegrpo.restart import elastic_restarts
@@ -217,6 +217,7 @@ def _init_default_group(backend: str, timeout: timedelta) -> None:
         dist.init_process_group(backend, store=dist.PrefixStore(f"cegrpo/restart_{r.count}/", store),
                                 rank=int(os.environ["RANK"]), world_size=world, timeout=timeout)
     deepspeed.init_distributed(dist_backend=backend, verbose=False, timeout=timeout)
+    _agree_on_restart_count()
 
 
 def _agree_on_restart_count() -> None:
@@ -225,8 +226,8 @@ def _agree_on_restart_count() -> None:
     host's failed restarts them with its count unchanged (0 on the first restart). Every rank takes
     the largest count of the world (one all-reduce on the default group) into
     ``TORCHELASTIC_RESTART_COUNT``, so that the driver's ``recovery/*`` metrics and the anchor
-    client's restarts left agree on every host (``restart.py``). A lower bound of the restarts when
-    hosts fail in turn (each round raises some host's count; the largest need not grow)."""
+    client's restarts left agree on every host (``restart.py``). Still a lower bound of the restarts
+    when hosts fail in turn, so the driver also counts from its log (``Driver.resume_log``)."""
     from megatron_cegrpo.restart import ENV_COUNT, elastic_restarts
 
     r = elastic_restarts()

@@ -146,7 +146,7 @@ class GRPOTrainer:
     def train_step(self) -> Optional[Dict]:
         """Run iteration ``self.iteration + 1``; returns the metrics dict on the driver."""
         stage, timers = self.stage, self.timers
-        t = self.iteration + 1
+        t = heartbeat.mark("iteration", self.iteration + 1)  # this rank's progress, for a peer that names it
         t_start = time.perf_counter()
         full, received = self.rollout(t)  # the whole batch (driver only) and this replica's share
         batch = place_batch(received, self.ctx.device)  # on the stage's device (compat/placement.py)
@@ -280,7 +280,6 @@ class GRPOTrainer:
                if self.driver is not None and cfg.logging.tqdm else None)
         last = None
         while self.iteration < cfg.optim.train_iters:
-            heartbeat.mark("iteration", self.iteration + 1)
             last = self.train_step()
             c = cfg.checkpoint
             if is_save_iteration(self.iteration, c.save, c.save_interval, cfg.optim.train_iters):
