@@ -238,6 +238,11 @@ class ParallelConfig:
     distributed_timeout_minutes: float = option(
         10.0, "timeout in minutes of the trainer's collectives and pipeline transfers (Megatron); the anchor's "
               "link and the stages' waits for the driver's rollouts are not bound by it")
+    heartbeat_timeout_minutes: Optional[float] = option(
+        None, "minutes a rank may send no heartbeat (a hung process, or its host or link down) before the "
+              "lowest live rank names it and stops, so that torchrun --max-restarts restarts every rank from "
+              "the newest checkpoint (docs/reliability.md); long phases keep beating; default: 1 under "
+              "torchrun --max-restarts, else off; 0: off")
     tied_embedding_sync: str = option(
         TIED_EMBEDDING_SYNC_MODES[0], "how the first and last stage keep a tied embedding one weight: sparse (the last stage owns it; "
                   "the first fetches the rows of its batch's tokens and sends back their gradient rows: bit-identical "
@@ -264,6 +269,9 @@ class ParallelConfig:
                                       f"fix: drop {flag} or raise {pp}")
         _check_float("--distributed-timeout-minutes", self.distributed_timeout_minutes,
                      "e.g. --distributed-timeout-minutes 10", low=0.0, low_open=True)
+        if self.heartbeat_timeout_minutes is not None:
+            _check_float("--heartbeat-timeout-minutes", self.heartbeat_timeout_minutes,
+                         "e.g. --heartbeat-timeout-minutes 1 (0: no watchdog)", low=0.0)
         _check_int("--micro-batch-size", self.micro_batch_size, 1, "e.g. --micro-batch-size 4")
         if not isinstance(self.shared_prefix, bool):
             raise ConfigError(f"--shared-prefix must be a boolean, got {self.shared_prefix!r}; "

@@ -202,7 +202,8 @@ def _init_default_group(backend: str, timeout: timedelta) -> None:
     the group is first started on that store under a prefix of this restart, as torch's elastic
     once did (``/worker/attempt_N``): the store outlives the dead start, whose process groups left
     their addresses under the same keys (a restarted rank connected to a dead peer's port:
-    "Connection refused", pytorch/pytorch#135712); deepspeed then adopts that group."""
+    "Connection refused", pytorch/pytorch#135712); deepspeed then adopts that group. Then every
+    rank takes the world's restart count (:func:`_agree_on_restart_count`)."""
     import deepspeed
 
     from megatron_cegrpo.restart import elastic_restarts
@@ -215,6 +216,25 @@ def _init_default_group(backend: str, timeout: timedelta) -> None:
         dist.init_process_group(backend, store=dist.PrefixStore(f"cegrpo/restart_{r.count}/", store),
                                 rank=int(os.environ["RANK"]), world_size=world, timeout=timeout)
     deepspeed.init_distributed(dist_backend=backend, verbose=False, timeout=timeout)
+    _agree_on_restart_count()
+
+
+def _agree_on_restart_count() -> None:
+    """Under torchrun ``--max-restarts`` on several hosts, each host's agent counts only its own
+    workers' failures (pytorch/pytorch#108158): a host whose workers were stopped because another
+    host's failed restarts them with its count unchanged (0 on the first restart). Every rank takes
+    the largest count of the world (one all-reduce on the default group) into
+    ``TORCHELASTIC_RESTART_COUNT``, so that the driver's ``recovery/*`` metrics and the anchor
+    client's restarts left agree on every host (``restart.py``). Still a lower bound of the restarts
+    when hosts fail in turn, so the driver also counts from its log (``Driver.resume_log``)."""
+    from megatron_cegrpo.restart import ENV_COUNT, elastic_restarts
+
+    r = elastic_restarts()
+    if r is None or dist.get_world_size() == 1:
+        return
+    count = torch.tensor([r.count], dtype=torch.int64)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    os.environ[ENV_COUNT] = str(int(count.item()))
 
 
 def _check_layout(world: int, pp: int, tp: int, anchor_ranks: int) -> Layout:

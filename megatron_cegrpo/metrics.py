@@ -132,6 +132,21 @@ def truncate_metrics(path: str, last_step: int) -> List[str]:
     return warnings_out
 
 
+def _records(path: str) -> List[Dict]:
+    with open(path, encoding="utf-8", errors="replace") as f:
+        return [r for r in map(parse_record, f.read().splitlines()) if r is not None]
+
+
+def logged_restarts(path: str) -> int:
+    """The newest ``recovery/restarts`` in ``metrics.jsonl`` (0 for none, or a missing file): the
+    count of the start that logged last. A restart counts one more (``Driver.resume_log``): on
+    several hosts no agent's own count need hold every restart (pytorch/pytorch#108158)."""
+    if not os.path.exists(path):
+        return 0
+    return next((int(r["recovery/restarts"]) for r in reversed(_records(path))
+                 if isinstance(r.get("recovery/restarts"), (int, float))), 0)
+
+
 def lost_iterations(path: str, last_step: int) -> int:
     """The iterations a restarted run recomputes, counted over the run so far: the newest
     ``recovery/lost_iterations`` in ``metrics.jsonl`` (the earlier restarts') plus the steps
@@ -139,8 +154,7 @@ def lost_iterations(path: str, last_step: int) -> int:
     once. Call before :func:`truncate_metrics` drops them; 0 for a missing file."""
     if not os.path.exists(path):
         return 0
-    with open(path, encoding="utf-8", errors="replace") as f:
-        records = [r for r in map(parse_record, f.read().splitlines()) if r is not None]
+    records = _records(path)
     before = next((int(r["recovery/lost_iterations"]) for r in reversed(records)
                    if isinstance(r.get("recovery/lost_iterations"), (int, float))), 0)
     return before + len({r["step"] for r in records

@@ -14,7 +14,8 @@ in a child (``CEGRPO_SUPERVISED=1``; the child dies with its supervisor) and wai
 - a stage's child is killed by a signal or fails: one line naming the rank, the stage, the
   signal or status and the newest complete checkpoint, then the same non-zero status (a
   signal N as 128 + N), so the launcher stops the run; status 2 (a configuration error,
-  already reported) is passed on silently.
+  already reported) and ``heartbeat.EXIT_NO_HEARTBEAT`` (the heartbeat watchdog ended the child
+  after naming the hung rank, ``heartbeat.py``) are passed on silently.
 
 Under torchrun's elastic agent with restarts left (``--max-restarts N``, ``restart.py``) every
 death is a failure the agent answers by restarting every rank from the newest complete
@@ -22,7 +23,8 @@ checkpoint, the anchor's included (a run without the correction would leave the 
 trajectory): the line then says so and the status is non-zero. Without restarts left, a stage's
 line is followed by one saying how to get them (:func:`~megatron_cegrpo.restart.how_to_restart`).
 
-SIGTERM and SIGINT sent to the supervisor are passed to the child. Set
+SIGTERM and SIGINT sent to the supervisor are passed to the child, with a SIGCONT (a stopped
+child acts on them at once rather than when the launcher's grace ends in SIGKILL). Set
 ``CEGRPO_NO_SUPERVISOR=1`` to run ranks unsupervised.
 """
 
@@ -36,9 +38,10 @@ import subprocess
 import sys
 from typing import List, Mapping, Optional
 
+from megatron_cegrpo.heartbeat import EXIT_NO_HEARTBEAT
 from megatron_cegrpo.restart import elastic_restarts, how_to_restart
 
-__all__ = ["should_supervise", "supervise", "rank_role"]
+__all__ = ["should_supervise", "supervise", "rank_role", "restart_line"]
 
 ENV_SUPERVISED = "CEGRPO_SUPERVISED"
 ENV_DISABLE = "CEGRPO_NO_SUPERVISOR"
@@ -99,9 +102,10 @@ def _resume_hint(argv: List[str]) -> str:
     return "; no checkpoint was written (pass --save DIR --save-interval N to be able to resume)"
 
 
-def _restart_line(argv: List[str], env: Mapping[str, str]) -> Optional[str]:
+def restart_line(argv: List[str], env: Mapping[str, str]) -> Optional[str]:
     """With torchrun restarts left: what the agent does next (restart every rank and resume from
-    the newest complete checkpoint, or from the start when none is written yet); else None."""
+    the newest complete checkpoint, or from the start when none is written yet); else None.
+    Also the end of the heartbeat watchdog's line (``heartbeat.py``)."""
     r = elastic_restarts(env)
     if r is None or not r.left:
         return None
@@ -144,15 +148,18 @@ def supervise(env: Mapping[str, str] = os.environ) -> int:
     def forward(signum, _frame):
         if child.poll() is None:
             child.send_signal(signum)
+            child.send_signal(signal.SIGCONT)  # a stopped (hung) child acts on it now, not after the launcher's grace
 
     signal.signal(signal.SIGTERM, forward)
     signal.signal(signal.SIGINT, forward)
     rc = child.wait()
     if rc == 0:
         return 0
+    if rc == EXIT_NO_HEARTBEAT:  # the heartbeat watchdog ended it and printed the line (names the hung rank)
+        return rc
     what = f"[cegrpo] rank {rank} ({role}, pid {child.pid}) {_describe(rc)}"
     status = 128 - rc if rc < 0 else rc
-    restart = _restart_line(argv, env)
+    restart = restart_line(argv, env)
     if restart is not None and rc != 2:  # the elastic agent restarts every rank, the anchor's death too
         print(f"{what}; {restart}", flush=True)
         return status

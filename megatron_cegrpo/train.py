@@ -269,6 +269,12 @@ def main(argv=None) -> int:
     except ConfigError as e:
         shutdown_distributed()
         return _report(e, rank, every_rank_knows=True, wait=_linger)
+    from megatron_cegrpo import heartbeat
+
+    timeout_s = heartbeat.heartbeat_timeout_s(cfg.parallel.heartbeat_timeout_minutes)
+    if timeout_s is not None and ctx.world_size > 1:  # a hung peer or a dropped link ends in a restart
+        heartbeat.start_heartbeat(ctx, timeout_s)
+    finished = False
     try:
         if ctx.is_anchor:
             from megatron_cegrpo.anchor.runner import run_anchor
@@ -288,7 +294,9 @@ def main(argv=None) -> int:
                 trainer.train()
             except ConfigError as e:  # a reward function's bad value, found by the driver
                 return _report(e, ctx.rank, every_rank_knows=False)
+        finished = True
     finally:
+        heartbeat.stop_heartbeat(done=finished)
         shutdown_distributed()
     return 0
 

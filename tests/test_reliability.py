@@ -483,6 +483,9 @@ CASES = [
                                                 "2"],
          "--filter-groups with --num-generations 1: a group of one response is always tied, none would be kept; "
          "fix: --num-generations 2 or more, or drop --filter-groups"),
+    Case("heartbeat-timeout-negative", "flag", ["--heartbeat-timeout-minutes", "-1"],
+         "--heartbeat-timeout-minutes must be a finite number >= 0, got -1.0; fix: e.g. --heartbeat-timeout-minutes 1 "
+         "(0: no watchdog)"),
 ]
 
 

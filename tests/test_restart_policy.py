@@ -6,7 +6,7 @@ import json
 import signal
 
 from megatron_cegrpo import restart, supervisor
-from megatron_cegrpo.metrics import lost_iterations, truncate_metrics
+from megatron_cegrpo.metrics import logged_restarts, lost_iterations, truncate_metrics
 
 FIRST = {"TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "2"}
 SECOND = {"TORCHELASTIC_RESTART_COUNT": "1", "TORCHELASTIC_MAX_RESTARTS": "2"}
@@ -47,11 +47,11 @@ def test_a_restarted_worker_loads_the_newest_checkpoint_under_save(tmp_path):
 def test_the_supervisor_says_what_happens_next(tmp_path):
     save = tmp_path / "ckpt"
     argv = ["--model", "tiny-llama", "--save", str(save), "--save-interval", "2"]
-    assert supervisor._restart_line(argv, {}) is None and supervisor._restart_line(argv, SPENT) is None
-    assert supervisor._restart_line(argv, SECOND) == (
+    assert supervisor.restart_line(argv, {}) is None and supervisor.restart_line(argv, SPENT) is None
+    assert supervisor.restart_line(argv, SECOND) == (
         "torchrun restarts every rank (restart 2 of 2) to start over from iteration 0 (no checkpoint written yet)")
     _checkpoint(save, 4)
-    assert supervisor._restart_line(argv, FIRST) == (
+    assert supervisor.restart_line(argv, FIRST) == (
         f"torchrun restarts every rank (restart 1 of 2) to resume from the newest complete checkpoint "
         f"{save / 'iter_0000004'}")
     # without restarts: one more line naming torchrun --max-restarts
@@ -99,3 +99,31 @@ def test_lost_iterations_counts_the_steps_after_the_checkpoint_over_every_restar
         f.writelines(json.dumps({"step": s, "recovery/lost_iterations": 1}) + "\n" for s in (3, 4, 5))
     assert lost_iterations(str(path), 4) == 2
     assert lost_iterations(str(path), 0) == 6  # a restart before any checkpoint: 1 earlier + 1..5
+
+
+def test_a_restart_counts_one_more_than_the_start_that_logged_last(tmp_path):
+    """On several hosts an agent whose workers were stopped for another host's failure keeps its
+    count (pytorch/pytorch#108158); the driver counts from the log instead (``Driver.resume_log``)."""
+    path = tmp_path / "metrics.jsonl"
+    assert logged_restarts(str(path)) == 0
+    path.write_text("".join(json.dumps({"step": s, "recovery/restarts": r}) + "\n"
+                            for s, r in ((1, 0), (2, 0), (3, 1), (4, 1), (5, 2))) + '{"step": 6, "recovery/restarts"')
+    assert logged_restarts(str(path)) == 2  # the half-written last line is not a record
+
+
+def test_the_heartbeat_status_passes_the_supervisor_silently(monkeypatch, tmp_path, capsys):
+    from megatron_cegrpo.heartbeat import EXIT_NO_HEARTBEAT
+
+    class Child:
+        pid = 4242
+
+        def wait(self):
+            return EXIT_NO_HEARTBEAT
+
+    monkeypatch.setattr(supervisor.subprocess, "Popen", lambda *a, **k: Child())
+    monkeypatch.setattr(supervisor.signal, "signal", lambda *a: None)
+    monkeypatch.setattr(supervisor.sys, "argv", ["train.py", "--save", str(tmp_path / "ckpt")])
+    monkeypatch.setattr(supervisor.sys, "orig_argv", ["python", "train.py"], raising=False)
+    for env, rank in ((FIRST, 1), ({}, 1), (FIRST, 2), ({}, 0)):  # the watchdog printed the line already
+        assert supervisor.supervise(dict(env, RANK=str(rank), WORLD_SIZE="3")) == EXIT_NO_HEARTBEAT
+        assert capsys.readouterr().out == ""

@@ -6,6 +6,7 @@ import os
 import time
 
 from megatron_cegrpo import checkpointing as ck
+from megatron_cegrpo import heartbeat
 from megatron_cegrpo.anchor.transport import TAG_SAVE, TAG_SAVE_DONE, recv_object, send_object
 from megatron_cegrpo.anchor.worker import AnchorWorker
 from megatron_cegrpo.models.stage import build_policy_stage
@@ -51,6 +52,7 @@ def run_anchor(cfg, ctx) -> None:
             worker.load_state_dict(state)
 
         def on_iteration_end(t: int) -> None:
+            heartbeat.mark("anchor iteration", t)
             c = cfg.checkpoint
             if not ck.is_save_iteration(t, c.save, c.save_interval, cfg.optim.train_iters):
                 return

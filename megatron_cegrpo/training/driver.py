@@ -17,7 +17,7 @@ from megatron_cegrpo.evaluation import evaluate_detailed, load_eval_datasets, pa
 from megatron_cegrpo.grpo import core_algos as ca
 from megatron_cegrpo.grpo.batch import RolloutBatch, pack_rollouts
 from megatron_cegrpo.grpo.dynamic_sampling import enough_mixed, round_seed, select_groups
-from megatron_cegrpo.metrics import build_writers, lost_iterations, truncate_metrics
+from megatron_cegrpo.metrics import build_writers, logged_restarts, lost_iterations, truncate_metrics
 from megatron_cegrpo.models import load_tokenizer, megatron_to_hf
 from megatron_cegrpo.models.stage import PolicyStage
 from megatron_cegrpo.restart import elastic_restarts
@@ -265,6 +265,8 @@ class Driver:
         """Drop log lines past the checkpoint's iteration (and a corrupt last line); on a restart,
         count them first as ``recovery/lost_iterations``."""
         if self.recovery.get("recovery/restarts"):
+            self.recovery["recovery/restarts"] = max(self.recovery["recovery/restarts"],
+                                                     logged_restarts(self.writer.path) + 1)
             lost = lost_iterations(self.writer.path, iteration)
             log(f"restart {self.recovery['recovery/restarts']}: resuming at iteration {iteration + 1}; "
                 f"iterations recomputed over the run: {lost} (recovery/lost_iterations)")

@@ -35,6 +35,7 @@ from typing import Dict, List, Optional
 import torch.distributed as dist
 from tqdm import tqdm
 
+from megatron_cegrpo import heartbeat
 from megatron_cegrpo.arguments import TrainConfig
 from megatron_cegrpo.checkpointing import is_save_iteration
 from megatron_cegrpo.compat.precision import precision_warning
@@ -145,7 +146,7 @@ class GRPOTrainer:
     def train_step(self) -> Optional[Dict]:
         """Run iteration ``self.iteration + 1``; returns the metrics dict on the driver."""
         stage, timers = self.stage, self.timers
-        t = self.iteration + 1
+        t = heartbeat.mark("iteration", self.iteration + 1)  # this rank's progress, for a peer that names it
         t_start = time.perf_counter()
         full, received = self.rollout(t)  # the whole batch (driver only) and this replica's share
         batch = place_batch(received, self.ctx.device)  # on the stage's device (compat/placement.py)
