@@ -21,6 +21,16 @@ RESUME_VOLATILE = ("comm/run_total_bytes", "comm/run_total_dense_bytes", "comm/r
                    "sync/local_changed_frac")
 
 
+def load_tool(name: str):
+    """``tools/<name>.py`` as a module (the tools are scripts, not a package), freshly executed."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"{name}_tool", os.path.join(REPO, "tools", f"{name}.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

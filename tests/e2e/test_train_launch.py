@@ -5,7 +5,6 @@ custom reward function (``--custom-reward-function``) that scores the response l
 parity: groups get mixed rewards, advantages are non-zero and every stage must move.
 """
 
-import importlib.util
 import json
 import math
 import os
@@ -13,13 +12,9 @@ import subprocess
 import sys
 
 
-from distributed_util import PARITY_REWARD, REPO, free_port, launcher
+from distributed_util import PARITY_REWARD, REPO, free_port, launcher, load_tool
 from megatron_cegrpo.training.weight_trace import read_trace
 
-_spec = importlib.util.spec_from_file_location("forecast_report_tool",
-                                               os.path.join(REPO, "tools", "forecast_report.py"))
-forecast_report = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(forecast_report)
 
 REWARD = PARITY_REWARD
 
@@ -78,7 +73,7 @@ def test_deepspeed_launcher_mask_codec(tmp_path):
         trace = read_trace(str(tmp_path / "run" / "weight_trace" / f"stage{stage}_tp0.bin"), 500)
         assert sorted(trace) == [0, 1, 2, 3]
         assert all((trace[t] != trace[t - 1]).any() for t in (1, 2, 3))  # every stage moved every step
-    assert forecast_report.main([str(tmp_path / "run"), "--cadence", "1:1"]) == 0
+    assert load_tool("forecast_report").main([str(tmp_path / "run"), "--cadence", "1:1"]) == 0
     for m in metrics:
         # tiny-llama: d = 64, k = ceil(0.05 * 64) = 4; measured by the meter, fwd + bwd
         assert m["comm/bytes_ratio"] == 4 / 64

@@ -2,7 +2,6 @@
 report scores the anchor's own secant forecast on it at the fires and checkpoints the anchor uses
 (closed form on a synthetic quadratic trajectory)."""
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -11,15 +10,11 @@ import pytest
 import torch
 
 from megatron_cegrpo.training.weight_trace import WeightTrace, read_trace
-
-_TOOL = Path(__file__).resolve().parents[2] / "tools" / "forecast_report.py"
+from distributed_util import load_tool
 
 
 def _tool():
-    spec = importlib.util.spec_from_file_location("forecast_report_tool", _TOOL)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_tool("forecast_report")
 
 
 def test_weight_trace_records_the_sampled_coordinates_and_the_last_record_wins(tmp_path):

@@ -1,6 +1,5 @@
 """tools/plot_runs.py: PNGs from two short runs' metrics and from two evaluation summaries."""
 
-import importlib.util
 import json
 import math
 import random
@@ -13,15 +12,11 @@ PIL_Image = pytest.importorskip("PIL.Image", reason="pillow not installed (pip i
 
 from megatron_cegrpo.data import PromptRecord  # noqa: E402
 from megatron_cegrpo.evaluation import DatasetResult, EvalMode, EvalReport, write_summary  # noqa: E402
-
-_TOOL = Path(__file__).resolve().parents[2] / "tools" / "plot_runs.py"
+from distributed_util import load_tool  # noqa: E402
 
 
 def _tool():
-    spec = importlib.util.spec_from_file_location("plot_runs_tool", _TOOL)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_tool("plot_runs")
 
 
 def _write_run(d: Path, codec: dict, steps: int, seed: int, mismatch: float, probe: bool, nan_step: int = 0):

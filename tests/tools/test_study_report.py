@@ -1,20 +1,18 @@
 """tools/study_report.py: the study summary from synthetic metrics.jsonl files (exact values)."""
 
-import importlib.util
 import json
 import math
 from pathlib import Path
 
 import pytest
 
+from distributed_util import load_tool
+
 _TOOL = Path(__file__).resolve().parents[2] / "tools" / "study_report.py"
 
 
 def _tool():
-    spec = importlib.util.spec_from_file_location("study_report_tool", _TOOL)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_tool("study_report")
 
 
 def _step(t, score, fwd, bwd, dense, seconds, **extra):
