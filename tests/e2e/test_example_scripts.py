@@ -2,6 +2,7 @@
 (examples/learnable_config.sh, shared with examples/study_cpu.sh): the two scripts' train.py
 command lines agree on every flag of that configuration, read with a stand-in launcher."""
 
+import importlib.util
 import os
 import shlex
 import subprocess
@@ -62,15 +63,18 @@ def test_the_demo_runs_the_studys_configuration(tmp_path):
         "--prompt-template": "answer_is", "--max-new-tokens": "64", "--lr": "1e-5", "--kl-coef": "0",
         "--num-holdout": "300", "--holdout-seed": "1234", "--boundary-codec": "mask",
         "--boundary-keep-ratio": "0.05", "--anchor-ranks": "1"}
-    # what differs, on purpose: the demo is short and fires its anchor every 4 iterations
+    # what differs, on purpose: the demo is short and fires its anchor every 4 iterations; it samples
+    # with vLLM where vLLM is installed (the study only in its *_vllm arms)
     assert (d["--train-iters"], d["--anchor-interval"], d["--anchor-delay"]) == ("10", "4", "4")
+    assert d["--rollout-engine"] == ("vllm" if importlib.util.find_spec("vllm") else "hf")
+    assert "--rollout-engine" not in s
     assert (s["--train-iters"], s["--anchor-interval"], s["--anchor-delay"]) == ("48", "8", "8")
 
 
 def test_study_arm_suffixes_add_their_flags(tmp_path):
-    """``<arm>_dense<N>`` adds ``--dense-step-interval N`` to the arm's command and ``_filter`` adds
-    DAPO's dynamic sampling; the arm's folder keeps its whole name."""
-    env = _env(DRY_RUN="1", ARMS="mask_anchor_dense16 pcaq:lrq_anchor_dense8_filter", SEEDS="1234",
+    """``<arm>_dense<N>`` adds ``--dense-step-interval N`` to the arm's command, ``_filter`` adds
+    DAPO's dynamic sampling, ``_vllm`` the vLLM sampler; the arm's folder keeps its whole name."""
+    env = _env(DRY_RUN="1", ARMS="mask_anchor_dense16 pcaq:lrq_anchor_dense8_filter dense_vllm", SEEDS="1234",
                STUDY_DIR=str(tmp_path / "study"))
     study = subprocess.run(["bash", "examples/study_cpu.sh"], cwd=REPO, env=env, capture_output=True, text=True,
                            timeout=120)
@@ -84,3 +88,6 @@ def test_study_arm_suffixes_add_their_flags(tmp_path):
     assert (both["--boundary-codec"], both["--anchor-ranks"], both["--dense-step-interval"]) == ("pcaq:lrq", "1", "8")
     assert "--filter-groups" in both and both["--max-num-gen-batches"] == "4"
     assert dense16["--log-dir"] == str(tmp_path / "study" / "mask_anchor_dense16-s1234")
+    vllm = _flags(lines["dense_vllm"])
+    assert (vllm["--boundary-codec"], vllm["--anchor-ranks"], vllm["--rollout-engine"]) == ("dense", "0", "vllm")
+    assert "--rollout-engine" not in dense16
