@@ -1,7 +1,7 @@
 """Replay forecasts: which weights the anchor replays at, and which batch.
 
 A forecast is a function ``(ring, t, K, c, **options) -> ForecastResult | None``
-registered with :func:`register_forecast`; :func:`get_forecast` binds options
+registered with :func:`register_forecast`, which declares its options; :func:`get_forecast` binds them
 and returns a callable ``(ring, t, K, c)``.  DESIGN.md section 4, system status
 appendix A, LA-WARMUP-V2 report sections 3 and 10.
 
@@ -42,7 +42,6 @@ from the newest checkpoint, which keeps the small weight movement accurate.
 from __future__ import annotations
 
 import functools
-import inspect
 import warnings
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
@@ -67,6 +66,8 @@ DEFAULT_FORECAST = "secant"
 
 ForecastFn = Callable[..., Optional["ForecastResult"]]
 _REGISTRY: Dict[str, ForecastFn] = {}
+#: the keyword options each registered forecast declares (register_forecast(options=...))
+_OPTIONS: Dict[str, frozenset] = {}
 
 
 @dataclass
@@ -86,8 +87,9 @@ class ForecastResult:
     batch_step: int = 0
 
 
-def register_forecast(name: str) -> Callable[[ForecastFn], ForecastFn]:
-    """Decorator registering ``fn(ring, t, K, c, **options)`` under ``name``.
+def register_forecast(name: str, options: Sequence[str] = ()) -> Callable[[ForecastFn], ForecastFn]:
+    """Decorator registering ``fn(ring, t, K, c, **options)`` under ``name``; ``options`` declares
+    the keyword options ``fn`` takes (what :func:`get_forecast` accepts).
 
     Raises:
         ValueError: ``name`` already registered to a different function.
@@ -98,6 +100,7 @@ def register_forecast(name: str) -> Callable[[ForecastFn], ForecastFn]:
         if existing is not None and existing is not fn:
             raise ValueError(f"forecast name {name!r} already registered to {existing.__name__}")
         _REGISTRY[name] = fn
+        _OPTIONS[name] = frozenset(options)
         return fn
 
     return deco
@@ -120,10 +123,10 @@ def get_forecast(name: str, **options) -> Callable[[CheckpointRing, int, int, in
         raise ValueError(f"unknown anchor forecast {name!r}; valid names: {', '.join(available_forecasts())}")
     if not options:
         return fn
-    try:
-        inspect.signature(fn).bind(None, 0, 0, 1, **options)
-    except TypeError as exc:
-        raise ValueError(f"forecast {name!r} does not take options {sorted(options)}: {exc}") from None
+    unknown = sorted(set(options) - _OPTIONS[name])
+    if unknown:
+        raise ValueError(f"forecast {name!r} does not take options {unknown}; it takes "
+                         f"{sorted(_OPTIONS[name]) or 'none'}")
     return functools.partial(fn, **options)
 
 
@@ -171,7 +174,7 @@ def matching_forecast(ring: CheckpointRing, t: int, K: int, c: int) -> Optional[
     return _matching(ring, t, "matching")
 
 
-@register_forecast("secant")
+@register_forecast("secant", options=("damping",))
 def secant_forecast(ring: CheckpointRing, t: int, K: int, c: int, *, damping: float = 1.0) -> Optional[ForecastResult]:
     """theta(s1) + D ((t - s1)/(s1 - s0)) (theta(s1) - theta(s0)) on the two newest readable,
     D = ``damping`` (>= 0; 1: the plain secant, 0: theta(s1) with the newest batch).
@@ -191,7 +194,7 @@ def secant_forecast(ring: CheckpointRing, t: int, K: int, c: int, *, damping: fl
     return ForecastResult(weights=weights, branch="forecast", source_steps=[s0, s1], batch_step=t)
 
 
-@register_forecast("lsq")
+@register_forecast("lsq", options=("n_points",))
 def lsq_forecast(ring: CheckpointRing, t: int, K: int, c: int, *, n_points: int = 4) -> Optional[ForecastResult]:
     """Per-element least-squares line through the newest ``n_points`` readable checkpoints, at ``t``.
 

@@ -184,24 +184,26 @@ def _config_dict(hf_config) -> dict:
 
 
 def normalize_codec(codec) -> Optional[Dict[str, Any]]:
-    """``{"name": str, "keep_ratio": float|None}`` (or None) from any codec description.
+    """``{"name": str, "keep_ratio": float|None}`` (or None) from a codec description: None, a
+    codec name, a dict with ``name`` (and ``keep_ratio``, as the meta stores it) or the run's
+    ``arguments.CodecConfig`` (``boundary_codec`` / ``boundary_keep_ratio``). ``keep_ratio`` is
+    dropped (None) for ``dense``, which keeps everything.
 
-    Accepts None, a codec name, a dict with ``name`` (and ``keep_ratio``), a
-    ``CodecConfig`` (``boundary_codec`` / ``boundary_keep_ratio``) or a ``BoundaryCodec``
-    instance.  ``keep_ratio`` is dropped (None) for ``dense``, which keeps everything.
+    Raises:
+        TypeError: any other object, or an empty name.
     """
+    from megatron_cegrpo.arguments import CodecConfig
+
     if codec is None:
         return None
     if isinstance(codec, str):
         name, ratio = codec, None
     elif isinstance(codec, dict):
         name, ratio = codec.get("name"), codec.get("keep_ratio")
-    elif hasattr(codec, "boundary_codec"):
-        name, ratio = codec.boundary_codec, getattr(codec, "boundary_keep_ratio", None)
-    elif hasattr(codec, "name"):
-        name, ratio = codec.name, getattr(codec, "keep_ratio", None)
+    elif isinstance(codec, CodecConfig):
+        name, ratio = codec.boundary_codec, codec.boundary_keep_ratio
     else:
-        raise TypeError(f"cannot read a codec name from {codec!r}")
+        raise TypeError(f"cannot read a codec name from {codec!r}: pass a name, a dict or the run's CodecConfig")
     if not isinstance(name, str) or not name:
         raise TypeError(f"codec name must be a non-empty string, got {name!r}")
     if name == "dense":

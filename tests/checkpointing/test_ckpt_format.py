@@ -192,10 +192,11 @@ def test_check_compatible_messages(tmp_path):
         assert f"trained with boundary codec mask (keep ratio 0.05), this run uses {shown}" in msg
         assert "resume with --boundary-codec mask --boundary-keep-ratio 0.05" in msg
 
-    class CodecConfig:  # the trainer's config object form
-        boundary_codec, boundary_keep_ratio = "mask", 0.05
+    from megatron_cegrpo.arguments import CodecConfig  # the trainer's config object form
 
-    ck.check_compatible(meta, **ok, codec=CodecConfig())
+    ck.check_compatible(meta, **ok, codec=CodecConfig(boundary_codec="mask", boundary_keep_ratio=0.05))
+    with pytest.raises(TypeError, match="cannot read a codec name"):
+        ck.check_compatible(meta, **ok, codec=object())
     neutral = ck.read_meta(_save(tmp_path / "conv", 0, meta=_meta(codec=None)))
     ck.check_compatible(neutral, **ok, codec="dense")  # codec-free (converted) checkpoints fit any codec
 
