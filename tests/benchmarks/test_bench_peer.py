@@ -51,6 +51,7 @@ def test_dry_run_prints_every_command(tmp_path):
         # fp32 rows sample in fp32 too (the default sampler is bf16 where bf16 is native)
         assert ("--rollout-dtype" in c and _flag(c, "--rollout-dtype") == "fp32") == ("--bf16" not in c)
         assert _flag(c, "--log-dir").startswith(str(tmp_path / "runs"))
+        assert _flag(c, "--rollout-engine") == "hf"  # the vLLM rows only when named
     assert len({_flag(c, "--master_port") for c in trainer}) == 6
 
 
@@ -62,6 +63,9 @@ def test_subset_and_bf16_stand_in(tmp_path):
     (run,) = bp.plan(args, job, "/venv/bin/python")
     assert run["row"] == "dense-pp1" and run["command"][-2:] == ["--params-dtype", "bf16"]
     assert _flag(run["command"], "--train-iters") == "3" and _flag(run["command"], "--lr") == "2e-6"
+    vllm = bp.plan(bp.parse_args(["--rows", "dense-pp1-vllm,mask-anchor-vllm", "--dtypes", "bf16"]), job, "/v/bin/python")
+    assert [(_flag(r["command"], "--rollout-engine"), _flag(r["command"], "--num_gpus")) for r in vllm] == \
+        [("vllm", "1"), ("vllm", "3")]
     for bad in (["--rows", "tlr"], ["--dtypes", "fp16"], ["--steps", "1"]):
         with pytest.raises(SystemExit):
             bp.parse_args(bad)
@@ -82,11 +86,13 @@ def test_median_and_ratios(tmp_path):
     results = [{"row": "trl", "label": "TRL", "dtype": "fp32", "median_s": 45.0},
                {"row": "dense-pp1", "label": "PP=1", "dtype": "fp32", "median_s": 30.0},
                {"row": "dense-pp2", "label": "PP=2", "dtype": "fp32", "median_s": None},
-               {"row": "dense-pp1", "label": "PP=1", "dtype": "bf16", "median_s": 20.0}]
+               {"row": "dense-pp1", "label": "PP=1", "dtype": "bf16", "median_s": 20.0},
+               {"row": "dense-pp1-vllm", "label": "PP=1, vLLM", "dtype": "fp32", "median_s": 36.0}]
     ratios = bp.speedups(results)
-    assert ratios == {"fp32": {"dense-pp1": 1.5, "dense-pp2": None}, "bf16": {"dense-pp1": None}}
+    assert ratios == {"fp32": {"dense-pp1": 1.5, "dense-pp2": None, "dense-pp1-vllm": 1.25}, "bf16": {"dense-pp1": None}}
     table = bp.format_table(results, 2, 6)
     assert "1.50x" in table and "(met)" in table and "bf16: n/a" in table
+    assert "goal (this trainer, dense, PP=1, vLLM >= 1.5x TRL), fp32: 1.25x (not met)" in table
 
 
 def test_trl_reward_is_the_projects_verifier():
