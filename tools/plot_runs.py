@@ -14,6 +14,10 @@ Training curves, one line per run (legend: run folder name + boundary codec from
 * ``mismatch.png``    train-inference mismatch, ``mismatch/abs_logprob_diff_mean`` (nats/token)
 * ``training_curves.png``  the four panels together
 * ``val_acc.png``     ``val/<data set>/acc`` over steps, when a run logged any
+* ``drift.png``       damage to the base model, when a run logged the drift probe's ``probe/kl_to_base``
+                      (docs/training_health.md): the dense-view KL to the base model per probe, the drift
+                      controller's band (``drift/target_low`` .. ``drift/target``) where a run had one, and
+                      a marker under each dense step it took (``comm/dense_step`` = 1)
 
 Where a run also logged the compression-off drift probe (``probe/kl_to_ref``,
 ``probe/abs_logprob_diff_mean``) it is drawn dashed in the run's colour on the KL and
@@ -221,7 +225,54 @@ def plot_training(run_dirs: Sequence[str], out_dir: str, labels: Optional[Sequen
         fig.savefig(path, dpi=120)
         plt.close(fig)
         written.append(path)
+    drift = plot_drift(runs, out_dir)
+    if drift:
+        written.append(drift)
     return written
+
+
+def drift_series(series: Dict[str, List[Tuple[float, float]]]) -> Dict[str, object]:
+    """What ``drift.png`` draws for one run: ``kl`` [(step, probe/kl_to_base)], ``dense_steps`` (the
+    steps with ``comm/dense_step`` = 1) and ``band`` (LOW, HIGH) from the run's last
+    ``drift/target_low`` / ``drift/target`` (None without the controller)."""
+    high, low = series.get("drift/target", []), series.get("drift/target_low", [])
+    return {"kl": list(series.get("probe/kl_to_base", [])),
+            "dense_steps": [int(t) for t, v in series.get("comm/dense_step", []) if v == 1],
+            "band": (low[-1][1], high[-1][1]) if high and low else None}
+
+
+def plot_drift(runs: Sequence[Tuple[str, Dict[str, List[Tuple[float, float]]]]], out_dir: str) -> Optional[str]:
+    """``drift.png`` (see the module's docstring) for the runs that logged ``probe/kl_to_base``;
+    None when none did. Returns the path."""
+    drawn = [(label, drift_series(s)) for label, s in runs if s.get("probe/kl_to_base")]
+    if not drawn:
+        return None
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7.5, 4.4))
+    top = max(v for _, d in drawn for _, v in d["kl"])
+    for i, (label, d) in enumerate(drawn):
+        color = f"C{i % 10}"
+        xs, ys = zip(*d["kl"])
+        ax.plot(xs, ys, color=color, lw=1.5, marker="o", ms=3, label=f"{label}: probe/kl_to_base")
+        if d["band"] is not None:
+            lo, hi = d["band"]
+            ax.axhspan(lo, hi, color=color, alpha=0.12, label=f"{label}: controller band [{lo:g}, {hi:g}]")
+            top = max(top, hi)
+        if d["dense_steps"]:
+            ax.plot(d["dense_steps"], [0.0] * len(d["dense_steps"]), ls="none", marker="^", ms=7, color=color,
+                    label=f"{label}: dense steps ({len(d['dense_steps'])})")
+    ax.set_ylim(bottom=-0.03 * top, top=1.1 * top)
+    ax.set_title("Damage to the base model: dense-view KL(pi || pi_base) on the probe batch", fontsize=10)
+    ax.set_xlabel("training step")
+    _integer_steps(ax)
+    ax.set_ylabel("KL, nats / token")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="upper left")
+    fig.tight_layout()
+    path = os.path.join(out_dir, "drift.png")
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
 
 
 def plot_eval(summary_paths: Sequence[str], out_path: str, labels: Optional[Sequence[str]] = None) -> str:

@@ -86,6 +86,32 @@ def test_runs_without_a_metric_or_config_still_plot(tmp_path):
         tool.read_metrics(str(tmp_path))
 
 
+def test_drift_figure_draws_the_probe_the_band_and_the_dense_steps(tmp_path):
+    """drift.png for a controller run (band, dense steps) beside one without: the series it draws
+    are the runs' logged values; a run without the probe adds no drift.png."""
+    on, off = tmp_path / "on", tmp_path / "off"
+    for d, ctl in ((on, True), (off, False)):
+        d.mkdir()
+        with open(d / "metrics.jsonl", "w") as f:
+            for t in range(1, 9):
+                rec = {"step": t, "critic/score/mean": 0.1, "comm/dense_step": int(ctl and t in (5, 7))}
+                if t % 2 == 0:
+                    rec["probe/kl_to_base"] = 0.004 * t if ctl else 0.006 * t
+                if ctl:
+                    rec.update({"drift/target": 0.02, "drift/target_low": 0.01})
+                f.write(json.dumps(rec) + "\n")
+    tool = _tool()
+    series, _ = tool.read_metrics(str(on))
+    assert tool.drift_series(series) == {"kl": [(2.0, 0.008), (4.0, 0.016), (6.0, 0.024), (8.0, 0.032)],
+                                         "dense_steps": [5, 7], "band": (0.01, 0.02)}
+    assert tool.drift_series(tool.read_metrics(str(off))[0])["band"] is None
+    written = tool.plot_training([str(on), str(off)], str(tmp_path / "figs"))
+    assert Path(written[-1]).name == "drift.png"
+    _png_ok(Path(written[-1]))
+    _write_run(tmp_path / "plain", {"boundary_codec": "dense"}, 5, 1, 0.001, probe=False)
+    assert "drift.png" not in [Path(p).name for p in tool.plot_training([str(tmp_path / "plain")], str(tmp_path / "p"))]
+
+
 def _summary(path: Path, label: str, accs: dict):
     """An evaluation summary written by the real writer: per data set, rows scored to hit ``accs``."""
     report = EvalReport(metrics={}, settings={"max_new_tokens": 16})
