@@ -30,11 +30,11 @@ SEED=${SEED:-1234}
 LOG_DIR=${LOG_DIR:-runs/smollm2_mawps_${CODEC}}
 MASTER_PORT=${MASTER_PORT:-29561}
 
-# shellcheck disable=SC2206  # DS_LAUNCH_ARGS is a word list (no spaces inside one argument)
 # the sampler's engine (issue 36): vLLM where it is installed (`make demo VLLM=1`; docs/vllm.md:
 # generation 3.1x and the iteration 1.2x faster on a 2-core AVX512-BF16 host), HF generate otherwise
 ROLLOUT_ENGINE=${ROLLOUT_ENGINE:-$("${PYTHON:-python}" -c 'import importlib.util as u; print("vllm" if u.find_spec("vllm") else "hf")')}
 
+# shellcheck disable=SC2206  # DS_LAUNCH_ARGS is a word list (no spaces inside one argument)
 LAUNCH=(${DS_LAUNCH_ARGS:---num_gpus $((PP + ANCHOR_RANKS)) --master_port $MASTER_PORT})
 
 # shellcheck disable=SC2086  # PRECISION_FLAGS is a word list
