@@ -12,6 +12,8 @@ Skipped where vLLM is not installed (CI's lean venv; ``make venv VLLM=1``).
 """
 
 import json
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -25,8 +27,8 @@ MISMATCH_TOL = 0.01
 
 
 def _tiny64_dir(path):
-    import sys
-    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1] / "rollout"))
+    """tests/rollout/test_vllm_engine.py's head-dim-64 llama (random weights), saved as an HF directory."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "rollout"))
     from safetensors.torch import save_file
     from test_vllm_engine import tiny64
 
