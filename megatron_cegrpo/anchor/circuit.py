@@ -4,10 +4,9 @@ Per stage: the sign correction ``G = alpha G_comp + beta |G_comp| sign(M)`` (reg
 the stage's correction, before clipping) and the :class:`AnchorClient` that ships weights,
 sends batches and receives sign(M) (``anchor/client.py``). Metrics: ``anchor/*``.
 
-Who talks to the anchor: (data-parallel replica 0, TP rank 0) of each stage. The other ranks of a stage
-take its signs: over the DP group at TP = 1 (``anchor/dp_fanout.py``), over the TP group at DP = 1
-(``anchor/tp_split.py``), over the DP group of the TP-rank-0s and then each replica's TP group at
-TP x DP (``anchor/tp_dp.py``).
+Who talks to the anchor: (data-parallel replica 0, TP rank 0) of each stage. The other ranks of a
+stage take its signs along the one relay the layout decides (``anchor/relay.py``: over the DP group
+of the TP-rank-0s, then each replica's TP group).
 """
 
 from __future__ import annotations
@@ -20,9 +19,7 @@ import torch.distributed as dist
 
 from megatron_cegrpo.anchor.basis import stage_boundaries
 from megatron_cegrpo.anchor.client import AnchorClient
-from megatron_cegrpo.anchor.dp_fanout import FollowerClient, SignFanout, sign_deviation
-from megatron_cegrpo.anchor.tp_dp import TPDPFanout, TPDPFollowerClient
-from megatron_cegrpo.anchor.tp_split import TPFollowerClient, TPSignSplit
+from megatron_cegrpo.anchor.relay import RelayFollower, build_relay, sign_deviation
 from megatron_cegrpo.checkpointing import ANCHOR_DIR
 from megatron_cegrpo.optim.hooks import SignCorrectionHook
 
@@ -50,32 +47,19 @@ class AnchorCircuit:
                                              counted=[p for p in owned if stage.counted_here(p)])
         stage.register_correction(self.correction)
         tied_copy = any(stage.is_duplicate_tied_weight(p) for p in owned)
-        tp = int(getattr(ctx, "tp_size", 1))
-        # tensor parallel (anchor/tp_split.py): TP rank 0 ships the gathered stage, holds the whole
-        # signs and sends each other TP rank its shard of them
-        self.tp_split = (TPSignSplit(ctx.tp_group, [n for n, _ in stage.named_owned], self.correction)
-                         if tp > 1 else None)
-        # data parallel (anchor/dp_fanout.py): replica 0 talks to the anchor, the others take its signs;
-        # at TP > 1 over the DP group of the TP-rank-0s, whole-stage signs (anchor/tp_dp.py)
-        whole = _whole_owned(stage) if self.tp_split is not None else stage.named_owned
-        self.fanout = (SignFanout(ctx.dp_group, [tuple(p.shape) for _, p in whole])
-                       if ctx.dp_group is not None and ctx.tp_rank == 0 else None)
+        self.tp = int(getattr(ctx, "tp_size", 1))
+        # at TP > 1 TP rank 0 ships the gathered stage and holds the whole signs (its hook its shard)
+        whole = _whole_owned(stage) if self.tp > 1 else stage.named_owned
+        self.relay = build_relay(ctx, self.correction, [n for n, _ in stage.named_owned],
+                                 [tuple(p.shape) for _, p in whole])
         # anchor/sign_dev_across_dp: on every rank, over its own DP group, from the signs its hook holds
         self._dev_shapes = [tuple(p.shape) for p in owned]
-        held = self.tp_split or self.correction  # what the client sets: the whole signs at TP > 1
-        if ctx.is_replica_leader and ctx.tp_rank == 0:
-            fanout = (TPDPFanout(self.fanout, self.tp_split) if self.tp_split is not None and self.fanout is not None
-                      else self.tp_split or self.fanout)
+        if self.relay.upstream is None:  # (replica 0, TP rank 0): the anchor's end of the relay
             self.client = AnchorClient(whole, stage.layer_offset, tied_copy, ctx.anchor_rank,
-                                       ctx.is_driver, cfg.anchor, held,
-                                       group=ctx.anchor_group, rank=ctx.rank, bases=_anchor_bases(cfg, ctx, stage),
-                                       fanout=fanout)
-        elif self.tp_split is not None and ctx.tp_rank == 0:  # TP rank 0 of replica > 0: DP in, TP out
-            self.client = TPDPFollowerClient(cfg.anchor, self.tp_split, self.fanout, rank=ctx.rank)
-        elif self.tp_split is not None:
-            self.client = TPFollowerClient(cfg.anchor, self.correction, self.tp_split, rank=ctx.rank)
+                                       ctx.is_driver, cfg.anchor, self.relay,
+                                       group=ctx.anchor_group, rank=ctx.rank, bases=_anchor_bases(cfg, ctx, stage))
         else:
-            self.client = FollowerClient(cfg.anchor, self.correction, self.fanout, rank=ctx.rank)
+            self.client = RelayFollower(cfg.anchor, self.relay, rank=ctx.rank, writes_own_state=ctx.tp_rank > 0)
         self._dump = cfg.anchor.anchor_debug_dir
         self._applied_before = 0
 
@@ -88,7 +72,7 @@ class AnchorCircuit:
     def before_optimizer_step(self, t: int, timers) -> None:
         self.client.before_optimizer_step(t, timers)
         if self._dump:
-            tp = f"_tp{self.ctx.tp_rank:02d}" if self.tp_split is not None else ""
+            tp = f"_tp{self.ctx.tp_rank:02d}" if self.tp > 1 else ""
             tp += f"_dp{self.ctx.dp_rank:02d}" if self.ctx.dp_group is not None else ""
             self.correction.dump_path = os.path.join(self._dump, f"stage{self.ctx.pp_rank}{tp}_step{t:05d}.pt")
         self._applied_before = self.correction.num_applied
@@ -109,19 +93,21 @@ class AnchorCircuit:
         agree, total = self.correction.last_agreement if applied else (0, 0)
         out = self.client.metrics(t)
         out.update({"_anchor/applied": applied, "_anchor/agree": agree, "_anchor/total": total})
+        sent = self.relay.take_bytes()  # what this rank relayed (0 where it relays nothing)
         if self.ctx.dp_group is not None:
+            out["anchor/bytes_dp_fanout"] = sent.get("anchor/bytes_dp_fanout", 0)
             out.update(self._replica_metrics(applied))
-        if self.tp_split is not None:  # TP rank 0's sends of the shards' signs (0 on the other TP ranks)
-            out["anchor/bytes_tp_fanout"] = self.tp_split.take_bytes()
+        if self.tp > 1:
+            out["anchor/bytes_tp_fanout"] = sent.get("anchor/bytes_tp_fanout", 0)
         return out
 
     def _replica_metrics(self, applied: int) -> Dict[str, float]:
-        """Data parallel: the fan-out's bytes (replica 0's TP rank 0 sends them; 0 elsewhere) and, when
-        any replica applied a correction this iteration, ``anchor/sign_dev_across_dp`` from the signs
-        each replica's hook holds (at TP > 1 each TP rank's shard, over its own DP group: collectives
-        over the DP group, every replica in the same order)."""
+        """Data parallel: when any replica applied a correction this iteration,
+        ``anchor/sign_dev_across_dp`` from the signs each replica's hook holds (at TP > 1 each TP
+        rank's shard, over its own DP group: collectives over the DP group, every replica in the
+        same order)."""
         group = self.ctx.dp_group
-        out = {"anchor/bytes_dp_fanout": self.fanout.take_bytes() if self.fanout is not None else 0}
+        out = {}
         flag = torch.tensor([int(applied > 0)], dtype=torch.int64)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
         if int(flag.item()):

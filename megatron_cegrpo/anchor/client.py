@@ -20,7 +20,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from megatron_cegrpo.anchor.dp_fanout import held_signs
+from megatron_cegrpo.anchor.relay import held_signs
 from megatron_cegrpo.anchor.shipment import ShipmentEncoder
 from megatron_cegrpo.anchor.signs import packed_nbytes, unpack_bits, unpack_sign_list
 from megatron_cegrpo.anchor.transport import (
@@ -50,21 +50,20 @@ class AnchorClient:
         anchor_rank: global rank of the anchor.
         is_driver: this rank also sends batches and receives the anchor's statistics.
         anchor: the AnchorConfig (c, the apply and fold modes, the timeout, the debug dir).
-        correction: the optimizer's SignCorrectionHook.
+        correction: this rank's ``SignRelay`` (``anchor/relay.py``): it sets the optimizer's
+            SignCorrectionHook (to this TP rank's shard of the whole signs at TP > 1) and, after each
+            ``before_optimizer_step``, passes the signs it holds on to the stage's other ranks.
         group: the anchor group (``DistContext.anchor_group``).
         rank: this rank's global rank (for messages).
         bases: with an anchor-owned lowrank basis, ``(slots, sink)``: ``slots`` the
             ``(boundary, shape, dtype)`` of each basis the anchor sends this stage (ascending
             boundaries), ``sink(boundary, q, first_step)`` the codec's ``stage_basis``; a basis
             received during iteration t serves from t + 1 at both ends. None: no bases.
-        fanout: at data-parallel size > 1, the stage's ``SignFanout`` (``anchor/dp_fanout.py``):
-            after each ``before_optimizer_step`` the signs the hook holds go to the other replicas.
     """
 
     def __init__(self, named_params, layer_offset: int, tied_output: bool, anchor_rank: int, is_driver: bool,
-                 anchor, correction, group=None, rank: int = 0, bases=None, fanout=None):
+                 anchor, correction, group=None, rank: int = 0, bases=None):
         self.a = anchor
-        self.fanout = fanout
         named_params = list(named_params)
         self.params = [p for _, p in named_params]
         self.shapes = [tuple(p.shape) for p in self.params]
@@ -208,8 +207,7 @@ class AnchorClient:
             self._awaiting = None
         if self.a.sign_fold == "fire-only" and self._fresh_for != t:
             self.correction.set_signs(None)
-        if self.fanout is not None:  # the other data-parallel replicas hold what this hook holds
-            self.fanout.lead(self.alive, before, self.correction.signs)
+        self.correction.lead(self.alive, before, self.correction.signs)  # the stage's other ranks
 
     def _receive_signs(self) -> None:
         hdr = torch.zeros(1, dtype=torch.int64)

@@ -1,4 +1,4 @@
-"""The anchor's signs across data-parallel replicas (issue 14, ``anchor/dp_fanout.py``), on 2 real
+"""The anchor's signs across data-parallel replicas (issue 14, ``anchor/relay.py``'s DP hop), on 2 real
 gloo processes: the follower receives the leader's signs bit for bit (new, unchanged, partial:
 no sign for a tensor whose M is all 0, cleared, anchor lost), the fan-out's bytes are the header and the packed signs, and
 ``anchor/sign_dev_across_dp`` is 0 for equal signs, 1 for a flipped coordinate, 0.5 where a

@@ -1,4 +1,4 @@
-"""The anchor's signs at tensor-parallel size 2 (issue 14, ``anchor/tp_split.py``).
+"""The anchor's signs at tensor-parallel size 2 (issue 14, ``anchor/relay.py``'s TP hop).
 
 Unit level, one process: a TP rank's slice of the whole-stage signs (``shard_signs``) is exactly
 the matching slice of the whole tensor along megatron's partition dim (column-, row- and
@@ -19,7 +19,7 @@ import torch
 from distributed_util import REPO, run_ranks
 
 from megatron_cegrpo.anchor.signs import packed_nbytes
-from megatron_cegrpo.anchor.tp_split import shard_signs
+from megatron_cegrpo.anchor.relay import shard_signs
 from megatron_cegrpo.models.tp_shard import merge_tp_shards
 
 WORKER = os.path.join(REPO, "tests", "anchor", "tp_split_worker.py")

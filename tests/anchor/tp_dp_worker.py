@@ -1,8 +1,9 @@
 """One rank of ``test_tp_dp.py`` (4 gloo processes = one stage at TP 2 x DP 2, megatron's order: rank =
-replica x 2 + TP rank; torch only). (replica 0, TP rank 0) holds whole-stage signs as if from the anchor
-(new, unchanged, partial, cleared + anchor lost) and leads ``TPDPFanout``; TP rank 0 of replica 1 runs
-``TPDPFollowerClient``, the TP ranks 1 ``TPFollowerClient``. Writes OUT/rank<r>.pt: the hook's signs and
-``sign_deviation`` over the rank's DP group after each step, the follower's codes, the bytes sent."""
+replica x 2 + TP rank; torch only). Every rank builds the relay its place in the layout gives it
+(``anchor/relay.py``'s ``build_relay``): (replica 0, TP rank 0) holds whole-stage signs as if from the
+anchor (new, unchanged, partial, cleared + anchor lost) and leads the DP hop, then the TP hop; every
+other rank runs ``RelayFollower``. Writes OUT/rank<r>.pt: the hook's signs and ``sign_deviation`` over the
+rank's DP group after each step, the follower's checkpoint state after step 1, the bytes sent."""
 
 import contextlib
 import os
@@ -12,9 +13,7 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
-from megatron_cegrpo.anchor.dp_fanout import SignFanout, sign_deviation
-from megatron_cegrpo.anchor.tp_dp import TPDPFanout, TPDPFollowerClient
-from megatron_cegrpo.anchor.tp_split import TPFollowerClient, TPSignSplit
+from megatron_cegrpo.anchor.relay import RelayFollower, build_relay, sign_deviation
 from megatron_cegrpo.optim.hooks import SignCorrectionHook
 from toy_stage import NAMES, WHOLE, shard_params, whole_signs  # noqa: E402  (this script's folder)
 
@@ -28,31 +27,35 @@ tp_group, dp_group = tp_groups[dp_rank], dp_groups[tp_rank]
 whole = whole_signs()
 params = shard_params(tp_rank)
 hook = SignCorrectionHook(params)
-split = TPSignSplit(tp_group, NAMES, hook)
-cfg = SimpleNamespace(anchor_interval=1)
+ctx = SimpleNamespace(tp_size=2, tp_rank=tp_rank, tp_group=tp_group, dp_rank=dp_rank, dp_group=dp_group)
+relay = build_relay(ctx, hook, NAMES, WHOLE)
+cfg = SimpleNamespace(anchor_interval=1, anchor_ship_check=False)
 timers = SimpleNamespace(phase=lambda name: contextlib.nullcontext())
-dp = SignFanout(dp_group, WHOLE) if tp_rank == 0 else None
-out = {"held": [], "dev": [], "whole": whole, "shapes": [tuple(p.shape) for p in params]}
+out = {"held": [], "dev": [], "whole": whole, "shapes": [tuple(p.shape) for p in params],
+       "hops": ([h.metric for h in relay.downstream], relay.upstream.metric if relay.upstream else None)}
 steps = [(True, whole), (True, whole), (True, [whole[0], None, *whole[2:]]), (False, None)]
 
-if rank == 0:  # the anchor's client would set the split and lead (AnchorClient.before_optimizer_step)
-    fanout = TPDPFanout(dp, split)
-elif tp_rank == 0:
-    client = TPDPFollowerClient(cfg, split, dp, rank=rank)
-else:
-    client = TPFollowerClient(cfg, hook, split, rank=rank)
+if rank != 0:  # rank 0 stands for the anchor's client (AnchorClient.before_optimizer_step)
+    client = RelayFollower(cfg, relay, rank=rank, writes_own_state=tp_rank > 0)
 for t, (alive, after) in enumerate(steps, start=1):
     if rank == 0:
-        before = split.signs
+        before = relay.signs
         if after is not before:
-            split.set_signs(after)
-        fanout.lead(alive, before, split.signs)
+            relay.set_signs(after)
+        relay.lead(alive, before, relay.signs)
     else:
         client.before_optimizer_step(t, timers)
+        if t == 1:
+            out["state1"] = client.state_dict()
     out["held"].append(None if hook.signs is None else [s.clone() if s is not None else None for s in hook.signs])
     out["dev"].append(sign_deviation(hook.signs, sum(p.numel() for p in params), dp_group, out["shapes"]))
 out["alive"] = True if rank == 0 else client.alive
-out["dp_sent"] = dp.take_bytes() if dp is not None else 0
-out["tp_sent"] = split.take_bytes()
+sent = relay.take_bytes()
+out["dp_sent"] = sent.get("anchor/bytes_dp_fanout", 0)
+out["tp_sent"] = sent.get("anchor/bytes_tp_fanout", 0)
+if rank != 0:  # a resume: replica 0's TP rank 0 state (whole signs) at TP rank 0, the own shard elsewhere
+    stored = [s.to(torch.int8) for s in whole] if tp_rank == 0 else out["state1"]["signs"]
+    client.load_state_dict({"signs": stored})
+    out["loaded"] = [s.clone() for s in hook.signs]
 torch.save(out, os.path.join(OUT, f"rank{rank}.pt"))
 dist.destroy_process_group()

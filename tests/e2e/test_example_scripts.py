@@ -73,8 +73,10 @@ def test_the_demo_runs_the_studys_configuration(tmp_path):
 
 def test_study_arm_suffixes_add_their_flags(tmp_path):
     """``<arm>_dense<N>`` adds ``--dense-step-interval N`` to the arm's command, ``_filter`` adds
-    DAPO's dynamic sampling, ``_vllm`` the vLLM sampler; the arm's folder keeps its whole name."""
-    env = _env(DRY_RUN="1", ARMS="mask_anchor_dense16 pcaq:lrq_anchor_dense8_filter dense_vllm", SEEDS="1234",
+    DAPO's dynamic sampling, ``_vllm`` the vLLM sampler, ``_shared`` shared-prefix passes over
+    micro-batches of one group; the arm's folder keeps its whole name."""
+    env = _env(DRY_RUN="1", ARMS="mask_anchor_dense16 pcaq:lrq_anchor_dense8_filter dense_vllm mask_anchor_shared",
+               SEEDS="1234",
                STUDY_DIR=str(tmp_path / "study"))
     study = subprocess.run(["bash", "examples/study_cpu.sh"], cwd=REPO, env=env, capture_output=True, text=True,
                            timeout=120)
@@ -91,3 +93,7 @@ def test_study_arm_suffixes_add_their_flags(tmp_path):
     vllm = _flags(lines["dense_vllm"])
     assert (vllm["--boundary-codec"], vllm["--anchor-ranks"], vllm["--rollout-engine"]) == ("dense", "0", "vllm")
     assert "--rollout-engine" not in dense16
+    shared = lines["mask_anchor_shared"]  # its micro-batch (the group, 8) comes after the study's 4: argparse's last wins
+    assert _flags(shared)["--boundary-codec"] == "mask" and "--shared-prefix" in shared
+    assert [shared[i + 1] for i, a in enumerate(shared) if a == "--micro-batch-size"] == ["4", "8"]
+    assert "--shared-prefix" not in lines["mask_anchor_dense16"]

@@ -13,7 +13,7 @@ the same global batch as the record ``reference/tp_anchor_tp1_pp2.json`` (shared
 ``test_tensor_parallel_anchor.py``). Rank order (megatron-core's, TP fastest): rank r is TP rank
 ``r % 2``, replica ``(r // 2) % 2``, stage ``r // 4``; rank 8 is the anchor.
 
-Who sends what (``anchor/tp_dp.py``): (replica 0, TP rank 0) of each stage alone talks to the anchor
+Who sends what (``anchor/relay.py``): (replica 0, TP rank 0) of each stage alone talks to the anchor
 (the TP = 1 stage's shipments and signs: every anchor-link byte equals the record's); it broadcasts the
 whole-stage signs to TP rank 0 of replica 1 over their DP group (``anchor/bytes_dp_fanout``), and each
 replica's TP rank 0 sends its TP rank 1 that rank's shard (``anchor/bytes_tp_fanout``).

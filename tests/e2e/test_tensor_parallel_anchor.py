@@ -13,7 +13,7 @@ shipments (theta(0) not sent: the start-up digests agree). `make test-slow` laun
 record of the same run at TP = 1 (``reference/tp_anchor_tp1_pp2.json``; re-record it with
 ``PYTHONPATH=$PWD python tests/e2e/test_tensor_parallel_anchor.py --record``: 3 ranks, ~30 s), and
 checks from the run's ``--anchor-debug-dir`` dumps that every TP rank's hook applied exactly its
-slice of the anchor's whole-stage sign(M) (``anchor/tp_split.py``). The resume test: checkpoints every
+slice of the anchor's whole-stage sign(M) (``anchor/relay.py``). The resume test: checkpoints every
 iteration, new processes resume from the one at 1 and train 2 and 3 bit for bit like the straight run
 (metrics, applied signs, weights); only the anchor-link bytes a restart adds differ (the hello and its
 digest answer, the straight run's save answer), each asserted exactly or bounded: the first shipment
