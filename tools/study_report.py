@@ -874,10 +874,14 @@ def show_summary(docs_dir: str, intro: bool = False, name: str = DEFAULT_NAME) -
 def run_line(log_dir: str) -> str:
     """One line on a finished trainer run, from its ``<log_dir>/summary.json`` (``initial`` and
     ``final`` held-out evaluations, ``last_metrics.step``): accuracy before -> after ± one
-    standard error, the gain and its unpaired z (:func:`gain_z`), and whether the gain reaches 3
-    standard errors, issue 11's bar for "learns". What ``make demo`` prints after its run.
+    standard error, the gain, and whether it reaches 3 standard errors, issue 11's bar for
+    "learns". With the run's per-row files of both evaluations (``eval_rows/holdout-step0.jsonl``
+    and ``-step<N>.jsonl``, checked by :func:`run_rows`) the bar is the paired one (issue 33 item 7:
+    :func:`paired_diff`'s standard error, rows fixed / broken), the unpaired z (:func:`gain_z`)
+    beside it; without them the unpaired z alone. What ``make demo`` prints after its run.
     Raises FileNotFoundError when the run wrote no summary.json (it did not finish) and
-    ValueError (naming the file) when it holds no held-out evaluation before and after."""
+    ValueError (naming the file) when it holds no held-out evaluation before and after, or
+    per-row files that are not this run's (``EvalRowsError``)."""
     path = os.path.join(log_dir, "summary.json")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path} does not exist: the run did not finish; fix: see its log, rerun it")
@@ -898,10 +902,20 @@ def run_line(log_dir: str) -> str:
     except (ValueError, KeyError, TypeError) as e:
         raise ValueError(f"{bad} ({type(e).__name__}: {e}); fix: run with --num-holdout > 0") from None
     gain, z = gain_z(acc_b, se_b, acc_a, se_a)
-    verdict = ("at least 3 standard errors" if z is not None and z >= 3 else
-               "below 3 standard errors, so not evidence of learning")
-    return (f"this run ({log_dir}, {iters} iterations, {rows} held-out rows): {acc_b:.3f} ± {se_b:.3f} -> "
-            f"{acc_a:.3f} ± {se_a:.3f}, gain {gain:+.3f} (z {_fmt(z, '{:+.1f}')}, unpaired): {verdict}")
+    head = (f"this run ({log_dir}, {iters} iterations, {rows} held-out rows): {acc_b:.3f} ± {se_b:.3f} -> "
+            f"{acc_a:.3f} ± {se_a:.3f}, gain {gain:+.3f}")
+    per_row = run_rows(log_dir, _eval_points(read_records(log_dir)), iters) if os.path.isfile(
+        os.path.join(log_dir, "metrics.jsonl")) else {}
+    if "holdout" not in per_row:
+        verdict = ("at least 3 standard errors" if z is not None and z >= 3 else
+                   "below 3 standard errors, so not evidence of learning")
+        return f"{head} (z {_fmt(z, '{:+.1f}')}, unpaired): {verdict}"
+    before, after = per_row["holdout"]
+    p = paired_diff(after.by_id(), before.by_id())
+    verdict = ("at least 3 paired standard errors" if p["z"] is not None and p["z"] >= 3 else
+               "below 3 paired standard errors, so not evidence of learning")
+    return (f"{head} (paired SE {_fmt(p['se'])}, z {_fmt(p['z'], '{:+.1f}')}: {p['a_only']} rows fixed, "
+            f"{p['b_only']} broken; unpaired z {_fmt(z, '{:+.1f}')}): {verdict}")
 
 
 def main(argv=None) -> int:

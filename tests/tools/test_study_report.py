@@ -506,3 +506,25 @@ def test_a_named_study_beside_the_first(study, tmp_path):
     summary = json.loads((docs / "study_bf16" / "summary.json").read_text())
     assert mod.show_summary(str(docs), name="study_bf16") == mod.table(summary["arms"])
     assert mod.show_summary(str(docs), intro=True, name="study_bf16").startswith("the study (docs/study_bf16.md;")
+
+
+def test_run_line_is_paired_with_the_runs_per_row_files(tmp_path):
+    """make demo's line uses the paired bar (issue 33 item 7) when the run kept both evaluations'
+    per-row files: dense seed 1's rows, 4 fixed and 0 broken of 10, gain +0.4, paired SE from the
+    per-row differences; the unpaired z stays beside it. A per-row file from another run is refused."""
+    mod = _tool()
+    run = _paired_run(tmp_path, "dense", 1, _AFTER[("dense", 1)])
+    ev = lambda acc, se: {"val/holdout/acc": acc, "val/holdout/acc_stderr": se, "val/holdout/num_rows": 300}
+    (run / "summary.json").write_text(json.dumps({"initial": ev(0.2, _se(_BEFORE)),
+                                                  "final": ev(0.6, _se(_AFTER[("dense", 1)])),
+                                                  "last_metrics": {"step": 2}}))
+    d = [1, 1, 1, 1, 0, 0, 0, 0, 0, 0]  # after - before, row by row
+    se = math.sqrt(sum((x - 0.4) ** 2 for x in d) / 9 / 10)
+    z_unpaired = 0.4 / math.hypot(_se(_BEFORE), _se(_AFTER[("dense", 1)]))
+    assert mod.run_line(str(run)) == (
+        f"this run ({run}, 2 iterations, 300 held-out rows): 0.200 ± {_se(_BEFORE):.3f} -> 0.600 ± "
+        f"{_se(_AFTER[('dense', 1)]):.3f}, gain +0.400 (paired SE {se:.3f}, z +{0.4 / se:.1f}: 4 rows fixed, 0 broken; "
+        f"unpaired z +{z_unpaired:.1f}): below 3 paired standard errors, so not evidence of learning")
+    _rows_file(run, "holdout", 2, _AFTER[("dense", 2)])  # another run's rows: accuracy 0.4, not the logged 0.6
+    with pytest.raises(ValueError, match="not this run's rows"):
+        mod.run_line(str(run))
