@@ -60,8 +60,8 @@ def preflight(cfg) -> None:
       at least one prompt fits ``--max-prompt-length`` (``data.check_train_data``); every
       ``--eval-datasets`` file exists;
     * ``--save`` holds no other run's checkpoints (``checkpointing.check_save_dir``);
-    * ``--load``: a checkpoint is there unless it is the ``--save`` directory
-      (``checkpointing.find_resume_checkpoint``); it fits the model, split and codec
+    * ``--load`` (``checkpointing.decide_resume``, the one resume decision): a checkpoint is there
+      unless it is the ``--save`` directory; it fits the model, split and codec
       (``check_compatible``), its files have their recorded sizes, and, when it continues a
       run, it was written at this ``--tensor-model-parallel-size`` and the trajectory options
       equal this run's (``check_resume``).
@@ -116,30 +116,8 @@ def preflight(cfg) -> None:
     c = cfg.checkpoint
     if c.save:
         ck.check_save_dir(c.save, c.load)
-    if c.load:
-        found = ck.find_resume_checkpoint(c.load, c.save)
-        if found is not None:
-            ckpt_dir, _ = found
-            meta = ck.verify_checkpoint(ckpt_dir, sizes_only=True)
-            ck.check_compatible(meta, hf_config=hf_config, pp_size=p.pipeline_model_parallel_size,
-                                num_layers_in_first=p.decoder_first_pipeline_num_layers,
-                                num_layers_in_last=p.decoder_last_pipeline_num_layers, codec=cfg.codec)
-            if ck.continues_run(meta):  # trainer state: continues a run (not weights only)
-                _check_resume_tensor_parallel(meta, cfg, ckpt_dir)
-                ck.check_resume(meta, cfg.resume_options(), train_iters=cfg.optim.train_iters)
-
-
-def _check_resume_tensor_parallel(meta: dict, cfg, ckpt_dir: str) -> None:
-    """A checkpoint that continues a run (optimizer state, reference and RNGs per TP shard) must be
-    resumed at the ``--tensor-model-parallel-size`` it was written at; weights-only checkpoints load
-    at any TP size (their shards are merged and re-split). Raises ConfigError naming the flag."""
-    saved, tp = int(meta.get("tp_size", 1)), cfg.parallel.tensor_model_parallel_size
-    if saved != tp:
-        raise ConfigError(
-            f"--load {ckpt_dir} was written at --tensor-model-parallel-size {saved} and holds its optimizer state "
-            f"per TP shard; it cannot continue at --tensor-model-parallel-size {tp}; fix: pass "
-            f"--tensor-model-parallel-size {saved}, or convert it to weights only (tools/checkpoint/convert.py "
-            f"--target-tp-size {tp}) to start a new run from it")
+    if c.load:  # the one resume decision, here also checking the listed files' sizes
+        ck.decide_resume(cfg, hf_config, verify_sizes=True)
 
 
 def _check_rollout_engine(cfg, hf_config) -> None:

@@ -36,15 +36,13 @@ def run_anchor(cfg, ctx) -> None:
     model.eval()
     pp = cfg.parallel.pipeline_model_parallel_size
     start, state = 0, None
-    if cfg.checkpoint.load and ck.has_checkpoint(cfg.checkpoint.load):
-        ckpt_dir, it = ck.resolve_load_dir(cfg.checkpoint.load)
-        meta = ck.read_meta(ckpt_dir)
-        if f"{ANCHOR_BLOB}.pt" in ck.stage_file_names(meta, ck.ANCHOR):
-            state = ck.read_stage_blob(ckpt_dir, ck.ANCHOR, ANCHOR_BLOB, meta=meta)
-            start = it
-        elif ck.continues_run(meta):  # trainer_state.pt, or trainer_state_tp00.pt at TP > 1
-            start = it  # saved without an anchor: the anchor starts empty at the trainer's iteration
-            print(f"[cegrpo anchor] {ckpt_dir} has no anchor state; M and the ring start empty", flush=True)
+    point = ck.decide_resume(cfg, dense.hf_config) if cfg.checkpoint.load else None  # the trainer's decision
+    if point is not None and point.continues:  # trainer_state.pt, or trainer_state_tp00.pt at TP > 1
+        start = point.iteration
+        if f"{ANCHOR_BLOB}.pt" in ck.stage_file_names(point.meta, ck.ANCHOR):
+            state = ck.read_stage_blob(point.ckpt_dir, ck.ANCHOR, ANCHOR_BLOB, meta=point.meta)
+        else:  # saved without an anchor: the anchor starts empty at the trainer's iteration
+            print(f"[cegrpo anchor] {point.ckpt_dir} has no anchor state; M and the ring start empty", flush=True)
     try:
         worker = AnchorWorker(cfg, model, ref, stage_ranks=ctx.stage_ranks or list(range(pp)), start_iteration=start,
                               group=ctx.anchor_group)

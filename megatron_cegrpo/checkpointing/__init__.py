@@ -14,7 +14,8 @@ One module per concern; this package re-exports the public names of all of them,
   (meta.json, rename, ``latest``, pruning);
 * :mod:`~megatron_cegrpo.checkpointing.compat`: compatibility and resume rules
   (:func:`check_compatible`, :func:`check_resume`, :func:`find_resume_checkpoint`,
-  :func:`check_save_dir`);
+  :func:`check_save_dir`) and :func:`decide_resume`, which applies them to the run's ``--load`` (the
+  one resume decision: the start-up checks, the stages and the anchor ask it);
 * :mod:`~megatron_cegrpo.checkpointing.collectives`: what every rank calls together (the
   save cadence :func:`is_save_iteration`, :func:`begin_save`, :func:`commit_save`,
   :func:`agree_on_errors`).
@@ -46,7 +47,9 @@ from megatron_cegrpo.checkpointing.compat import (
     check_compatible,
     check_resume,
     check_save_dir,
+    decide_resume,
     find_resume_checkpoint,
+    ResumePoint,
 )
 from megatron_cegrpo.checkpointing.format import (
     ANCHOR,
@@ -85,8 +88,8 @@ from megatron_cegrpo.checkpointing.stage_files import (
 
 __all__ = [
     "ANCHOR", "ANCHOR_DIR", "CONVERT_TOOL", "FORMAT_VERSION", "LATEST_FILE", "META_FILE", "MODEL_FILE",
-    "MODEL_SHAPE_FIELDS", "TOKENIZER_DIR", "CheckpointError",
-    "agree_on_errors", "begin_save", "check_compatible", "check_resume", "check_save_dir", "commit_save",
+    "MODEL_SHAPE_FIELDS", "TOKENIZER_DIR", "CheckpointError", "ResumePoint",
+    "agree_on_errors", "begin_save", "check_compatible", "check_resume", "check_save_dir", "commit_save", "decide_resume",
     "find_resume_checkpoint", "has_checkpoint", "hf_config_from_meta", "is_save_iteration", "iter_dir_name",
     "list_checkpoints", "load_stage_model", "make_meta", "model_file_name", "normalize_codec", "read_meta", "read_stage_blob",
     "read_stage_file", "read_stage_model", "resolve_load_dir", "sha256_file", "stage_dir_name", "stage_file_names",

@@ -5,7 +5,9 @@ Owns the decisions made at start-up, each raising a
 the fix: :func:`check_compatible` (model shape, pipeline split, boundary codec),
 :func:`check_resume` (the run options that shape the training trajectory, and
 ``--train-iters``), :func:`find_resume_checkpoint` (what ``--load`` resumes from, or a
-fresh start) and :func:`check_save_dir` (``--save`` holds no other run's checkpoints).
+fresh start), :func:`decide_resume` (the resume decision: all of these for one ``--load``, in
+one place, for the start-up checks and for the stages' loading) and :func:`check_save_dir`
+(``--save`` holds no other run's checkpoints).
 Reads meta.json through :mod:`~megatron_cegrpo.checkpointing.format`; no file writes, no
 ``torch.distributed``.
 """
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
 from megatron_cegrpo.checkpointing.format import (
@@ -22,11 +25,13 @@ from megatron_cegrpo.checkpointing.format import (
     CheckpointError,
     _config_dict,
     _meta_path,
+    continues_run,
     has_checkpoint,
     list_checkpoints,
     normalize_codec,
     read_meta,
     resolve_load_dir,
+    verify_checkpoint,
 )
 
 #: Config fields that define the parameter shapes / the computation (checked on resume).
@@ -243,3 +248,73 @@ def check_resume(meta: dict, options: Dict[str, Any], *, train_iters: Optional[i
         warnings_out.append(f"{where}: {', '.join(one_sided)} recorded on one side only (another version of "
                             "megatron_cegrpo?); not compared")
     return warnings_out
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """What ``--load`` starts from (:func:`decide_resume`).
+
+    Attributes:
+        ckpt_dir: the checkpoint's ``iter_XXXXXXX`` directory.
+        iteration: its iteration.
+        meta: its meta.json (``read_meta``).
+        continues: True when it holds trainer state, so the run continues (optimizer, RNGs,
+            schedule); False for a weights-only checkpoint, from which a new run starts.
+        warnings: what :func:`check_resume` could not compare (one line each; the caller prints them).
+    """
+
+    ckpt_dir: str
+    iteration: int
+    meta: dict
+    continues: bool
+    warnings: Tuple[str, ...] = ()
+
+
+def decide_resume(cfg, hf_config, *, verify_sizes: bool = False) -> Optional[ResumePoint]:
+    """The resume decision for the run's ``--load``, made in this one place (issue 34), at start-up
+    (``train.preflight``, with ``verify_sizes``) and by each stage as it loads
+    (``training/checkpointer.py``): which checkpoint (:func:`find_resume_checkpoint`; None: a fresh
+    start in the run's own ``--save`` directory), whether this run may load it
+    (:func:`check_compatible`: model shape, pipeline split, boundary codec), whether it continues a
+    run or only gives weights (``format.continues_run``), and for a continued run the
+    ``--tensor-model-parallel-size`` it was written at (:func:`check_resume_tensor_parallel`) and
+    the trajectory options (:func:`check_resume`).
+
+    Args:
+        cfg: the ``TrainConfig`` (``--load``, ``--save``, the pipeline split, the codec, the TP
+            size, ``resume_options()``, ``--train-iters``).
+        hf_config: the model's HF config.
+        verify_sizes: check every listed file's presence and size too (``verify_checkpoint``
+            with ``sizes_only``: the start-up check before any process group exists); else read
+            meta.json only (each stage verifies its own files' hashes as it reads them).
+    Raises:
+        CheckpointError (a ConfigError): missing, corrupt or incompatible checkpoint, a run that
+            continues at another TP size, a changed trajectory option; one line naming the fix.
+    """
+    p, c = cfg.parallel, cfg.checkpoint
+    found = find_resume_checkpoint(c.load, c.save)
+    if found is None:
+        return None
+    ckpt_dir, it = found
+    meta = verify_checkpoint(ckpt_dir, sizes_only=True) if verify_sizes else read_meta(ckpt_dir)
+    check_compatible(meta, hf_config=hf_config, pp_size=p.pipeline_model_parallel_size,
+                     num_layers_in_first=p.decoder_first_pipeline_num_layers,
+                     num_layers_in_last=p.decoder_last_pipeline_num_layers, codec=cfg.codec)
+    if not continues_run(meta):
+        return ResumePoint(ckpt_dir, it, meta, continues=False)
+    check_resume_tensor_parallel(meta, p.tensor_model_parallel_size, ckpt_dir)
+    return ResumePoint(ckpt_dir, it, meta, continues=True,
+                       warnings=tuple(check_resume(meta, cfg.resume_options(), train_iters=cfg.optim.train_iters)))
+
+
+def check_resume_tensor_parallel(meta: dict, tp_size: int, ckpt_dir: str) -> None:
+    """A checkpoint that continues a run (optimizer state, reference and RNGs per TP shard) must be
+    resumed at the ``--tensor-model-parallel-size`` it was written at; weights-only checkpoints load
+    at any TP size (their shards are merged and re-split). Raises CheckpointError naming the flag."""
+    saved = int(meta.get("tp_size", 1))
+    if saved != tp_size:
+        raise CheckpointError(
+            f"--load {ckpt_dir} was written at --tensor-model-parallel-size {saved} and holds its optimizer state "
+            f"per TP shard; it cannot continue at --tensor-model-parallel-size {tp_size}; fix: pass "
+            f"--tensor-model-parallel-size {saved}, or convert it to weights only (tools/checkpoint/convert.py "
+            f"--target-tp-size {tp_size}) to start a new run from it")

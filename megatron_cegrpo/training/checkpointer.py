@@ -107,14 +107,15 @@ class Checkpointer:
         return path
 
     # ------------------------------------------------------------------ load
-    def load(self, load_dir: str, model, ref_model, stateful: Mapping[str, Any],
+    def load(self, model, ref_model, stateful: Mapping[str, Any],
              deferred: Tuple[str, ...] = ()) -> Tuple[int, Optional[List[torch.Tensor]]]:
         """Restore ``--load`` on every stage (a collective: an error one stage finds, e.g. a
         corrupt file of its own, is raised on every stage, ``checkpointing.agree_on_errors``).
 
         ``--load`` without a checkpoint starts fresh only when it is the ``--save`` directory
         (auto-resume); the trajectory options must equal the checkpoint's (weights-only
-        checkpoints start a new run and are not compared). ``stateful`` objects are restored
+        checkpoints start a new run and are not compared): ``checkpointing.decide_resume``, the
+        decision the start-up checks made. ``stateful`` objects are restored
         now, the names in ``deferred`` by :meth:`restore_deferred`; a name absent from the
         checkpoint (a circuit added since) is left as constructed.
 
@@ -125,31 +126,21 @@ class Checkpointer:
             CheckpointError: missing, corrupt or incompatible checkpoint, naming the fix.
         """
         box = {}
-        ck.agree_on_errors(lambda: box.update(r=self._load_here(load_dir, model, ref_model, stateful, deferred)),
+        ck.agree_on_errors(lambda: box.update(r=self._load_here(model, ref_model, stateful, deferred)),
                            group=self.group)
         return box["r"]
 
-    def _load_here(self, load_dir, model, ref_model, stateful, deferred):
+    def _load_here(self, model, ref_model, stateful, deferred):
         cfg, ctx = self.cfg, self.ctx
-        found = ck.find_resume_checkpoint(load_dir, cfg.checkpoint.save)
-        if found is None:
-            self._log(f"--load {load_dir} holds no checkpoint yet (it is the --save directory): starting from "
+        point = ck.decide_resume(cfg, self.hf_config)  # the start-up check's decision, made the same way
+        if point is None:
+            self._log(f"--load {cfg.checkpoint.load} holds no checkpoint yet (it is the --save directory): starting from "
                       f"--model {cfg.model.model}")
             return 0, None
-        ckpt_dir, it = found
-        meta = ck.read_meta(ckpt_dir)
-        p = cfg.parallel
-        ck.check_compatible(meta, hf_config=self.hf_config, pp_size=ctx.pp_size,
-                            num_layers_in_first=p.decoder_first_pipeline_num_layers,
-                            num_layers_in_last=p.decoder_last_pipeline_num_layers, codec=cfg.codec)
-        weights_only = not ck.continues_run(meta, TRAINER_STATE)
-        saved_tp = int(meta.get("tp_size", 1))
-        if not weights_only and saved_tp != self.tp_size:  # train.preflight says so first, naming the flag
-            raise ck.CheckpointError(f"{ckpt_dir} was written at --tensor-model-parallel-size {saved_tp}; a run "
-                                     f"continues at that size only; fix: pass --tensor-model-parallel-size {saved_tp}")
-        if not weights_only:
-            for warning in ck.check_resume(meta, cfg.resume_options(), train_iters=cfg.optim.train_iters):
-                self._log(f"warning: {warning}")
+        ckpt_dir, it, meta = point.ckpt_dir, point.iteration, point.meta
+        weights_only = not point.continues
+        for warning in point.warnings:
+            self._log(f"warning: {warning}")
         tp = dict(tp_rank=self.tp_rank, tp_size=self.tp_size)
         ck.load_stage_model(ckpt_dir, ctx.pp_rank, model, meta=meta, **tp)
         if weights_only:  # a converted checkpoint: a new run starts from these weights

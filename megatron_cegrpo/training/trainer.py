@@ -99,8 +99,7 @@ class GRPOTrainer:
         self._synced_at: Optional[int] = None  # iteration of the last whole-embedding sync (saves)
         self.driver: Optional[Driver] = None  # rank 0's, built once the checkpoint is loaded
         if cfg.checkpoint.load:
-            self.iteration, theta0 = self.checkpointer.load(cfg.checkpoint.load, self.stage.model,
-                                                            self.stage.base_model, self._stateful(),
+            self.iteration, theta0 = self.checkpointer.load(self.stage.model, self.stage.base_model, self._stateful(),
                                                             deferred=("sampler", "ledger", "rng"))
             if theta0 is not None:
                 self.stage.theta0 = theta0

@@ -322,3 +322,40 @@ def test_two_rank_save_with_gloo(tmp_path):
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--save-worker"]:
         _save_worker(sys.argv[2])
+
+
+def test_decide_resume_is_the_one_resume_decision(tmp_path):
+    """``decide_resume`` (issue 34; asked at start-up, by each stage and by the anchor) on a real
+    TrainConfig: a fresh start in the run's own --save, a weights-only checkpoint (a new run from its
+    weights), a continued run (with check_resume's warnings), and the refusals: a missing --load, a
+    run written at another TP size, a changed trajectory option."""
+    from megatron_cegrpo.arguments import build_config, parse_args
+
+    def cfg(*extra):
+        return build_config(parse_args(["--model", "tiny-llama", "--pipeline-model-parallel-size", "2",
+                                        "--boundary-codec", "mask", *extra]))
+
+    save = tmp_path / "run"
+    assert ck.decide_resume(cfg("--save", str(save), "--load", str(save)), CFG) is None  # auto-resume, nothing yet
+    with pytest.raises(CheckpointError, match="does not exist"):
+        ck.decide_resume(cfg("--load", str(tmp_path / "typo")), CFG)
+
+    weights = _save(tmp_path / "converted", 3)  # model files only: weights
+    p = ck.decide_resume(cfg("--load", str(tmp_path / "converted")), CFG, verify_sizes=True)
+    assert (p.ckpt_dir, p.iteration, p.continues, p.warnings) == (weights, 3, False, ())
+
+    run = cfg("--load", str(tmp_path / "cont"))
+    tmp = ck.begin_save(str(tmp_path / "cont"), 4)
+    for r in range(2):
+        ck.write_stage_file(tmp, r, "model", _stage_tensors(r, 4))
+        ck.write_stage_blob(tmp, r, "trainer_state", {"iteration": 4})
+    options = dict(run.resume_options(), **{"--a-flag-of-another-version": 1})
+    final = ck.commit_save(str(tmp_path / "cont"), tmp, 4, _meta(options=options))
+    p = ck.decide_resume(run, CFG)
+    assert (p.ckpt_dir, p.iteration, p.continues) == (final, 4, True)
+    assert len(p.warnings) == 1 and "--a-flag-of-another-version recorded on one side only" in p.warnings[0]
+    with pytest.raises(CheckpointError, match=r"written at --tensor-model-parallel-size 1 .* cannot continue at "
+                                              r"--tensor-model-parallel-size 2"):
+        ck.decide_resume(cfg("--load", str(tmp_path / "cont"), "--tensor-model-parallel-size", "2"), CFG)
+    with pytest.raises(CheckpointError, match=r"changes options .*--lr"):
+        ck.decide_resume(cfg("--load", str(tmp_path / "cont"), "--lr", "3e-5"), CFG)

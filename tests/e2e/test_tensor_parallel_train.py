@@ -368,14 +368,14 @@ def test_what_tp_does_not_run_yet_stops_with_one_line(extra, world, start):
 
 
 def test_a_run_written_at_another_tp_size_does_not_continue():
+    from megatron_cegrpo.checkpointing.compat import check_resume_tensor_parallel
     from megatron_cegrpo.errors import ConfigError
-    from megatron_cegrpo.train import _check_resume_tensor_parallel
 
-    cfg = _cfg("--anchor-ranks", "0")
-    _check_resume_tensor_parallel({"tp_size": 2}, cfg, "ckpt")
+    tp = _cfg("--anchor-ranks", "0").parallel.tensor_model_parallel_size
+    check_resume_tensor_parallel({"tp_size": 2}, tp, "ckpt")
     with pytest.raises(ConfigError, match=r"^--load ckpt was written at --tensor-model-parallel-size 1 .*fix: pass "
                                           r"--tensor-model-parallel-size 1, or convert it to weights only"):
-        _check_resume_tensor_parallel({}, cfg, "ckpt")
+        check_resume_tensor_parallel({}, tp, "ckpt")
 
 
 def test_per_tp_rank_file_names_and_continued_runs():
