@@ -891,9 +891,10 @@ class TrainConfig:
 
     def build_boundary_codec(self, warn: bool = False):
         """The run's ``--boundary-codec`` (``compression.build_codec`` with the keep ratio and
-        :meth:`boundary_codec_options`): the one way the run's codec is made, for the start-up
-        checks (``warn`` False) and for each stage (``training/stage.py``, ``warn`` True: a keep ratio
-        the codec ignores is said once). Raises ValueError as ``build_codec``."""
+        :meth:`boundary_codec_options`): the one way the run's codec is made, called once per
+        process by the run plan (``plan.resolve_plan``, ``warn`` True: a keep ratio the codec ignores
+        is said once), whose codec the start-up checks read and the stage encodes with. Raises
+        ValueError as ``build_codec``."""
         from megatron_cegrpo.compression import build_codec
 
         return build_codec(self.codec.boundary_codec, self.codec.boundary_keep_ratio, warn=warn,
@@ -1006,7 +1007,6 @@ class TrainConfig:
             )
         self._validate_codec()
         self._validate_dense_steps()
-        self._validate_tensor_parallel()
         if world_size is not None:
             self._validate_data_parallel(world_size)
         return self
@@ -1026,9 +1026,8 @@ class TrainConfig:
 
     def _validate_data_parallel(self, world_size: int) -> None:
         """The launch: world = TP x PP x DP + anchor ranks with DP >= 1 (``Layout.check``); at DP > 1
-        each replica's share of a mini-batch is whole micro-batches, and the codec is replica-invariant
-        (``BoundaryCodec.replica_invariant``: its payloads depend on their own micro-batch only, so the
-        replicas send what one replica would). Raises ConfigError (one line)."""
+        each replica's share of a mini-batch is whole micro-batches (what the codec must be at DP > 1 is
+        the run plan's check, ``plan.check_codec_layout``). Raises ConfigError (one line)."""
         p = self.parallel
         dp = self.layout(world_size).check()
         if dp == 1:
@@ -1039,32 +1038,6 @@ class TrainConfig:
                 f"--global-batch-size={gbs} is not a multiple of data-parallel size ({dp}, from the world size) x "
                 f"--micro-batch-size ({p.micro_batch_size}): each replica runs whole micro-batches of every "
                 f"mini-batch; fix: pass --micro-batch-size {max(1, gbs // dp)} or a divisor of it")
-        if not self.build_boundary_codec().replica_invariant:
-            raise ConfigError(
-                f"--boundary-codec {self.codec.boundary_codec} keeps a basis across micro-batches (per step or per "
-                f"run), which data-parallel replicas (size {dp}) would each build from their own micro-batches; "
-                "fix: pass a codec whose halves depend on their own micro-batch only (dense, mask, lrq, rpq: e.g. "
-                "rpq:lrq), or launch one replica")
-
-    def _validate_tensor_parallel(self) -> None:
-        """What the trainer does not run at ``--tensor-model-parallel-size`` > 1 (docs/parallelism.md):
-        a codec whose TP ranks could not encode identical bits and split them
-        (``BoundaryCodec.tp_splittable`` False: ``lowrank --lowrank-q-owner anchor``, whose basis the
-        anchor sends to TP rank 0 only). The anchor rank runs at TP > 1 (each stage's TP rank 0 ships
-        the gathered stage and relays the signs, ``anchor/relay.py``), at any data-parallel size
-        (``_validate_data_parallel`` checks the launch). Raises ConfigError
-        naming the flag."""
-        tp = self.parallel.tensor_model_parallel_size
-        if tp == 1:
-            return
-        c = self.codec
-        if not self.build_boundary_codec().tp_splittable:
-            what = (f"--boundary-codec {c.boundary_codec} --lowrank-q-owner anchor: the anchor sends the basis to "
-                    f"each stage's TP rank 0 only, so the other {tp - 1} TP rank(s) could not decode; fix: pass "
-                    "--lowrank-q-owner fast" if c.boundary_codec == "lowrank" else
-                    f"--boundary-codec {c.boundary_codec} cannot split its payloads over the {tp} TP ranks; fix: "
-                    "pass --boundary-codec mask")
-            raise ConfigError(what + ", or --tensor-model-parallel-size 1")
 
     def _validate_dense_steps(self) -> None:
         """``--dense-step-interval`` needs a boundary to make dense (PP >= 2) and, with an anchor that

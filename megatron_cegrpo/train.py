@@ -47,14 +47,16 @@ def _launch_world_size() -> int:
         return 1
 
 
-def preflight(cfg) -> None:
+def preflight(cfg):
     """Start-up checks that need files or the model config, run on every rank before any
-    process group exists (each rank finds the same result, so no rank waits on another).
+    process group exists (each rank finds the same result, so no rank waits on another),
+    ending in the run plan (``plan.resolve_plan``) they hand on.
 
     * ``--model`` resolves; its config fits ``--pipeline-model-parallel-size`` and the uneven
       split, ``--tensor-model-parallel-size`` divides its heads, KV heads, FFN and vocabulary,
       and ``--max-prompt-length + --max-new-tokens`` fits its positions (and vllm's KV cache);
-    * ``--boundary-codec``'s bytes fit the ``--boundary-keep-ratio`` it claims (PP >= 2);
+    * ``--boundary-codec`` (built once, ``plan.resolve_plan``): its bytes fit the
+      ``--boundary-keep-ratio`` it claims (PP >= 2), and it runs at this data-parallel and TP size;
     * ``--custom-reward-function`` loads and takes ``(response, ground_truth)``;
     * ``--train-data`` resolves and loads, ``--num-holdout`` leaves a training prompt, and
       at least one prompt fits ``--max-prompt-length`` (``data.check_train_data``); every
@@ -66,10 +68,13 @@ def preflight(cfg) -> None:
       run, it was written at this ``--tensor-model-parallel-size`` and the trajectory options
       equal this run's (``check_resume``).
 
+    Returns:
+        the :class:`~megatron_cegrpo.plan.RunPlan`.
     Raises:
         ConfigError: (or its subclasses DatasetError, CheckpointError) naming the flag and the fix.
     """
     from megatron_cegrpo import checkpointing as ck
+    from megatron_cegrpo.plan import resolve_plan
     from megatron_cegrpo.data import build_prompt, check_eval_data, check_train_data
     from megatron_cegrpo.models import load_hf_config, load_tokenizer, resolve_model
     from megatron_cegrpo.models.builder import check_model_config
@@ -93,7 +98,6 @@ def preflight(cfg) -> None:
             f"{r.max_prompt_length + r.max_new_tokens} tokens exceeds the {positions} positions of --model "
             f"{cfg.model.model}; fix: lower one of them so that their sum is at most {positions}")
 
-    _check_codec_budget(cfg, hf_config)
     _check_rollout_engine(cfg, hf_config)
     d = cfg.data
 
@@ -116,8 +120,9 @@ def preflight(cfg) -> None:
     c = cfg.checkpoint
     if c.save:
         ck.check_save_dir(c.save, c.load)
-    if c.load:  # the one resume decision, here also checking the listed files' sizes
-        ck.decide_resume(cfg, hf_config, verify_sizes=True)
+    # the layout, the codec (built once, its capabilities and bytes checked) and the resume decision
+    # (here also checking the listed checkpoint files' sizes): the run plan the trainer gets
+    return resolve_plan(cfg, _launch_world_size(), hf_config, verify_sizes=True)
 
 
 def _check_rollout_engine(cfg, hf_config) -> None:
@@ -133,42 +138,19 @@ def _check_rollout_engine(cfg, hf_config) -> None:
                    max_model_len(r.max_prompt_length, r.max_new_tokens, cfg.data.eval_max_new_tokens, positions))
 
 
-def _check_codec_budget(cfg, hf_config) -> None:
-    """``--boundary-codec``'s documented bytes within the ``--boundary-keep-ratio`` budget it
-    claims, per direction, over one iteration's messages at the longest micro-batch
-    (``compression.check_codec_budget``). Raises ConfigError naming both flags."""
-    from megatron_cegrpo.compression import check_codec_budget
-
-    c, r, g = cfg.codec, cfg.rollout, cfg.grpo
-    if cfg.parallel.pipeline_model_parallel_size < 2:
-        return
-    codec = cfg.build_boundary_codec()
-    mbs = cfg.parallel.micro_batch_size
-    per_pass = g.sequences_per_iteration // mbs
-    fwd = per_pass * (int(not cfg.old_log_prob_from_update) + int(g.kl_coef > 0) + g.ppo_epochs)
-    shape = (r.max_prompt_length + r.max_new_tokens, mbs, int(hf_config.hidden_size))
-    elem = 2 if cfg.model.precision != "fp32" else 4  # the boundary tensors' dtype (models.stage.PRECISIONS)
-    try:
-        check_codec_budget(codec, c.boundary_keep_ratio, shape, fwd, elem=elem, bwd_messages=per_pass * g.ppo_epochs)
-    except ValueError as e:
-        raise ConfigError(f"--boundary-codec {c.boundary_codec} exceeds --boundary-keep-ratio "
-                          f"{c.boundary_keep_ratio:g}: {one_line(e)}; fix: lower the halves' rank/share "
-                          "parameters or raise --boundary-keep-ratio") from None
-
-
 def _configure(argv):
-    """Flags -> validated TrainConfig, every start-up check done (see :func:`preflight`), and no
-    killed build's lock on a DeepSpeed op this rank loads, on which its optimizer would wait
-    forever (``optim.jit_ops.check_build_locks``)."""
+    """Flags -> ``(cfg, plan)``: the validated TrainConfig and its run plan, every start-up check
+    done (see :func:`preflight`), and no killed build's lock on a DeepSpeed op this rank loads, on
+    which its optimizer would wait forever (``optim.jit_ops.check_build_locks``)."""
     from megatron_cegrpo.optim.jit_ops import check_build_locks
 
     args = parse_args(argv)
     cfg = build_config(args)
     cfg.validate(world_size=_launch_world_size())
     _resume_on_restart(cfg)
-    preflight(cfg)
+    plan = preflight(cfg)
     check_build_locks()
-    return cfg
+    return cfg, plan
 
 
 def _resume_on_restart(cfg) -> None:
@@ -233,7 +215,7 @@ def main(argv=None) -> int:
     bootstrap(cpu_compat=True)  # first thing a rank does: known warnings off, CPU compatibility layer
     rank = _launch_rank()
     try:
-        cfg = _configure(argv)
+        cfg, plan = _configure(argv)
     except ConfigError as e:
         return _report(e, rank, every_rank_knows=True, wait=_linger)
 
@@ -257,12 +239,12 @@ def main(argv=None) -> int:
         if ctx.is_anchor:
             from megatron_cegrpo.anchor.runner import run_anchor
 
-            run_anchor(cfg, ctx)
+            run_anchor(cfg, ctx, plan)
         else:
             from megatron_cegrpo.training import GRPOTrainer
 
             try:
-                trainer = GRPOTrainer(cfg, ctx)
+                trainer = GRPOTrainer(cfg, ctx, plan)
             except ConfigError as e:  # agreed by every stage (checkpoint loading), or this rank's own
                 import torch.distributed as dist
 

@@ -107,6 +107,16 @@ def stage_weights(ckpt_dir, pp: int = 2) -> List[dict]:
     return [load_file(os.path.join(str(ckpt_dir), f"stage_{r:02d}", "model.safetensors")) for r in range(pp)]
 
 
+def plan_of(cfg, world: int, model: str = "tiny-llama"):
+    """``cfg`` validated for ``world`` ranks, then its run plan (``plan.resolve_plan``: the layout,
+    the codec's capabilities and bytes there, the resume decision) with ``model``'s HF config: what
+    ``train.preflight`` resolves, without the data and file checks."""
+    from megatron_cegrpo.models import load_hf_config, resolve_model
+    from megatron_cegrpo.plan import resolve_plan
+
+    return resolve_plan(cfg.validate(world_size=world), world, load_hf_config(resolve_model(model)))
+
+
 def launcher(name: str) -> str:
     """Path of the ``deepspeed`` (or other) launcher installed beside this interpreter."""
     exe = shutil.which(name, path=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))

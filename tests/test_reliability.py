@@ -535,8 +535,9 @@ def clean_env(monkeypatch):
 def test_the_base_run_passes_every_start_up_check(clean_env, tmp_path):
     from megatron_cegrpo.train import _configure
 
-    cfg = _configure(BASE + ["--log-dir", str(tmp_path / "run")])
+    cfg, plan = _configure(BASE + ["--log-dir", str(tmp_path / "run")])
     assert cfg.global_batch_size == 8 and cfg.parallel.pipeline_model_parallel_size == 1
+    assert (plan.layout.dp, plan.codec.name, plan.resume) == (1, "mask", None)
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if not c.launch], ids=lambda c: c.id)

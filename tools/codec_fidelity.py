@@ -295,15 +295,15 @@ def worker(args) -> int:
 
     t0 = time.perf_counter()
     specs = args.codecs or available_codecs()
-    cfg = _configure(["--model", args.model, "--pipeline-model-parallel-size", str(args.pp), *TRAINER_FLAGS,
-                      "--log-dir", args.log_dir, *args.trainer_flags])
+    cfg, plan = _configure(["--model", args.model, "--pipeline-model-parallel-size", str(args.pp), *TRAINER_FLAGS,
+                            "--log-dir", args.log_dir, *args.trainer_flags])
     ctx = initialize_distributed(cfg.parallel.pipeline_model_parallel_size, cfg.optim.seed,
                                  cfg.parallel.num_threads, anchor_ranks=0,
                                  timeout_minutes=cfg.parallel.distributed_timeout_minutes)
     try:
         if args.save_grads:
             os.makedirs(args.save_grads, exist_ok=True)
-        rows = _run(GRPOTrainer(cfg, ctx), args, specs)
+        rows = _run(GRPOTrainer(cfg, ctx, plan), args, specs)
         if rows is not None:
             print(format_table(rows), flush=True)
             print(f"[fidelity] {len(specs)} codecs x {args.batches} batches, PP={args.pp}, {args.model}: "

@@ -10,14 +10,18 @@ from megatron_cegrpo import heartbeat
 from megatron_cegrpo.anchor.transport import TAG_SAVE, TAG_SAVE_DONE, recv_object, send_object
 from megatron_cegrpo.anchor.worker import AnchorWorker
 from megatron_cegrpo.models.stage import build_policy_stage
+from megatron_cegrpo.plan import plan_for
 
 __all__ = ["run_anchor"]
 
 ANCHOR_BLOB = "anchor_state"
 
 
-def run_anchor(cfg, ctx) -> None:
+def run_anchor(cfg, ctx, plan=None) -> None:
     """Run the anchor circuit on this rank until the trainer's last iteration.
+
+    ``plan``: the run plan start-up resolved (``plan.RunPlan``: the codec, the resume decision);
+    None: resolved here the same way (``plan.plan_for``).
 
     On each checkpoint iteration the driver sends the checkpoint's temporary directory and
     the anchor writes its state (M, the ring and the pending batches) to
@@ -36,7 +40,8 @@ def run_anchor(cfg, ctx) -> None:
     model.eval()
     pp = cfg.parallel.pipeline_model_parallel_size
     start, state = 0, None
-    point = ck.decide_resume(cfg, dense.hf_config) if cfg.checkpoint.load else None  # the trainer's decision
+    plan = plan_for(cfg, ctx, dense.hf_config, plan)
+    point = plan.resume  # the trainer's resume decision
     if point is not None and point.continues:  # trainer_state.pt, or trainer_state_tp00.pt at TP > 1
         start = point.iteration
         if f"{ANCHOR_BLOB}.pt" in ck.stage_file_names(point.meta, ck.ANCHOR):
@@ -45,7 +50,7 @@ def run_anchor(cfg, ctx) -> None:
             print(f"[cegrpo anchor] {point.ckpt_dir} has no anchor state; M and the ring start empty", flush=True)
     try:
         worker = AnchorWorker(cfg, model, ref, stage_ranks=ctx.stage_ranks or list(range(pp)), start_iteration=start,
-                              group=ctx.anchor_group)
+                              group=ctx.anchor_group, codec=plan.codec)
         if state is not None:
             worker.load_state_dict(state)
 

@@ -108,10 +108,14 @@ class AnchorWorker:
         stage_ranks: global ranks of the pipeline stages, stage order.
         start_iteration: the iteration the trainer resumes from (0 for a new run).
         group: the anchor group (``DistContext.anchor_group``).
+        codec: the run's boundary codec (``plan.RunPlan.codec``); read only for an anchor-owned
+            lowrank basis (its rank).
     """
 
-    def __init__(self, cfg, model, ref_model, stage_ranks: List[int], start_iteration: int = 0, group=None):
+    def __init__(self, cfg, model, ref_model, stage_ranks: List[int], start_iteration: int = 0, group=None,
+                 codec=None):
         self.cfg, self.a = cfg, cfg.anchor
+        self.codec = codec  # the run plan's boundary codec (plan.py): the stages' lowrank rank
         self.model, self.ref_model = model, ref_model
         self.stage_ranks = stage_ranks
         self.start = start_iteration
@@ -151,7 +155,7 @@ class AnchorWorker:
         if c.boundary_codec != "lowrank" or c.lowrank_q_owner != "anchor":
             return None
         d = int(self.model.config.hidden_size)
-        r = self.cfg.build_boundary_codec().rank(d)  # the stages' lowrank codec
+        r = self.codec.rank(d)  # the stages' lowrank codec, as the run plan built it
         last_layers = [meta["layer_offset"] - 1 for meta in self.stage_meta[1:]]
         return AnchorBasis(self.model.decoder.layers, last_layers, self.cfg.optim.seed, d, r,
                            next(self.model.parameters()).dtype)

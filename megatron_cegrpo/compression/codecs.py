@@ -132,7 +132,7 @@ class BoundaryCodec(abc.ABC):
     #: every payload depends only on its micro-batch's data and keys (seed, boundary, step,
     #: sample ids, positions), not on other micro-batches' traffic: data-parallel replicas that
     #: split a mini-batch into whole micro-batches then send what one replica would (issue 14;
-    #: ``TrainConfig._validate_data_parallel``). False for a basis kept per step or per run.
+    #: ``plan.check_codec_layout``). False for a basis kept per step or per run.
     replica_invariant = False
     #: the TP ranks of a stage can split this codec's traffic (issue 14, docs/parallelism.md): with
     #: sequence parallelism off they hold bit-identical boundary tensors, and every payload, every
@@ -140,7 +140,7 @@ class BoundaryCodec(abc.ABC):
     #: context and what arrived over the boundary (decoded whole on every TP rank), with no side
     #: channel that reaches one TP rank only (an anchor-owned basis does). Each TP rank then encodes
     #: the same bits and sends 1/T of each payload and basis (``pipeline/communicator.py``);
-    #: ``TrainConfig._validate_tensor_parallel`` refuses the codecs where this is False.
+    #: ``plan.check_codec_layout`` refuses the codecs where this is False.
     tp_splittable = False
     #: the codec claims the ``--boundary-keep-ratio`` budget: its constructor takes ``keep_ratio`` and
     #: the start-up byte-budget check applies (``spec.check_codec_budget``). False: ``dense``, the

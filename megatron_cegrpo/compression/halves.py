@@ -83,7 +83,7 @@ class DirectionCodec(abc.ABC):
     #: every payload depends only on its micro-batch's data and keys (seed, boundary, step,
     #: sample ids, positions), not on other micro-batches' traffic: data-parallel replicas that
     #: split a mini-batch into whole micro-batches then send what one replica would (issue 14;
-    #: ``TrainConfig._validate_data_parallel``). False for a basis kept per step or per run.
+    #: ``plan.check_codec_layout``). False for a basis kept per step or per run.
     replica_invariant = False
     #: what :attr:`BoundaryCodec.tp_splittable` says, for one direction: every payload and all state
     #: of both roles follow deterministically from the dense tensor, ctx and the payloads received

@@ -53,10 +53,13 @@ class Checkpointer:
         ctx: the DistContext (pipeline rank and group: the save and load collectives).
         hf_config: the model's HF config (recorded, and compared on load).
         log: ``log(msg)`` prints a line on the driver.
+        resume: the run plan's resume decision (``plan.RunPlan.resume``: a
+            ``checkpointing.ResumePoint``, or None for a fresh start), which :meth:`load` loads.
     """
 
-    def __init__(self, cfg, ctx, hf_config, log):
+    def __init__(self, cfg, ctx, hf_config, log, resume=None):
         self.cfg, self.ctx, self.hf_config, self._log = cfg, ctx, hf_config, log
+        self.resume = resume  # the run plan's resume decision (checkpointing.ResumePoint, or None)
         self._pending: Dict[str, Any] = {}
         self.tp_rank, self.tp_size = int(getattr(ctx, "tp_rank", 0)), int(getattr(ctx, "tp_size", 1))
         # the ranks that write one checkpoint together: the pipeline, or at TP > 1 every TP rank of it
@@ -114,8 +117,8 @@ class Checkpointer:
 
         ``--load`` without a checkpoint starts fresh only when it is the ``--save`` directory
         (auto-resume); the trajectory options must equal the checkpoint's (weights-only
-        checkpoints start a new run and are not compared): ``checkpointing.decide_resume``, the
-        decision the start-up checks made. ``stateful`` objects are restored
+        checkpoints start a new run and are not compared): the run plan's decision
+        (``checkpointing.decide_resume``, made at start-up). ``stateful`` objects are restored
         now, the names in ``deferred`` by :meth:`restore_deferred`; a name absent from the
         checkpoint (a circuit added since) is left as constructed.
 
@@ -132,7 +135,7 @@ class Checkpointer:
 
     def _load_here(self, model, ref_model, stateful, deferred):
         cfg, ctx = self.cfg, self.ctx
-        point = ck.decide_resume(cfg, self.hf_config)  # the start-up check's decision, made the same way
+        point = self.resume  # the run plan's decision (plan.py; checkpointing.decide_resume)
         if point is None:
             self._log(f"--load {cfg.checkpoint.load} holds no checkpoint yet (it is the --save directory): starting from "
                       f"--model {cfg.model.model}")

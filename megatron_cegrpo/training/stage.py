@@ -53,9 +53,10 @@ class StageWorker:
         policy: this rank's stage and its frozen base copy (``models/stage.py``): the reference
             at ``--kl-coef`` > 0 (``ref_model``), else the drift probe's base model or None
             (``base_model``).
+        codec: the run's boundary codec (``plan.RunPlan.codec``, built once at start-up).
     """
 
-    def __init__(self, cfg, ctx, policy: PolicyStage):
+    def __init__(self, cfg, ctx, policy: PolicyStage, codec):
         self.cfg, self.ctx = cfg, ctx
         self.tf_config, self.model = policy.tf_config, policy.model
         # the frozen base stage: the reference of a KL term, or built for the drift probe alone
@@ -66,7 +67,7 @@ class StageWorker:
         # theta_0 for actor/weight_rel_change: the frozen base stage's weights when there is one
         self.theta0 = ([p.detach() for p in self.base_model.parameters()] if self.base_model is not None
                        else [p.detach().clone() for p in self.model.parameters()])
-        self.codec = cfg.build_boundary_codec(warn=True)
+        self.codec = codec  # the run plan's (plan.py): built once, at start-up
         self.codec.check_width(self.tf_config.hidden_size)  # e.g. a lowrank budget too small for rank 1
         self.meter = ByteMeter()
         self.dp_group = ctx.dp_group  # this stage's data-parallel replicas (None at DP = 1; data_parallel.py)

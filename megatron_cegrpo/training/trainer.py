@@ -45,6 +45,7 @@ from megatron_cegrpo.metrics import PhaseTimers, format_progress
 from megatron_cegrpo.models.stage import build_policy_stage
 from megatron_cegrpo.grpo.batch import replica_rows
 from megatron_cegrpo.pipeline.broadcast import broadcast_metered, scatter_metered
+from megatron_cegrpo.plan import RunPlan, plan_for
 from megatron_cegrpo.training.checkpointer import Checkpointer, RNGState
 from megatron_cegrpo.training.circuit import Circuit, circuits_of
 from megatron_cegrpo.training.dense_step import DenseSteps
@@ -60,17 +61,17 @@ __all__ = ["GRPOTrainer"]
 
 
 class GRPOTrainer:
-    """One trainer rank: a :class:`StageWorker` on every rank, the :class:`Driver` on rank 0,
-    the correction circuits of the run (the anchor, or none).
+    """One trainer rank: a :class:`StageWorker`, the :class:`Driver` on rank 0, the run's circuits.
 
     Args:
         cfg: the validated TrainConfig.
         ctx: the DistContext from ``initialize_distributed``.
+        plan: the run plan (``plan.RunPlan``: the stage's codec, the resume decision); None: resolved here.
     Raises:
         ConfigError / CheckpointError: a checkpoint that cannot be resumed (agreed by every stage).
     """
 
-    def __init__(self, cfg: TrainConfig, ctx: DistContext):
+    def __init__(self, cfg: TrainConfig, ctx: DistContext, plan: Optional[RunPlan] = None):
         self.cfg, self.ctx = cfg, ctx
         t0 = time.perf_counter()
         p = cfg.parallel
@@ -83,7 +84,8 @@ class GRPOTrainer:
         warning = precision_warning(cfg)  # bf16 on a host that emulates it
         if warning:
             self._log(warning)
-        self.stage = StageWorker(cfg, ctx, policy)
+        plan = plan_for(cfg, ctx, policy.hf_config, plan)  # start-up's, or resolved the same way
+        self.stage = StageWorker(cfg, ctx, policy, plan.codec)
         self.reducer = StageMetricsReducer()
         self.stage.declare_metrics(self.reducer)
         self.drift = DriftMonitor(cfg, ctx, self.stage, self.reducer)  # the probe and --drift-controller (drift.py)
@@ -93,7 +95,7 @@ class GRPOTrainer:
         for c in ([self.fidelity] if self.fidelity is not None else []) + self.circuits:
             c.declare_metrics(self.reducer)
         self.timers = PhaseTimers()
-        self.checkpointer = Checkpointer(cfg, ctx, policy.hf_config, self._log)
+        self.checkpointer = Checkpointer(cfg, ctx, policy.hf_config, self._log, resume=plan.resume)
         self.iteration = 0
         self._batch_bytes = 0  # comm/batch_bytes of the last broadcast
         self._synced_at: Optional[int] = None  # iteration of the last whole-embedding sync (saves)

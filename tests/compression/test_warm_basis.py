@@ -8,6 +8,8 @@ from megatron_cegrpo.compression import BoundaryContext, build_codec
 from megatron_cegrpo.compression.subspace import top_basis, warm_basis
 from megatron_cegrpo.errors import ConfigError
 
+from distributed_util import plan_of
+
 SHAPE = (32, 2, 48)  # N = 64 tokens, d = 48
 
 
@@ -161,7 +163,7 @@ def test_data_parallel_refuses_a_warm_basis_with_its_one_line_message(spec):
                                    "--rollout-batch-size", "2", "--num-generations", "4", "--micro-batch-size", "2",
                                    "--anchor-ranks", "0", "--boundary-codec", spec]))
     with pytest.raises(ConfigError) as e:
-        cfg.validate(world_size=4)
+        plan_of(cfg, 4)  # the run plan's check (plan.check_codec_layout)
     msg = str(e.value)
     assert "\n" not in msg and msg.startswith(f"--boundary-codec {spec} keeps a basis across micro-batches")
     cfg.validate(world_size=2)

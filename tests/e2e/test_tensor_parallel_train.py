@@ -35,7 +35,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # distributed_util (pytest's rootdir conftest does the same)
 
-from distributed_util import PARITY_REWARD, run_ranks  # noqa: E402
+from distributed_util import PARITY_REWARD, plan_of, run_ranks  # noqa: E402
 from megatron_cegrpo.training.perf import WALL_CLOCK_PREFIXES  # noqa: E402
 
 WORKER = os.path.join(HERE, "tp_train_worker.py")
@@ -332,8 +332,9 @@ def test_tp2_pp2_without_an_anchor_validates():
 @pytest.mark.parametrize("codec", ["lowrank", "pcaq:lrq", "rpq:lrq", "rpq/own=0:lrq", "mask:lrq"])
 def test_tp2_runs_the_tp_splittable_stateful_codecs(codec):
     """Their TP ranks encode identical bits and split them (tests/compression/test_tp_codec_determinism.py)."""
-    _cfg("--anchor-ranks", "0", "--boundary-codec", codec, "--boundary-keep-ratio", "0.25").validate(world_size=4)
-    _cfg("--anchor-ranks", "1", "--boundary-codec", codec, "--boundary-keep-ratio", "0.25").validate(world_size=5)
+    flags = ("--boundary-codec", codec, "--boundary-keep-ratio", "0.25")
+    assert plan_of(_cfg("--anchor-ranks", "0", *flags), 4).layout.tp == 2
+    assert plan_of(_cfg("--anchor-ranks", "1", *flags), 5).codec.tp_splittable
 
 
 def test_tp2_pp2_with_an_anchor_rank_validates():
@@ -362,7 +363,7 @@ def test_what_tp_does_not_run_yet_stops_with_one_line(extra, world, start):
     from megatron_cegrpo.errors import ConfigError
 
     with pytest.raises(ConfigError) as e:
-        _cfg(*extra).validate(world_size=world)
+        plan_of(_cfg(*extra), world)
     msg = str(e.value)
     assert "\n" not in msg and msg.startswith(start) and "fix: " in msg, msg
 
