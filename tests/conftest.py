@@ -14,7 +14,10 @@ import pytest
 
 #: the tiers, cheapest first
 TIERS = ("unit", "integration", "e2e")
-_E2E_SIGNS = ("megatron_cegrpo/train.py", 'launcher("deepspeed")', '_launcher("deepspeed")', "torchrun")
+#: what a module that launches the trainer contains: the entry point, a launcher, or a helper that
+#: launches (distributed_util.launch_train, the equivalence records' runner)
+_E2E_SIGNS = ("megatron_cegrpo/train.py", 'launcher("deepspeed")', '_launcher("deepspeed")', "torchrun",
+              "launch_train(", "equivalence_runs import")
 _PROCESS_SIGNS = ("run_ranks(", "run_single(", "subprocess", "mp.spawn", "multiprocessing")
 
 

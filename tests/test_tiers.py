@@ -27,6 +27,7 @@ def test_module_tier_reads_what_a_module_does(tmp_path):
         == "integration"
     assert module_tier(_write(tmp_path, "test_c.py", "cmd = [launcher(\"deepspeed\"), \"megatron_cegrpo/train.py\"]\n")) \
         == "e2e"
+    assert module_tier(_write(tmp_path, "test_e.py", "metrics = launch_train(ARGS, tmp_path)\n")) == "e2e"
     e2e_dir = tmp_path / "e2e"
     e2e_dir.mkdir()
     assert module_tier(_write(e2e_dir, "test_d.py", "def test_x():\n    pass\n")) == "e2e"  # the folder decides
