@@ -74,10 +74,10 @@ def preflight(cfg):
         ConfigError: (or its subclasses DatasetError, CheckpointError) naming the flag and the fix.
     """
     from megatron_cegrpo import checkpointing as ck
-    from megatron_cegrpo.plan import resolve_plan
     from megatron_cegrpo.data import build_prompt, check_eval_data, check_train_data
     from megatron_cegrpo.models import load_hf_config, load_tokenizer, resolve_model
     from megatron_cegrpo.models.builder import check_model_config
+    from megatron_cegrpo.plan import resolve_plan
 
     source = resolve_model(cfg.model.model)  # ConfigError naming the accepted forms
     try:
