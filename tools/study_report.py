@@ -488,7 +488,9 @@ def fractions_of_dense(arms: Sequence[Dict], rows: Dict, resamples: int = BOOTST
     """For every arm other than dense with a finished seed: its mean held-out gain over its
     finished seeds as a fraction of dense's mean gain over dense's finished seeds (carried arms
     included), ``{"arm", "seeds", "mean_gain", "dense_seeds", "dense_mean_gain", "fraction",
-    "low", "high", "resamples", "bootstrap_seed", "dense_nonpositive"}``. ``fraction`` None
+    "low", "high", "resamples", "bootstrap_seed", "dense_nonpositive", "left_out"}``. A seed whose
+    anchor was lost during the run (``anchor_lost_step``) does not measure the arm and is left out
+    (``left_out``: those seeds). ``fraction`` None
     without a dense mean gain > 0; the interval (:func:`bootstrap_fraction`) only with a
     fraction and when every one of those runs kept its held-out per-row files (``rows`` as in
     :func:`compare_with_dense`), else ``low``, ``high`` ... None. Raises EvalRowsError when the
@@ -497,11 +499,13 @@ def fractions_of_dense(arms: Sequence[Dict], rows: Dict, resamples: int = BOOTST
     dense_gain = sum(a["gain"] for a in dense) / len(dense) if dense else None
     out = []
     for name in sorted({a["arm"] for a in arms if a["arm"] != DENSE_ARM}):
-        runs = [a for a in arms if a["arm"] == name and a.get("gain") is not None]
+        finished = [a for a in arms if a["arm"] == name and a.get("gain") is not None]
+        runs = [a for a in finished if a.get("anchor_lost_step") is None]
+        left_out = [a["seed"] for a in finished if a.get("anchor_lost_step") is not None]
         if not runs:
             continue
         mean = sum(a["gain"] for a in runs) / len(runs)
-        e = {"arm": name, "seeds": [a["seed"] for a in runs], "mean_gain": mean,
+        e = {"arm": name, "seeds": [a["seed"] for a in runs], "left_out": left_out, "mean_gain": mean,
              "dense_seeds": [a["seed"] for a in dense], "dense_mean_gain": dense_gain,
              "fraction": mean / dense_gain if dense_gain is not None and dense_gain > 0 else None,
              "low": None, "high": None, "resamples": None, "bootstrap_seed": None, "dense_nonpositive": None}
@@ -687,11 +691,14 @@ def damage_table(arms: Sequence[Dict]) -> str:
 
 def fraction_table(fractions: Sequence[Dict]) -> str:
     """The markdown table of :func:`fractions_of_dense`: each arm's mean gain over its seeds as a
-    fraction of dense's, with the bootstrap interval ("n/a" where a run kept no per-row files)."""
+    fraction of dense's, with the bootstrap interval ("n/a" where a run kept no per-row files); the
+    seeds left out because their anchor was lost are named."""
     head = "| arm | seeds | mean gain | dense's mean gain (seeds) | fraction of dense's gain | 95 % interval |"
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for e in fractions:
         seeds = ", ".join(str(x) for x in e["seeds"])
+        if e.get("left_out"):
+            seeds += f" ({', '.join(str(x) for x in e['left_out'])} left out: anchor lost)"
         dense = (f"{_fmt(e['dense_mean_gain'], '{:+.3f}')} ({', '.join(str(x) for x in e['dense_seeds'])})"
                  if e["dense_seeds"] else "-")
         ci = "-" if e["fraction"] is None else NA if e["low"] is None else f"{e['low']:.2f} to {e['high']:.2f}"

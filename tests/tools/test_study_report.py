@@ -528,3 +528,24 @@ def test_run_line_is_paired_with_the_runs_per_row_files(tmp_path):
     _rows_file(run, "holdout", 2, _AFTER[("dense", 2)])  # another run's rows: accuracy 0.4, not the logged 0.6
     with pytest.raises(ValueError, match="not this run's rows"):
         mod.run_line(str(run))
+
+
+def test_a_seed_whose_anchor_was_lost_is_left_out_of_the_fraction(paired_study):
+    """mask + anchor seed 2 lost its anchor (``anchor/alive`` 0 from step 2): it does not measure
+    the arm, so the fraction of dense's gain is seed 1's alone (0.1 / 0.3), and the table names the
+    seed it left out."""
+    mod = _tool()
+    run = paired_study / "mask_anchor-s2"
+    recs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    for r in recs:
+        if r["step"] == 2 and "critic/score/mean" in r:
+            r["anchor/alive"] = 0
+    (run / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in recs) + "\n")
+    arms, rows = [], {}
+    for d in sorted(paired_study.iterdir()):
+        arms.append(mod.summarize_run(str(d), rows))
+    assert [a["anchor_lost_step"] for a in arms if a["arm"] == "mask_anchor"] == [None, 2]
+    frac = {e["arm"]: e for e in mod.fractions_of_dense(arms, rows)}["mask_anchor"]
+    assert (frac["seeds"], frac["left_out"]) == ([1], [2])
+    assert frac["mean_gain"] == pytest.approx(0.1) and frac["fraction"] == pytest.approx(0.1 / 0.3)
+    assert "| mask_anchor | 1 (2 left out: anchor lost) | +0.100 |" in mod.fraction_table([frac])
