@@ -151,11 +151,14 @@ run_arm() {  # run_arm ARM SEED
     return 0
   fi
   mkdir -p "$dir"
-  printf '{"arm": "%s", "seed": %s, "codec": "%s", "anchor": %s, "anchor_interval": %s, "anchor_delay": %s, "commit": "%s"}\n' \
+  # host: bf16 kernels round differently on other CPUs (AMX vs AVX512-BF16), so runs compare paired
+  # only on one kind of host (tools/study_report.py checks the evaluations before training)
+  printf '{"arm": "%s", "seed": %s, "codec": "%s", "anchor": %s, "anchor_interval": %s, "anchor_delay": %s, "commit": "%s", "host": "%s"}\n' \
     "$arm" "$seed" "$codec" "$([[ $anchor == 1 ]] && echo true || echo false)" \
     "$([[ $anchor == 1 ]] && echo "$ANCHOR_INTERVAL" || echo null)" \
     "$([[ $anchor == 1 ]] && echo "$ANCHOR_DELAY" || echo null)" \
     "$(git rev-parse --short HEAD 2>/dev/null || echo unknown)$(git diff --quiet HEAD 2>/dev/null || echo +dirty)" \
+    "$(lscpu 2>/dev/null | sed -n 's/^Model name: *//p' | head -1 | tr -d '"\\')" \
     >"$dir/study_arm.json"
   local t0=$SECONDS
   "${cmd[@]}" 2>&1 | tee -a "$dir/train.log"

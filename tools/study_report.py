@@ -182,6 +182,7 @@ def _identity(run_dir: str) -> Dict:
         "codec": info.get("codec", cfg.get("codec", {}).get("boundary_codec")),
         "anchor": bool(info.get("anchor", cfg.get("anchor", {}).get("anchor_ranks", 0))),
         "commit": info.get("commit"),  # the checkout study_cpu.sh ran (None for older folders)
+        "host": info.get("host"),  # the CPU it ran on (lscpu's model name; None for older folders)
     }
 
 
@@ -467,8 +468,11 @@ def compare_with_dense(arms: Sequence[Dict], rows: Dict) -> None:
     same seed, on the same rows (:func:`paired_diff` of the two after-evaluations: ``diff`` =
     arm - dense, ``se``, ``z``, ``rows``, ``arm_only`` / ``dense_only`` right). None for dense
     itself and where either run kept no per-row files (an arm whose logs are lost keeps the value
-    of the earlier summary). ``rows``: ``{(arm, seed): {data set:
-    (before, after)}}`` (:func:`run_rows`). Raises EvalRowsError when the two runs' rows differ."""
+    of the earlier summary). ``{"dense_seed", "numerics_differ": n}`` instead when the two runs'
+    evaluations BEFORE training (the same weights, greedy) disagree on n rows: they ran with other
+    arithmetic (bf16 on another CPU: AMX vs AVX512-BF16 kernels round differently), so their
+    after-accuracies are not paired measurements of the same model. ``rows``: ``{(arm, seed): {data
+    set: (before, after)}}`` (:func:`run_rows`). Raises EvalRowsError when the two runs' rows differ."""
     for a in arms:
         if a.get("logs_lost"):
             continue  # its row is kept as the earlier summary had it
@@ -478,6 +482,11 @@ def compare_with_dense(arms: Sequence[Dict], rows: Dict) -> None:
         if a["arm"] == DENSE_ARM or mine is None or theirs is None:
             continue
         _same_rows(mine[1], theirs[1])
+        before_a, before_d = mine[0].by_id(), theirs[0].by_id()
+        differ = sum(before_a[i] != before_d[i] for i in before_d)
+        if differ:
+            a["vs_dense"] = {"dense_seed": a["seed"], "numerics_differ": differ}
+            continue
         p = paired_diff(mine[1].by_id(), theirs[1].by_id())
         a["vs_dense"] = {"dense_seed": a["seed"], "diff": p["diff"], "se": p["se"], "z": p["z"], "rows": p["rows"],
                          "arm_only": p["a_only"], "dense_only": p["b_only"]}
@@ -661,6 +670,8 @@ def paired_table(arms: Sequence[Dict]) -> str:
             vs = ["-"] * 4
         elif v is None:
             vs = [NA] * 4
+        elif v.get("numerics_differ"):
+            vs = [f"other numerics ({v['numerics_differ']} rows differ before training)"] + ["-"] * 3
         else:
             vs = [_fmt(v["diff"], "{:+.3f}"), _fmt(v["se"]), _fmt(v["z"], "{:+.1f}"),
                   f"{_fmt(v['arm_only'], '{:d}')} / {_fmt(v['dense_only'], '{:d}')}"]
@@ -729,7 +740,9 @@ def method_lines() -> List[str]:
         "reverse; gain = (fixed - broken) / n.",
         "- **after - dense's after, paired SE, z**: the arm against dense at the same seed on the same rows, "
         "per row d = arm's after - dense's after, the same SE; **rows right in arm only / dense only**: "
-        "McNemar's counts of that pair.",
+        "McNemar's counts of that pair. **other numerics**: the two runs' evaluations before training (the same "
+        "base weights, greedy) disagree on some rows, so they ran with other arithmetic (bf16 kernels differ "
+        "between CPUs: AMX vs AVX512-BF16) and their after-accuracies are not paired; no test is made.",
         "- **fraction of dense's gain**: the arm's mean gain over its finished seeds divided by dense's mean "
         "gain over dense's finished seeds (seeds whose logs were lost included, from their summary rows); "
         "\"-\" when dense's mean gain is not above 0. "

@@ -530,6 +530,23 @@ def test_run_line_is_paired_with_the_runs_per_row_files(tmp_path):
         mod.run_line(str(run))
 
 
+def test_an_arm_run_with_other_numerics_is_not_paired_with_dense(paired_study, tmp_path):
+    """Two runs whose evaluations before training (the same base weights, greedy) disagree ran with
+    other arithmetic (bf16 on another CPU): no paired test against dense, the table says why."""
+    mod = _tool()
+    run = paired_study / "mask_anchor-s2"
+    other = [1, 0, 0, 0, 0, 0, 0, 0, 1, 0]  # 2 rows differ from _BEFORE, same accuracy
+    recs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    assert recs[0]["val/holdout/acc"] == sum(other) / 10
+    _rows_file(run, "holdout", 0, other)
+    s = mod.write_report(str(paired_study), str(tmp_path / "docs"))
+    arms = {(a["arm"], a["seed"]): a for a in s["arms"]}
+    assert arms[("mask_anchor", 2)]["vs_dense"] == {"dense_seed": 2, "numerics_differ": 2}
+    assert arms[("mask_anchor", 1)]["vs_dense"]["rows"] == 10  # the same numerics: paired as before
+    md = (tmp_path / "docs" / "study.md").read_text()
+    assert "| other numerics (2 rows differ before training) | - | - | - |" in md
+
+
 def test_a_seed_whose_anchor_was_lost_is_left_out_of_the_fraction(paired_study):
     """mask + anchor seed 2 lost its anchor (``anchor/alive`` 0 from step 2): it does not measure
     the arm, so the fraction of dense's gain is seed 1's alone (0.1 / 0.3), and the table names the
