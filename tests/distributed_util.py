@@ -6,7 +6,7 @@ import shutil
 import socket
 import subprocess
 import sys
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -19,6 +19,63 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEP_TOTALS = ("comm/total_bytes", "comm/total_dense_bytes", "comm/total_ratio", "comm/total_bytes_per_response_token")
 RESUME_VOLATILE = ("comm/run_total_bytes", "comm/run_total_dense_bytes", "comm/run_total_ratio",
                    "sync/local_changed_frac")
+
+
+#: The tiny-model run (tiny-llama) the launch tests and workers start from, as argv: 2 pipeline
+#: stages, one optimizer step of 2 prompts x 4 samples in micro-batches of 4, 12 new tokens, AdamW
+#: on the CPU, one thread a rank. Tests take it through :func:`tiny_args`, changing what they need.
+TINY_RUN: Tuple[str, ...] = (
+    "--model", "tiny-llama", "--train-data", "mawps/singleop", "--pipeline-model-parallel-size", "2",
+    "--micro-batch-size", "4", "--rollout-batch-size", "2", "--num-generations", "4",
+    "--max-new-tokens", "12", "--lr", "1e-4", "--temperature", "1.0", "--kl-coef", "0.01",
+    "--deepspeed_config", "ds_configs/cpu_adamw.json", "--no-tqdm", "--num-threads", "1",
+)
+#: keywords of flags spelled with an underscore (every other keyword's ``_`` is a ``-``)
+_UNDERSCORE_FLAGS = ("deepspeed_config",)
+
+
+def _flag_items(argv) -> List[Tuple[str, List[str]]]:
+    """``argv`` as ``[(flag, [values])]`` in order (a flag's values: the words up to the next flag)."""
+    items: List[Tuple[str, List[str]]] = []
+    for word in argv:
+        if word.startswith("--"):
+            items.append((word, []))
+        else:
+            items[-1][1].append(word)
+    return items
+
+
+def tiny_args(**overrides) -> List[str]:
+    """:data:`TINY_RUN` with ``overrides``, as a new argv list.
+
+    A keyword is a flag's name with ``_`` for ``-`` (``kl_coef`` is ``--kl-coef``;
+    ``deepspeed_config`` is ``--deepspeed_config``, which keeps its underscore). A value gives
+    ``--flag value``: a str as it is, an int or float through ``str()`` (so pass ``lr="1e-3"`` to
+    keep that spelling), a list or tuple several words (``--flag a b``); ``True`` gives the bare
+    flag (``filter_groups=True``); ``None`` or ``False`` drop the flag (``temperature=None``: the
+    default). A flag of the base keeps its place with the new value; other flags follow the base
+    in the order given. E.g. ``tiny_args(kl_coef=0, anchor_ranks=0, train_iters=3)``."""
+    items = _flag_items(TINY_RUN)
+    for key, value in overrides.items():
+        flag = "--" + (key if key in _UNDERSCORE_FLAGS else key.replace("_", "-"))
+        if value is None or value is False:
+            words = None
+        elif value is True:
+            words = []
+        elif isinstance(value, (list, tuple)):
+            words = [str(v) for v in value]
+        elif isinstance(value, (str, int, float)):
+            words = [str(value)]
+        else:
+            raise TypeError(f"tiny_args({key}={value!r}): give a str, int, float, list, tuple, bool or None")
+        at = [i for i, (f, _) in enumerate(items) if f == flag]
+        if words is None:
+            items = [it for it in items if it[0] != flag]
+        elif at:
+            items[at[0]] = (flag, words)
+        else:
+            items.append((flag, words))
+    return [w for flag, words in items for w in (flag, *words)]
 
 
 def load_tool(name: str):

@@ -22,7 +22,7 @@ import subprocess
 import torch
 
 from distributed_util import PARITY_REWARD as REWARD
-from distributed_util import REPO, free_port, run_single
+from distributed_util import REPO, free_port, run_single, tiny_args
 from distributed_util import launcher as _launcher
 
 from megatron_cegrpo.anchor.shipment import shipment_nbytes
@@ -48,13 +48,10 @@ def _run(tmp_path, *extra, reward="parity_reward"):
     dump = tmp_path / "dump"
     dump.mkdir()
     cmd = [_launcher("deepspeed"), "--num_gpus", "3", "--master_port", str(free_port()),
-           "megatron_cegrpo/train.py", "--model", "tiny-llama", "--train-data", "mawps/singleop",
-           "--pipeline-model-parallel-size", "2", "--micro-batch-size", "4", "--rollout-batch-size", "2",
-           "--num-generations", "4", "--max-new-tokens", "12", "--train-iters", "6", "--lr", "1e-4",
-           "--kl-coef", str(KL), "--boundary-codec", "mask", "--anchor-ranks", "1", "--anchor-interval", "2",
-           "--anchor-delay", "2", "--no-tqdm", "--num-threads", "1",
-           "--custom-reward-function", f"{tmp_path / 'reward.py'}:{reward}",
-           "--deepspeed_config", "ds_configs/cpu_adamw.json", "--log-dir", str(tmp_path / "run"),
+           "megatron_cegrpo/train.py",
+           *tiny_args(temperature=None, kl_coef=KL, train_iters=6, boundary_codec="mask", anchor_ranks=1,
+                      anchor_interval=2, anchor_delay=2),
+           "--custom-reward-function", f"{tmp_path / 'reward.py'}:{reward}", "--log-dir", str(tmp_path / "run"),
            "--anchor-debug-dir", str(dump), *extra]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     p = subprocess.run(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

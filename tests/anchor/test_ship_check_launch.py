@@ -10,14 +10,10 @@ rather than a forecast over other checkpoints, and fire 6 reports the straight r
 
 import math
 
-from distributed_util import PARITY_REWARD, launch_train
+from distributed_util import PARITY_REWARD, launch_train, tiny_args
 
-ARGS = ["--model", "tiny-llama", "--train-data", "mawps/singleop", "--pipeline-model-parallel-size", "2",
-        "--micro-batch-size", "4", "--rollout-batch-size", "2", "--num-generations", "4",
-        "--max-new-tokens", "12", "--train-iters", "6", "--lr", "1e-4", "--kl-coef", "0",
-        "--boundary-codec", "mask", "--anchor-ranks", "1", "--anchor-interval", "2", "--anchor-delay", "2",
-        "--anchor-ship-check", "--no-tqdm", "--num-threads", "1", "--save-interval", "2",
-        "--deepspeed_config", "ds_configs/cpu_adamw.json"]
+ARGS = tiny_args(temperature=None, kl_coef=0, train_iters=6, boundary_codec="mask", anchor_ranks=1, anchor_interval=2,
+                 anchor_delay=2, anchor_ship_check=True, save_interval=2)
 
 
 def test_ship_sign_agreement_on_every_fire_and_after_a_resume(tmp_path):

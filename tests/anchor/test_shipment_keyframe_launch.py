@@ -15,7 +15,7 @@ import sys
 import torch
 from safetensors.torch import load_file
 
-from distributed_util import PARITY_REWARD, REPO, free_port
+from distributed_util import PARITY_REWARD, REPO, free_port, tiny_args
 from distributed_util import launcher as _launcher
 
 from megatron_cegrpo.anchor.shipment import shipment_nbytes
@@ -39,14 +39,11 @@ def test_different_base_weights_get_a_keyframe(tmp_path):
                    cwd=REPO, env=env, check=True, stdout=subprocess.DEVNULL)
     (tmp_path / "reward.py").write_text(PARITY_REWARD)
     cmd = [_launcher("deepspeed"), "--num_gpus", "3", "--master_port", str(free_port()),
-           "megatron_cegrpo/train.py", "--model", "tiny-llama", "--train-data", "mawps/singleop",
-           "--pipeline-model-parallel-size", "2", "--micro-batch-size", "4", "--rollout-batch-size", "1",
-           "--num-generations", "4", "--max-new-tokens", "8", "--train-iters", "2", "--kl-coef", "0",
-           "--boundary-codec", "mask", "--anchor-ranks", "1", "--anchor-interval", "2", "--anchor-delay", "2",
-           "--no-tqdm", "--num-threads", "1", "--load", str(ckpt),
-           "--custom-reward-function", f"{tmp_path / 'reward.py'}:parity_reward",
-           "--deepspeed_config", "ds_configs/cpu_adamw.json", "--log-dir", str(tmp_path / "run"),
-           "--anchor-debug-dir", str(dump)]
+           "megatron_cegrpo/train.py",
+           *tiny_args(rollout_batch_size=1, max_new_tokens=8, lr=None, temperature=None, kl_coef=0, train_iters=2,
+                      boundary_codec="mask", anchor_ranks=1, anchor_interval=2, anchor_delay=2),
+           "--load", str(ckpt), "--custom-reward-function", f"{tmp_path / 'reward.py'}:parity_reward",
+           "--log-dir", str(tmp_path / "run"), "--anchor-debug-dir", str(dump)]
     p = subprocess.run(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                        timeout=600)
     assert p.returncode == 0, p.stdout[-8000:]

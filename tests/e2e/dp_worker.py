@@ -29,21 +29,20 @@ bootstrap(cpu_compat=True)
 import torch.distributed as dist  # noqa: E402
 
 from megatron_cegrpo.initialize import initialize_distributed, shutdown_distributed  # noqa: E402
+from tests.distributed_util import tiny_args  # noqa: E402  (run_ranks puts the repository on PYTHONPATH)
 from worker_common import train_or_anchor  # noqa: E402
 
 faulthandler.register(signal.SIGUSR1, all_threads=True)  # a hung rank's stacks: kill -USR1 <pid>
 SEED = 1234
 RPQ = "rpq/rank=8:lrq"  # rank 8: the tiny model's micro-batches leave room for no more
 OUT, PP, DP = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-ARGS = [
-    "--model", "tiny-llama", "--train-data", "mawps/singleop", "--pipeline-model-parallel-size", str(PP),
-    "--micro-batch-size", "2", "--rollout-batch-size", "2", "--num-generations", "4", "--max-new-tokens", "8",
-    "--lr", "1e-3", "--temperature", "1.0", "--kl-coef", "0.01", "--no-tqdm", "--num-threads", "1",
-    "--anchor-ranks", "1", "--anchor-interval", "2", "--anchor-delay", "2", "--seed", str(SEED),
-    "--deepspeed_config", os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                                       "ds_configs", "cpu_adamw.json"),
-    "--custom-reward-function", os.path.join(OUT, "reward.py") + ":parity_reward",
-]
+ARGS = tiny_args(
+    pipeline_model_parallel_size=PP, micro_batch_size=2, max_new_tokens=8, lr="1e-3",
+    deepspeed_config=os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                                  "ds_configs", "cpu_adamw.json"),
+    anchor_ranks=1, anchor_interval=2, anchor_delay=2, seed=SEED,
+    custom_reward_function=os.path.join(OUT, "reward.py") + ":parity_reward",
+)
 
 
 def train(run: str, codec: str, iters: int, *extra: str) -> None:

@@ -33,16 +33,14 @@ import torch
 
 from benchmarks.netns import Topology, kill_process_groups, netns_available
 from distributed_util import PARITY_REWARD, REPO, RESUME_VOLATILE, complete_metrics, stage_weights, supervised_worker
+from distributed_util import tiny_args
 from megatron_cegrpo.training.perf import WALL_CLOCK_PREFIXES
 
 ITERS = 12
 BOUND_MIN = 0.25
 LONG_DROP_S, SHORT_DROP_S = 25.0, 5.0
-ARGS = ["--model", "tiny-llama", "--train-data", "mawps/singleop", "--pipeline-model-parallel-size", "2",
-        "--anchor-ranks", "1", "--anchor-interval", "2", "--anchor-delay", "2", "--micro-batch-size", "4",
-        "--rollout-batch-size", "2", "--num-generations", "4", "--max-new-tokens", "12", "--lr", "1e-4",
-        "--kl-coef", "0.01", "--deepspeed_config", "ds_configs/cpu_adamw.json", "--no-tqdm", "--num-threads", "1",
-        "--train-iters", str(ITERS), "--save-interval", "2", "--heartbeat-timeout-minutes", str(BOUND_MIN)]
+ARGS = tiny_args(temperature=None, anchor_ranks=1, anchor_interval=2, anchor_delay=2, train_iters=ITERS,
+                 save_interval=2, heartbeat_timeout_minutes=BOUND_MIN)
 #: (iteration logged, fault, its target rank); the target host of a link fault is host 1
 FAULTS = [(3, "kill", 1), (5, "stop", 1), (7, "link-down", None), (9, "kill", 2), (11, "link-blip", None)]
 #: the iterations that start a restarted run (after the checkpoint before each restarting fault)

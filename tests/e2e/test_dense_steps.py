@@ -13,16 +13,11 @@ Tiny random model, PP=2 through the deepspeed launcher, the parity reward:
 
 import torch
 
-from distributed_util import RESUME_VOLATILE, launch_train, stage_weights
+from distributed_util import RESUME_VOLATILE, launch_train, stage_weights, tiny_args
 from distributed_util import PARITY_REWARD as REWARD
 from megatron_cegrpo.training.perf import WALL_CLOCK_PREFIXES
 
-ARGS = [
-    "--model", "tiny-llama", "--train-data", "mawps/singleop", "--pipeline-model-parallel-size", "2",
-    "--micro-batch-size", "4", "--rollout-batch-size", "2", "--num-generations", "4",
-    "--max-new-tokens", "12", "--lr", "1e-4", "--temperature", "1.0", "--kl-coef", "0.01",
-    "--deepspeed_config", "ds_configs/cpu_adamw.json", "--no-tqdm", "--num-threads", "1",
-]
+ARGS = tiny_args()
 NO_ANCHOR = ["--anchor-ranks", "0"]
 
 

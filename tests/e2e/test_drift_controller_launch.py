@@ -20,18 +20,12 @@ byte budget of R = 0.42:
 import pytest
 import torch
 
-from distributed_util import RESUME_VOLATILE, launch_train, stage_weights
+from distributed_util import RESUME_VOLATILE, launch_train, stage_weights, tiny_args
 from distributed_util import PARITY_REWARD as REWARD
 from megatron_cegrpo.training.perf import WALL_CLOCK_PREFIXES
 
 R = 0.42
-ARGS = [
-    "--model", "tiny-llama", "--train-data", "mawps/singleop", "--pipeline-model-parallel-size", "2",
-    "--micro-batch-size", "4", "--rollout-batch-size", "2", "--num-generations", "4",
-    "--max-new-tokens", "12", "--lr", "1e-4", "--temperature", "1.0", "--kl-coef", "0",
-    "--deepspeed_config", "ds_configs/cpu_adamw.json", "--no-tqdm", "--num-threads", "1",
-    "--anchor-ranks", "0", "--boundary-codec", "mask", "--save-interval", "2",
-]
+ARGS = tiny_args(kl_coef=0, anchor_ranks=0, boundary_codec="mask", save_interval=2)
 DRIFT = ["--drift-probe-interval", "1", "--drift-controller", "--drift-target-kl", "1e-12",
          "--drift-max-boundary-ratio", str(R)]
 

@@ -23,13 +23,10 @@ import pytest
 import torch
 
 from distributed_util import PARITY_REWARD, REPO, RESUME_VOLATILE, complete_metrics, free_port, stage_weights
-from distributed_util import supervised_worker
+from distributed_util import supervised_worker, tiny_args
 from megatron_cegrpo.training.perf import WALL_CLOCK_PREFIXES
 
-ARGS = ["--model", "tiny-llama", "--train-data", "mawps/singleop", "--pipeline-model-parallel-size", "2",
-        "--anchor-ranks", "0", "--micro-batch-size", "4", "--rollout-batch-size", "2", "--num-generations", "4",
-        "--max-new-tokens", "12", "--lr", "1e-4", "--kl-coef", "0.01", "--deepspeed_config",
-        "ds_configs/cpu_adamw.json", "--no-tqdm", "--num-threads", "1", "--train-iters", "6", "--save-interval", "2"]
+ARGS = tiny_args(temperature=None, anchor_ranks=0, train_iters=6, save_interval=2)
 ANCHOR = ["--anchor-ranks", "1", "--anchor-interval", "2", "--anchor-delay", "2"]
 #: victim -> (ranks, extra flags, rank killed, its supervised worker (else the launched process), the
 #: iteration logged when it is killed (3: the newest checkpoint is iteration 2; 1: none is written yet))

@@ -17,7 +17,7 @@ import time
 
 import psutil
 
-from distributed_util import REPO, free_port
+from distributed_util import REPO, free_port, tiny_args
 from distributed_util import launcher as _launcher
 
 from megatron_cegrpo import checkpointing as ck
@@ -38,12 +38,10 @@ TIMEOUT_MIN = 0.1  # 6 s: shorter than iteration 3 alone, and than the anchor's 
 
 def _cmd(tmp_path, *extra):
     return [_launcher("deepspeed"), "--num_gpus", "3", "--master_port", str(free_port()),
-            "megatron_cegrpo/train.py", "--model", "tiny-llama", "--train-data", "mawps/singleop",
-            "--pipeline-model-parallel-size", "2", "--micro-batch-size", "4", "--rollout-batch-size", "2",
-            "--num-generations", "4", "--max-new-tokens", "12", "--lr", "1e-4", "--kl-coef", "0.01",
-            "--anchor-ranks", "1", "--anchor-interval", "2", "--anchor-delay", "2", "--no-tqdm",
-            "--num-threads", "1", "--custom-reward-function", f"{tmp_path / 'reward.py'}:slow_parity",
-            "--deepspeed_config", "ds_configs/cpu_adamw.json", "--log-dir", str(tmp_path / "run"), *extra]
+            "megatron_cegrpo/train.py",
+            *tiny_args(temperature=None, anchor_ranks=1, anchor_interval=2, anchor_delay=2),
+            "--custom-reward-function", f"{tmp_path / 'reward.py'}:slow_parity", "--log-dir", str(tmp_path / "run"),
+            *extra]
 
 
 def _env():

@@ -15,16 +15,11 @@ import sys
 import torch
 from safetensors.torch import load_file
 
-from distributed_util import PARITY_REWARD, REPO, free_port
+from distributed_util import PARITY_REWARD, REPO, free_port, tiny_args
 from megatron_cegrpo.training.perf import WALL_CLOCK_PREFIXES
 
-ARGS = [
-    "--model", "tiny-llama", "--train-data", "mawps/singleop", "--pipeline-model-parallel-size", "2",
-    "--micro-batch-size", "2", "--rollout-batch-size", "2", "--num-generations", "4", "--global-batch-size", "4",
-    "--max-new-tokens", "12", "--train-iters", "2", "--lr", "1e-3", "--temperature", "1.0", "--kl-coef", "0.01",
-    "--deepspeed_config", "ds_configs/cpu_adamw.json", "--no-tqdm", "--num-threads", "1", "--anchor-ranks", "0",
-    "--boundary-codec", "mask", "--boundary-keep-ratio", "0.25", "--save-interval", "2",
-]
+ARGS = tiny_args(micro_batch_size=2, lr="1e-3", global_batch_size=4, train_iters=2, anchor_ranks=0,
+                 boundary_codec="mask", boundary_keep_ratio=0.25, save_interval=2)
 
 
 def _launch(tmp_path, name, *extra):

@@ -11,7 +11,7 @@ import json
 import os
 import subprocess
 
-from distributed_util import REPO, free_port, launcher
+from distributed_util import REPO, free_port, launcher, tiny_args
 
 REWARD = '''
 CALLS = [0]
@@ -20,14 +20,8 @@ def parity_reward(response, ground_truth):
     return 0.0 if CALLS[0] <= 16 else float(len(response) % 2 == 0)
 '''
 B, BOUND = 2, 2
-ARGS = [
-    "--model", "tiny-llama", "--train-data", "mawps/singleop", "--pipeline-model-parallel-size", "1",
-    "--micro-batch-size", "4", "--rollout-batch-size", str(B), "--num-generations", "4",
-    "--max-new-tokens", "12", "--lr", "1e-4", "--temperature", "1.0", "--kl-coef", "0",
-    "--deepspeed_config", "ds_configs/cpu_adamw.json", "--no-tqdm", "--num-threads", "1",
-    "--anchor-ranks", "0", "--train-iters", "2",
-    "--filter-groups", "--max-num-gen-batches", str(BOUND),
-]
+ARGS = tiny_args(pipeline_model_parallel_size=1, rollout_batch_size=B, kl_coef=0, anchor_ranks=0, train_iters=2,
+                 filter_groups=True, max_num_gen_batches=BOUND)
 KEYS = ("batch/num_gen_batches", "batch/kept_groups", "batch/tied_groups_dropped", "batch/filled_with_tied",
         "batch/mixed_groups_unused")
 

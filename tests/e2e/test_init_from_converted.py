@@ -14,7 +14,7 @@ import sys
 import torch
 from safetensors.torch import load_file
 
-from distributed_util import REPO, free_port
+from distributed_util import REPO, free_port, tiny_args
 
 
 def test_train_from_converted_checkpoint(tmp_path):
@@ -32,10 +32,10 @@ m.save_pretrained({str(hf_dir)!r}); load_tokenizer(src).save_pretrained({str(hf_
                     "--load-dir", str(hf_dir), "--save-dir", str(ckpt), "--target-pp-size", "2"],
                    cwd=REPO, env=env, check=True, stdout=subprocess.DEVNULL)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-           str(free_port()), "megatron_cegrpo/train.py", "--model", "tiny-llama", "--train-data", "mawps/singleop",
-           "--micro-batch-size", "4", "--rollout-batch-size", "1", "--num-generations", "4",
-           "--max-new-tokens", "8", "--train-iters", "1", "--boundary-codec", "dense", "--no-tqdm",
-           "--num-threads", "1", "--anchor-ranks", "0", "--rollout-dtype", "fp32",  # the converted weights exactly
+           str(free_port()), "megatron_cegrpo/train.py",
+           *tiny_args(pipeline_model_parallel_size=None, rollout_batch_size=1, max_new_tokens=8, lr=None,
+                      temperature=None, kl_coef=None, deepspeed_config=None, train_iters=1, boundary_codec="dense",
+                      anchor_ranks=0, rollout_dtype="fp32"),  # fp32: the converted weights exactly
            "--load", str(ckpt), "--save", str(tmp_path / "out"),
            "--log-dir", str(tmp_path / "run")]
     p = subprocess.run(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

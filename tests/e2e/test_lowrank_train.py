@@ -20,18 +20,12 @@ import subprocess
 import torch
 from safetensors.torch import load_file
 
-from distributed_util import PARITY_REWARD, REPO, RESUME_VOLATILE, STEP_TOTALS, free_port, launcher
+from distributed_util import PARITY_REWARD, REPO, RESUME_VOLATILE, STEP_TOTALS, free_port, launcher, tiny_args
 from megatron_cegrpo.training.perf import WALL_CLOCK_PREFIXES
 from megatron_cegrpo.compression.lowrank import initial_basis
 
 D, R = 64, 2
-ARGS = [
-    "--model", "tiny-llama", "--train-data", "mawps/singleop", "--pipeline-model-parallel-size", "2",
-    "--micro-batch-size", "4", "--rollout-batch-size", "2", "--num-generations", "4",
-    "--max-new-tokens", "12", "--lr", "1e-4", "--temperature", "1.0", "--kl-coef", "0.01",
-    "--deepspeed_config", "ds_configs/cpu_adamw.json", "--no-tqdm", "--num-threads", "1",
-    "--boundary-codec", "lowrank", "--boundary-keep-ratio", "0.05",
-]
+ARGS = tiny_args(boundary_codec="lowrank", boundary_keep_ratio=0.05)
 
 
 def _train(tmp_path, name, anchors, *extra):

@@ -13,17 +13,11 @@ import subprocess
 import torch
 from safetensors.torch import load_file
 
-from distributed_util import REPO, free_port
+from distributed_util import REPO, free_port, tiny_args
 from distributed_util import PARITY_REWARD as REWARD, launcher
 from megatron_cegrpo.training.perf import WALL_CLOCK_PREFIXES
 
-ARGS = [
-    "--model", "tiny-llama", "--train-data", "mawps/singleop", "--pipeline-model-parallel-size", "2",
-    "--micro-batch-size", "4", "--rollout-batch-size", "2", "--num-generations", "4",
-    "--max-new-tokens", "12", "--lr", "1e-4", "--temperature", "1.0", "--kl-coef", "0",
-    "--deepspeed_config", "ds_configs/cpu_adamw.json", "--no-tqdm", "--num-threads", "1",
-    "--boundary-codec", "mask", "--anchor-ranks", "0", "--drift-probe-interval", "1", "--train-iters", "3",
-]
+ARGS = tiny_args(kl_coef=0, boundary_codec="mask", anchor_ranks=0, drift_probe_interval=1, train_iters=3)
 
 
 def _run(tmp_path, name, *extra):

@@ -19,17 +19,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from distributed_util import REPO, RESUME_VOLATILE, STEP_TOTALS, free_port
+from distributed_util import REPO, RESUME_VOLATILE, STEP_TOTALS, free_port, tiny_args
 from distributed_util import PARITY_REWARD as REWARD, launcher as _launcher
 from megatron_cegrpo.training.perf import WALL_CLOCK_PREFIXES
 
-ARGS = [
-    "--model", "tiny-llama", "--train-data", "mawps/singleop", "--pipeline-model-parallel-size", "2",
-    "--micro-batch-size", "4", "--rollout-batch-size", "2", "--num-generations", "4",
-    "--max-new-tokens", "12", "--lr", "1e-4", "--temperature", "1.0", "--kl-coef", "0.01",
-    "--deepspeed_config", "ds_configs/cpu_adamw.json", "--no-tqdm", "--num-threads", "1",
-    "--boundary-codec", "mask", "--save-interval", "3",
-]
+ARGS = tiny_args(boundary_codec="mask", save_interval=3)
 ANCHOR = {0: ["--anchor-ranks", "0"], 1: ["--anchor-ranks", "1", "--anchor-interval", "2", "--anchor-delay", "2"]}
 
 

@@ -12,14 +12,9 @@ import json
 import os
 import subprocess
 
-from distributed_util import PARITY_REWARD, REPO, free_port, launcher
+from distributed_util import PARITY_REWARD, REPO, free_port, launcher, tiny_args
 
-ARGS = [
-    "--model", "tiny-llama", "--train-data", "mawps/singleop", "--pipeline-model-parallel-size", "2",
-    "--micro-batch-size", "4", "--rollout-batch-size", "2", "--num-generations", "4",
-    "--max-new-tokens", "8", "--lr", "1e-4", "--kl-coef", "0", "--anchor-ranks", "0",
-    "--deepspeed_config", "ds_configs/cpu_adamw.json", "--no-tqdm", "--num-threads", "1",
-]
+ARGS = tiny_args(max_new_tokens=8, temperature=None, kl_coef=0, anchor_ranks=0)
 
 
 def _run(tmp_path, *extra):

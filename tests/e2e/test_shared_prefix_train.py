@@ -12,17 +12,11 @@ import math
 import os
 import subprocess
 
-from distributed_util import REPO, free_port
+from distributed_util import REPO, free_port, tiny_args
 from distributed_util import PARITY_REWARD as REWARD, launcher
 from megatron_cegrpo.training.perf import WALL_CLOCK_PREFIXES
 
-ARGS = [
-    "--model", "tiny-llama", "--train-data", "mawps/singleop", "--pipeline-model-parallel-size", "2",
-    "--micro-batch-size", "4", "--rollout-batch-size", "2", "--num-generations", "4",
-    "--max-new-tokens", "12", "--lr", "1e-4", "--temperature", "1.0", "--kl-coef", "0.05",
-    "--rollout-dtype", "fp32", "--deepspeed_config", "ds_configs/cpu_adamw.json", "--no-tqdm",
-    "--num-threads", "1", "--boundary-codec", "dense", "--anchor-ranks", "0", "--train-iters", "2",
-]
+ARGS = tiny_args(kl_coef=0.05, rollout_dtype="fp32", boundary_codec="dense", anchor_ranks=0, train_iters=2)
 REL, ABS = 1e-4, 1e-6
 
 

@@ -12,19 +12,13 @@ import subprocess
 import sys
 
 
-from distributed_util import PARITY_REWARD, REPO, free_port, launcher, load_tool
+from distributed_util import PARITY_REWARD, REPO, free_port, launcher, load_tool, tiny_args
 from megatron_cegrpo.training.weight_trace import read_trace
 
 
 REWARD = PARITY_REWARD
 
-COMMON = [
-    "--model", "tiny-llama", "--train-data", "mawps/singleop", "--pipeline-model-parallel-size", "2",
-    "--micro-batch-size", "4", "--rollout-batch-size", "2", "--num-generations", "4",
-    "--max-new-tokens", "12", "--train-iters", "3", "--lr", "1e-4", "--temperature", "1.0",
-    "--deepspeed_config", "ds_configs/cpu_adamw.json", "--no-tqdm", "--num-threads", "1",
-    "--drift-probe-interval", "2", "--anchor-ranks", "0",
-]
+COMMON = tiny_args(kl_coef=None, train_iters=3, drift_probe_interval=2, anchor_ranks=0)
 
 
 RUNS = {}  # run dirs of this module's training runs, for the plotting test at the end

@@ -27,23 +27,22 @@ import torch.distributed as dist  # noqa: E402
 
 from megatron_cegrpo.arguments import build_config, parse_args  # noqa: E402
 from megatron_cegrpo.initialize import initialize_distributed, shutdown_distributed  # noqa: E402
+from tests.distributed_util import tiny_args  # noqa: E402  (run_ranks puts the repository on PYTHONPATH)
 
 faulthandler.register(signal.SIGUSR1, all_threads=True)  # a hung rank's stacks: kill -USR1 <pid>
 SEED = 1234
 OUT, TP = sys.argv[1], int(sys.argv[2])
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RUN = os.path.join(OUT, os.environ.get("CEGRPO_TEST_RUN", "run"))
-ARGS = [
-    "--model", "tiny-llama", "--train-data", "mawps/singleop", "--pipeline-model-parallel-size", "2",
-    "--tensor-model-parallel-size", str(TP), "--anchor-ranks", "1", "--anchor-interval", "1", "--anchor-delay", "1",
-    "--rollout-dtype", "fp32", "--anchor-ship", "bf16-delta",  # as recorded (test_tensor_parallel_train.py's reason)
-    "--micro-batch-size", "2", "--rollout-batch-size", "2", "--num-generations", "4", "--max-new-tokens", "8",
-    "--train-iters", "3", "--lr", "1e-3", "--temperature", "1.0", "--kl-coef", "0.01", "--no-tqdm",
-    "--num-threads", "1", "--boundary-codec", "mask", "--boundary-keep-ratio", "0.25", "--seed", str(SEED),
-    "--deepspeed_config", os.path.join(REPO, "ds_configs", "cpu_adamw.json"),
-    "--custom-reward-function", os.path.join(OUT, "reward.py") + ":parity_reward",
-    "--log-dir", RUN, "--anchor-debug-dir", os.path.join(RUN, "dump"),
-]
+ARGS = tiny_args(
+    micro_batch_size=2, max_new_tokens=8, lr="1e-3",
+    deepspeed_config=os.path.join(REPO, "ds_configs", "cpu_adamw.json"),
+    tensor_model_parallel_size=TP, anchor_ranks=1, anchor_interval=1, anchor_delay=1,
+    rollout_dtype="fp32", anchor_ship="bf16-delta",  # as recorded (test_tensor_parallel_train.py's reason)
+    train_iters=3, boundary_codec="mask", boundary_keep_ratio=0.25, seed=SEED,
+    custom_reward_function=os.path.join(OUT, "reward.py") + ":parity_reward",
+    log_dir=RUN, anchor_debug_dir=os.path.join(RUN, "dump"),
+)
 
 CTX = initialize_distributed(2, SEED, 1, anchor_ranks=1, tensor_model_parallel_size=TP)
 try:

@@ -34,6 +34,7 @@ from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
 from megatron_cegrpo.arguments import build_config, parse_args  # noqa: E402
 from megatron_cegrpo.initialize import initialize_distributed, set_seed, shutdown_distributed  # noqa: E402
+from tests.distributed_util import tiny_args  # noqa: E402  (run_ranks puts the repository on PYTHONPATH)
 
 faulthandler.register(signal.SIGUSR1, all_threads=True)  # a hung rank's stacks: kill -USR1 <pid>
 SEED = 1234
@@ -42,19 +43,17 @@ RESUME = len(sys.argv) > 3 and sys.argv[3] == "resume"
 DP = int(sys.argv[4]) if len(sys.argv) > 4 and sys.argv[3] == "dp" else None  # None: the mask run alone
 CODECS = sys.argv[4].split(",") if len(sys.argv) > 4 and sys.argv[3] == "codecs" else None
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-ARGS = [
-    "--model", "tiny-llama", "--train-data", "mawps/singleop", "--pipeline-model-parallel-size", "2",
-    "--tensor-model-parallel-size", str(TP), "--anchor-ranks", "0",
+ARGS = tiny_args(
+    micro_batch_size=2, max_new_tokens=8, lr="1e-3",
+    deepspeed_config=os.path.join(REPO, "ds_configs", "cpu_adamw.json"),
+    tensor_model_parallel_size=TP, anchor_ranks=0,
     # the fp32 sampler sync, as recorded: its bytes equal TP = 1's exactly, where the bf16 delta's
     # changed-entry count follows the weights' fp32 rounding, which the TP ranks' sums change
-    "--rollout-dtype", "fp32",
-    "--micro-batch-size", "2", "--rollout-batch-size", "2", "--num-generations", "4", "--max-new-tokens", "8",
-    "--lr", "1e-3", "--temperature", "1.0", "--kl-coef", "0.01", "--no-tqdm", "--num-threads", "1",
-    "--boundary-codec", "mask", "--boundary-keep-ratio", "0.25", "--seed", str(SEED),
-    "--drift-probe-interval", "2", *([] if (DP or 1) > 1 else ["--grad-fidelity-interval", "2"]),
-    "--deepspeed_config", os.path.join(REPO, "ds_configs", "cpu_adamw.json"),
-    "--custom-reward-function", os.path.join(OUT, "reward.py") + ":parity_reward",
-]
+    rollout_dtype="fp32",
+    boundary_codec="mask", boundary_keep_ratio=0.25, seed=SEED,
+    drift_probe_interval=2, grad_fidelity_interval=None if (DP or 1) > 1 else 2,
+    custom_reward_function=os.path.join(OUT, "reward.py") + ":parity_reward",
+)
 
 
 def train(run: str, iters: int, *extra: str) -> None:

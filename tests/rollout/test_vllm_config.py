@@ -6,6 +6,7 @@ import importlib.util
 
 import pytest
 
+from distributed_util import tiny_args
 from megatron_cegrpo.arguments import build_config, parse_args
 from megatron_cegrpo.errors import ConfigError
 from megatron_cegrpo.models import load_hf_config, resolve_model
@@ -110,8 +111,8 @@ def entry_point(monkeypatch):
     return main
 
 
-BASE = ["--model", "tiny-llama", "--pipeline-model-parallel-size", "1", "--anchor-ranks", "0",
-        "--micro-batch-size", "4", "--rollout-batch-size", "2", "--num-generations", "4"]
+BASE = tiny_args(train_data=None, pipeline_model_parallel_size=1, max_new_tokens=None, lr=None, temperature=None,
+                 kl_coef=None, deepspeed_config=None, no_tqdm=None, num_threads=None, anchor_ranks=0)
 
 
 def test_entry_point_prints_one_line_when_vllm_is_missing(no_vllm, entry_point, tmp_path, capsys):
