@@ -10,7 +10,7 @@ when the code is restructured:
 
 Usage::
 
-    python tests/equivalence/equivalence_runs.py record tiny      # writes tests/equivalence/reference/tiny.jsonl
+    python tests/equivalence/equivalence_runs.py record tiny      # writes tests/equivalence/reference/tiny[.<kind>].jsonl
     python tests/equivalence/equivalence_runs.py compare smollm2  # exits 1 and lists the differences
 
 The numbers are bit-exact on one machine and software stack (torch 2.13.0 CPU wheel), but
@@ -19,8 +19,10 @@ to 1.3e-6 relative where a value is not near 0, and 6e-7 absolute, after 5 steps
 compare within ``REL_TOL``/``ABS_TOL`` and everything else (step, counts, strings) exactly. A behaviour change
 (another mask, another loss, a lost update) moves these metrics by orders of magnitude more.
 Rounding can also turn a sampled token into another, and then nothing compares: a record keeps
-the environment it was made in (``reference/<name>.env.json``, :data:`ENVIRONMENT_KEYS`), and the
-test compares only where this host's matches (elsewhere it skips and says what differs).
+the environment it was made in (``reference/<name>.env.json``, :data:`ENVIRONMENT_KEYS`); a run
+may have one record per kind of host (``reference/<name>.<kind>.jsonl``, e.g. ``avx512-amx``:
+``record`` on a host that matches none adds one), and the test compares against the record of this
+host's kind (where there is none it skips and says what differs).
 """
 
 from __future__ import annotations
@@ -85,19 +87,46 @@ def run(name: str, work: str) -> list:
     return [{k: v for k, v in r.items() if not k.startswith(VOLATILE_PREFIXES)} for r in recs]
 
 
+def _record_bases(name: str) -> list:
+    """Every record of run ``name`` (paths without ``.jsonl``): ``reference/<name>`` and one per other
+    kind of host, ``reference/<name>.<kind>`` (:func:`host_kind`), in that order."""
+    ref = os.path.join(HERE, "reference")
+    kinds = sorted(f[len(name) + 1:-len(".jsonl")] for f in (os.listdir(ref) if os.path.isdir(ref) else [])
+                   if f.startswith(name + ".") and f.endswith(".jsonl"))
+    return [os.path.join(ref, name)] + [os.path.join(ref, f"{name}.{k}") for k in kinds]
+
+
+def _record_base(name: str) -> str:
+    """The record of ``name`` made on this kind of host (no :func:`environment_differences`), else the
+    first one (``reference/<name>``)."""
+    bases = _record_bases(name)
+    return next((b for b in bases if os.path.exists(b + ".jsonl") and not _differences_of(b + ".env.json")),
+                bases[0])
+
+
+def host_kind() -> str:
+    """This host's record suffix: ATen's CPU capability and whether the CPU has AMX, e.g. ``avx512-amx``."""
+    env = environment()
+    return env["cpu_capability"].lower() + ("-amx" if env["amx"] else "")
+
+
 def reference_path(name: str) -> str:
-    return os.path.join(HERE, "reference", f"{name}.jsonl")
+    """The metrics of run ``name`` recorded on this kind of host (``reference/<name>.jsonl`` or
+    ``reference/<name>.<kind>.jsonl``), else the first record."""
+    return _record_base(name) + ".jsonl"
 
 
 def environment_path(name: str) -> str:
-    """Where the environment a record was made in is kept (``reference/<name>.env.json``)."""
-    return os.path.join(HERE, "reference", f"{name}.env.json")
+    """Where the environment of :func:`reference_path`'s record is kept (``.env.json`` beside it)."""
+    return _record_base(name) + ".env.json"
 
 
 #: what the recorded numbers depend on besides the code: sampling turns a float rounded another
 #: way into another token, after which every number differs (seen 2026-12-04: the tiny record of
-#: an AVX2 host against an AVX-512 one, step 1 already scored 0.625 instead of 0.75)
-ENVIRONMENT_KEYS = ("cpu_capability", "torch", "transformers", "tokenizers")
+#: an AVX2 host against an AVX-512 one, step 1 already scored 0.625 instead of 0.75; 2026-12-05: an
+#: Intel AVX-512 host with AMX against the AMD AVX-512 record, step 1's log-prob mismatch 2e-4 apart,
+#: so whether the CPU has AMX, which oneDNN's kernels use, is part of the environment)
+ENVIRONMENT_KEYS = ("cpu_capability", "amx", "torch", "transformers", "tokenizers")
 
 
 def environment() -> dict:
@@ -107,13 +136,14 @@ def environment() -> dict:
 
     import torch
 
-    cpu = "unknown"
+    cpu, info = "unknown", {}
     if os.path.exists("/proc/cpuinfo"):
         with open("/proc/cpuinfo") as f:
             info = dict(line.split(":", 1) for line in f.read().split("\n\n")[0].splitlines() if ":" in line)
         info = {k.strip(): v.strip() for k, v in info.items()}
         cpu = f"{info.get('model name', '?')} (family {info.get('cpu family', '?')}, model {info.get('model', '?')})"
-    return {"cpu_capability": torch.backends.cpu.get_cpu_capability(), "torch": torch.__version__,
+    return {"cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "amx": "amx_bf16" in info.get("flags", "").split(), "torch": torch.__version__,
             "transformers": md.version("transformers"), "tokenizers": md.version("tokenizers"), "cpu": cpu}
 
 
@@ -121,9 +151,13 @@ def environment_differences(name: str) -> list:
     """How this host differs from the one that recorded ``name`` in :data:`ENVIRONMENT_KEYS`
     (lines such as ``cpu_capability: recorded AVX2, here AVX512``); empty when they agree or the
     record says nothing of its environment."""
-    if not os.path.exists(environment_path(name)):
+    return _differences_of(environment_path(name))
+
+
+def _differences_of(env_path: str) -> list:
+    if not os.path.exists(env_path):
         return []
-    with open(environment_path(name)) as f:
+    with open(env_path) as f:
         rec = json.load(f)
     here = environment()
     return [f"{k}: recorded {rec.get(k)}, here {here[k]}" for k in ENVIRONMENT_KEYS if rec.get(k) != here[k]]
@@ -162,15 +196,18 @@ def main(argv) -> int:
         recs = run(name, work)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    if mode == "record":
-        os.makedirs(os.path.dirname(reference_path(name)), exist_ok=True)
-        with open(reference_path(name), "w") as f:
+    if mode == "record":  # over this kind of host's record, else a new one beside the others
+        base = _record_base(name)
+        if os.path.exists(base + ".jsonl") and _differences_of(base + ".env.json"):
+            base = os.path.join(HERE, "reference", f"{name}.{host_kind()}")
+        os.makedirs(os.path.dirname(base), exist_ok=True)
+        with open(base + ".jsonl", "w") as f:
             for r in recs:
                 f.write(json.dumps(r, sort_keys=True) + "\n")
-        with open(environment_path(name), "w") as f:
+        with open(base + ".env.json", "w") as f:
             json.dump(environment(), f, indent=1, sort_keys=True)
             f.write("\n")
-        print(f"recorded {len(recs)} records to {reference_path(name)} (environment: {environment_path(name)})")
+        print(f"recorded {len(recs)} records to {base}.jsonl (environment: {base}.env.json)")
         return 0
     with open(reference_path(name)) as f:
         expected = [json.loads(x) for x in f if x.strip()]

@@ -54,3 +54,24 @@ def test_environment_differences_name_what_the_recording_host_had(tmp_path, monk
         json.dump(dict(here, cpu_capability=other, tokenizers="0.0.1"), f)
     assert er.environment_differences("x") == [f"cpu_capability: recorded {other}, here {here['cpu_capability']}",
                                                f"tokenizers: recorded 0.0.1, here {here['tokenizers']}"]
+
+
+def test_each_kind_of_host_compares_against_its_own_record(tmp_path, monkeypatch):
+    """A run may keep one record per kind of host (reference/<name>.<kind>.jsonl): the one whose
+    environment matches this host's is compared; with none matching, the first, whose differences
+    then make the test skip."""
+    import equivalence_runs as er
+
+    monkeypatch.setattr(er, "HERE", str(tmp_path))
+    ref = tmp_path / "reference"
+    ref.mkdir()
+    here = er.environment()
+    for stem, env in (("x", dict(here, amx=not here["amx"])), ("x.avx2", dict(here, cpu_capability="AVX2")),
+                      ("x.mine", here)):
+        (ref / f"{stem}.jsonl").write_text("{}\n")
+        (ref / f"{stem}.env.json").write_text(json.dumps(env))
+    assert er.reference_path("x") == str(ref / "x.mine.jsonl") and er.environment_differences("x") == []
+    (ref / "x.mine.jsonl").unlink()
+    assert er.reference_path("x") == str(ref / "x.jsonl")
+    assert er.environment_differences("x") == [f"amx: recorded {not here['amx']}, here {here['amx']}"]
+    assert er.host_kind() == here["cpu_capability"].lower() + ("-amx" if here["amx"] else "")
