@@ -34,7 +34,7 @@ import torch.distributed as dist
 from deepspeed.ops.adam import DeepSpeedCPUAdam
 
 from megatron_cegrpo.bootstrap import bootstrap
-from megatron_cegrpo.compression import ByteMeter, get_codec
+from megatron_cegrpo.compression import ByteMeter, build_codec
 from megatron_cegrpo.grpo import core_algos as ca
 from megatron_cegrpo.initialize import initialize_distributed, shutdown_distributed
 from megatron_cegrpo.arguments import GRPOConfig
@@ -156,7 +156,7 @@ def main():
     comms, runners, meters = {}, {}, {}
     whole = WholeStep(model, ctx, link, args.sync_fraction, args.anchor_interval)
     for base in dict.fromkeys(VARIANTS[c][0] for c in codecs):  # variants of one codec share its caches
-        codec = get_codec(base, keep_ratio=args.keep_ratio) if base == "mask" else get_codec(base)
+        codec = build_codec(base, args.keep_ratio if base == "mask" else 0.05)
         meter = ByteMeter()
         comm = LinkCommunicator(ctx.pp_group, tf, codec, meter, seed=SEED, link=link)
         runner = PipelineRunner(comm, ctx.pg_collection, args.micro_batch, ctx.pp_size)
@@ -240,7 +240,7 @@ def main():
     if ctx.rank == 0:
         out = {"model": args.model, "pp": args.pp, "d": int(tf.hidden_size), "num_layers": int(tf.num_layers),
                "vocab": int(hf_config.vocab_size), "pipeline_dtype": str(tf.pipeline_dtype),
-               "k": next((cm.codec.k(int(tf.hidden_size)) for c, cm in comms.items() if VARIANTS[c][0] == "mask"),
+               "k": next((cm.codec.fwd.k(int(tf.hidden_size)) for c, cm in comms.items() if VARIANTS[c][0] == "mask"),
                          None),
                "threads_per_rank": args.threads, "ranks": gathered}
         with open(args.result, "w") as f:

@@ -66,7 +66,7 @@ from transformers import LlamaConfig
 
 from benchmarks.reference_codecs import Int8Reference, TopKReference, wire_bytes
 from megatron_cegrpo.bootstrap import bootstrap
-from megatron_cegrpo.compression import BoundaryContext, available_codecs, build_codec, has_precompute, keep_count
+from megatron_cegrpo.compression import BoundaryContext, MaskHalf, available_codecs, build_codec, keep_count
 from megatron_cegrpo.models import (destroy_single_process_megatron, init_single_process_megatron,
                                     transformer_config_from_hf)
 
@@ -127,16 +127,20 @@ class _Adapter:
 
 
 def _library_adapter(name: str, codec, shape) -> _Adapter:
-    fwd = getattr(codec, "fwd", None)  # a PairCodec's forward half (rpq plans its budget for `passes`)
+    from megatron_cegrpo.compression.repeat import RepeatPcaHalf
+    from megatron_cegrpo.compression.subspace import SubspaceQuantHalf
+
+    fwd = codec.fwd  # rpq plans its budget for `passes`
     return _Adapter(
         name,
         enc_f=lambda x, ctx: codec.encode_forward(x, ctx),
         dec_f=lambda p, ctx: codec.decode_forward(p, ctx, shape),
         enc_b=lambda g, ctx, fp: codec.encode_backward(g, ctx),
         dec_b=lambda p, ctx, fp: codec.decode_backward(p, ctx, shape),
-        precompute=(lambda ctx: codec.precompute(ctx, shape, "cpu")) if has_precompute(codec) else None,
-        k=codec.k(shape[2]) if hasattr(codec, "k") else None, passes=getattr(fwd, "passes", None),
-        halves=[h for h in (fwd, getattr(codec, "bwd", None)) if getattr(h, "lag", 0)])
+        precompute=(lambda ctx: codec.precompute(ctx, shape, "cpu")) if codec.precomputes else None,
+        k=fwd.k(shape[2]) if isinstance(fwd, MaskHalf) else None,
+        passes=fwd.passes if isinstance(fwd, RepeatPcaHalf) else None,
+        halves=[h for h in (fwd, codec.bwd) if isinstance(h, SubspaceQuantHalf) and h.lag])
 
 
 def _reference_adapter(ref, shape) -> _Adapter:

@@ -12,7 +12,7 @@ side by side in one process:
 * per hidden size d at [s, b, d] (``--seq-len`` x ``--micro-batch`` tokens, bf16 activations):
   one megatron-core decoder layer's forward + backward (``bench_codec.build_layer``, the local
   spec of the model family using that d); ``prf_ms``: the exact-k index derivation of one
-  crossing (``MaskCodec.precompute``, the Threefry-2x32 PRF and the top-k over its scores); per
+  crossing (``MaskHalf.precompute``, the Threefry-2x32 PRF and the top-k over its scores); per
   codec the critical path of one micro-batch's forward and backward crossing (encode + decode
   each, precompute done), and that as a share of the layer's f+b;
 * ``prf_cpu_cuda_equal``: whether the indices derived on the GPU equal the CPU's bit for bit
@@ -109,9 +109,8 @@ def measure_dim(d: int, s: int, b: int, keep_ratio: float, specs: List[str]) -> 
 
 def _measure_codec(codec, row, x, grad, shape, ctx, step) -> Dict:
     """``row`` with the codec's ``prf_ms`` (its precompute, where it has one) and ``critical_ms``."""
-    from megatron_cegrpo.compression import has_precompute
 
-    if has_precompute(codec):
+    if codec.precomputes:
         def pre():
             step[0] += 1  # a new step: nothing cached
             codec.precompute(ctx(), shape, torch.device("cuda"))
@@ -120,7 +119,7 @@ def _measure_codec(codec, row, x, grad, shape, ctx, step) -> Dict:
     def crossing():
         step[0] += 1
         c = ctx()
-        if has_precompute(codec):
+        if codec.precomputes:
             codec.precompute(c, shape, torch.device("cuda"))
         return c
 

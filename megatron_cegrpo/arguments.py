@@ -593,15 +593,15 @@ class CodecConfig:
 
     def validate(self) -> None:
         """A keep ratio in (0, 1], a known lowrank basis owner and a spec that
-        ``compression.build_codec`` accepts (its byte budget is checked in ``train.preflight``,
-        which knows the model's width).
+        ``compression.parse_codec_spec`` accepts (the codec is built once, by the run plan, which
+        checks its parameters' ranges, the layout and the byte budget: ``plan.resolve_plan``).
         Raises ConfigError."""
-        from megatron_cegrpo.compression import build_codec
+        from megatron_cegrpo.compression import parse_codec_spec
 
         _check_float("--boundary-keep-ratio", self.boundary_keep_ratio, "e.g. --boundary-keep-ratio 0.05",
                      low=0.0, high=1.0, low_open=True)
         try:
-            build_codec(self.boundary_codec, self.boundary_keep_ratio, warn=False)
+            parse_codec_spec(self.boundary_codec)
         except ValueError as e:
             raise ConfigError(f"--boundary-codec {self.boundary_codec!r}: {one_line(e)}; fix: e.g. "
                               "--boundary-codec mask, or --boundary-codec pcaq:lrq") from None

@@ -149,7 +149,7 @@ def _anchor_bases(cfg, ctx, stage):
     if cfg.codec.boundary_codec != "lowrank" or cfg.codec.lowrank_q_owner != "anchor":
         return None
     d = stage.tf_config.hidden_size
-    slots = [(b, stage.codec.basis_shape(d), stage.tf_config.pipeline_dtype)
+    slots = [(b, stage.codec.fwd.basis_shape(d), stage.tf_config.pipeline_dtype)
              for b in stage_boundaries(ctx.pp_rank, ctx.pp_size)]
     return slots, stage.codec.stage_basis
 

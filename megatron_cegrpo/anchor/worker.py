@@ -155,7 +155,7 @@ class AnchorWorker:
         if c.boundary_codec != "lowrank" or c.lowrank_q_owner != "anchor":
             return None
         d = int(self.model.config.hidden_size)
-        r = self.codec.rank(d)  # the stages' lowrank codec, as the run plan built it
+        r = self.codec.fwd.rank(d)  # the stages' lowrank codec, as the run plan built it
         last_layers = [meta["layer_offset"] - 1 for meta in self.stage_meta[1:]]
         return AnchorBasis(self.model.decoder.layers, last_layers, self.cfg.optim.seed, d, r,
                            next(self.model.parameters()).dtype)

@@ -1,50 +1,39 @@
 """Boundary compression for pipeline-stage links (DESIGN.md section 3).
 
-Pure tensor code (no torch.distributed): the Threefry-2x32 PRF, the exact-k
-channel mask derived from it, the boundary codecs (``dense``, ``mask``, ``lowrank``), the
-independent forward/backward halves of ``FWD:BWD`` specs (``halves.py``, ``subspace.py``,
-``repeat.py``, ``pair.py``; parsed in ``spec.py``) and the byte meter that reports ``comm/bytes_ratio``.
+Pure tensor code (no torch.distributed): the Threefry-2x32 PRF, the one codec class
+(:class:`BoundaryCodec`, ``codecs.py``: a forward and a backward half), the one registry of
+halves (``halves.py``: ``dense``; ``mask.py``: the exact-k PRF mask; ``lowrank.py``;
+``subspace.py``: ``pcaq``, ``lrq``; ``repeat.py``: ``rpq``), the one constructor
+(``spec.build_codec``, parsing ``--boundary-codec``) and the byte meter that reports
+``comm/bytes_ratio``.
 """
 
-from .codecs import (
-    BoundaryCodec,
-    BoundaryContext,
-    DenseCodec,
-    MaskCodec,
-    available_codecs,
-    get_codec,
-    has_precompute,
-    register_codec,
-)
-from .halves import DirectionCodec, available_halves, register_half
-from .lowrank import LowRankCodec
+from .codecs import BoundaryCodec, BoundaryContext
+from .halves import DenseHalf, DirectionCodec, available_halves, register_half
+from .mask import MaskHalf
+from .lowrank import LowRankHalf
 from .meter import ByteMeter
-from .pair import PairCodec
 from . import subspace  # noqa: F401  (registers the pcaq and lrq halves)
 from . import repeat  # noqa: F401  (registers the rpq half)
-from .spec import build_codec, check_codec_budget, parse_codec_spec
+from .spec import available_codecs, build_codec, check_codec_budget, parse_codec_spec
 from .prf import exact_k_indices, keep_count, prf_channel_scores, threefry2x32
 
 __all__ = [
     "BoundaryCodec",
     "BoundaryContext",
     "ByteMeter",
-    "DenseCodec",
+    "DenseHalf",
     "DirectionCodec",
-    "LowRankCodec",
-    "PairCodec",
-    "available_halves",
-    "check_codec_budget",
-    "parse_codec_spec",
-    "register_half",
-    "MaskCodec",
+    "LowRankHalf",
+    "MaskHalf",
     "available_codecs",
+    "available_halves",
     "build_codec",
+    "check_codec_budget",
     "exact_k_indices",
-    "get_codec",
-    "has_precompute",
     "keep_count",
+    "parse_codec_spec",
     "prf_channel_scores",
-    "register_codec",
+    "register_half",
     "threefry2x32",
 ]

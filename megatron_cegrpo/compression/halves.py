@@ -1,15 +1,17 @@
-"""One direction of a stage boundary: the halves a ``FWD:BWD`` codec spec names.
+"""One direction of a stage boundary, and the one registry of codecs.
 
 A :class:`DirectionCodec` turns a dense boundary tensor ``[s, b, d]`` into a wire payload on
 the sending stage and back on the receiving one, for ONE direction (activations forward or
-activation-gradients backward). :class:`~megatron_cegrpo.compression.pair.PairCodec` joins
-two of them into a :class:`~megatron_cegrpo.compression.codecs.BoundaryCodec`
-(issue 10, item 4: independent forward and backward codecs).
+activation-gradients backward). :class:`~megatron_cegrpo.compression.codecs.BoundaryCodec` joins
+two of them (issue 10 item 4: independent forward and backward codecs; issue 34: every codec,
+``dense`` and ``mask`` included, is such a pair). ``--boundary-codec NAME`` is NAME in both
+directions (:meth:`DirectionCodec.own_backward`), ``FWD:BWD`` two halves (``spec.py``).
 
-Halves registered here: ``dense`` (identity) and ``mask`` (the exact-k PRF mask of
-:class:`~megatron_cegrpo.compression.codecs.MaskCodec`); ``subspace.py`` adds ``pcaq`` and
-``lrq``, ``repeat.py`` adds ``rpq``. Payloads are in the dense tensor's dtype (the pipeline dtype megatron-core's p2p
-buffers use); halves whose payload is a byte string view it as that dtype (``wire.py``).
+Registered: ``dense`` (identity, here), ``mask`` (the exact-k PRF mask, ``mask.py``),
+``lowrank`` (``lowrank.py``; its two directions share one basis: ``coupled``), ``pcaq`` and
+``lrq`` (``subspace.py``), ``rpq`` (``repeat.py``). Payloads are in the dense tensor's dtype
+(the pipeline dtype megatron-core's p2p buffers use); halves whose payload is a byte string
+view it as that dtype (``wire.py``).
 
 Sender and receiver state are kept apart (a stage can be both, for different boundaries, and
 the single-process reference :meth:`DirectionCodec.roundtrip` plays both).
@@ -20,13 +22,13 @@ Pure tensor code: no torch.distributed.
 from __future__ import annotations
 
 import abc
-from typing import Callable, Dict, List, Tuple, Type
+from typing import Callable, Dict, List, Optional, Tuple, Type
 
 import torch
 
-from .codecs import BoundaryContext, MaskCodec, _check_shape, register_into
+from .codecs import BoundaryContext, _check_shape, register_into
 
-__all__ = ["DirectionCodec", "DenseHalf", "MaskHalf", "register_half", "get_half", "available_halves"]
+__all__ = ["DirectionCodec", "DenseHalf", "register_half", "get_half", "available_halves"]
 
 _HALVES: Dict[str, Type["DirectionCodec"]] = {}
 
@@ -35,31 +37,43 @@ def register_half(name: str) -> Callable[[Type["DirectionCodec"]], Type["Directi
     """Class decorator registering a :class:`DirectionCodec` under ``name`` (a spec half).
 
     Raises:
-        ValueError: ``name`` already registered to another class.
+        ValueError: ``cls`` is not a DirectionCodec, or ``name`` already registered to another class.
     """
 
     def deco(cls):
-        return register_into(_HALVES, "half codec", name, cls)
+        if not (isinstance(cls, type) and issubclass(cls, DirectionCodec)):
+            raise ValueError(f"register_half({name!r}) expects a DirectionCodec subclass, got {cls!r}")
+        return register_into(_HALVES, "codec", name, cls)
 
     return deco
 
 
 def available_halves() -> List[str]:
-    """Sorted names usable on either side of ``FWD:BWD``."""
+    """Sorted names of the registered codecs (each usable alone or on either side of ``FWD:BWD``,
+    but for ``coupled`` ones, which only go alone)."""
     return sorted(_HALVES)
 
 
-def get_half(name: str, keep_ratio: float, params: Dict[str, str]) -> "DirectionCodec":
-    """Instantiate half ``name`` with the run's keep ratio and the spec's ``key=value`` params
-    (converted to the constructor's annotated int/float types).
+def half_class(name: str) -> Type["DirectionCodec"]:
+    """The class registered as ``name``.
 
     Raises:
-        ValueError: unknown name, unknown parameter or a value of the wrong type/range.
+        ValueError: unknown name; the message lists the valid names.
     """
     cls = _HALVES.get(name)
     if cls is None:
-        raise ValueError(f"unknown half codec {name!r}; valid: {', '.join(available_halves())}")
-    kwargs = {}
+        raise ValueError(f"unknown codec {name!r}; valid names: {', '.join(available_halves())}")
+    return cls
+
+
+def half_params(name: str, params: Dict[str, str]) -> Dict[str, object]:
+    """A spec half's ``key=value`` params converted to the types its class declares (``PARAMS``).
+
+    Raises:
+        ValueError: unknown name, unknown parameter or a value that is not a number.
+    """
+    cls = half_class(name)
+    kwargs: Dict[str, object] = {}
     for key, raw in params.items():
         kind = cls.PARAMS.get(key)
         if kind is None:
@@ -68,6 +82,20 @@ def get_half(name: str, keep_ratio: float, params: Dict[str, str]) -> "Direction
             kwargs[key] = kind(raw)
         except ValueError:
             raise ValueError(f"{name}/{key}={raw!r} is not a number") from None
+    return kwargs
+
+
+def get_half(name: str, keep_ratio: float, params: Dict[str, str], options: Optional[Dict] = None) -> "DirectionCodec":
+    """Instantiate half ``name`` with the run's keep ratio (when it ``claims_budget``), the spec's
+    ``key=value`` params (:func:`half_params`) and those of the run-level ``options``
+    (``TrainConfig.boundary_codec_options``) it declares in ``RUN_OPTIONS``.
+
+    Raises:
+        ValueError: unknown name, unknown parameter or a value of the wrong type/range.
+    """
+    cls = half_class(name)
+    kwargs = half_params(name, params)
+    kwargs.update({k: v for k, v in (options or {}).items() if k in cls.RUN_OPTIONS})
     if cls.claims_budget:
         kwargs["keep_ratio"] = keep_ratio
     return cls(**kwargs)
@@ -93,6 +121,53 @@ class DirectionCodec(abc.ABC):
     claims_budget = True
     #: the ``name/key=value`` parameters a spec may set, with their types, in the constructor's order
     PARAMS: Dict[str, type] = {}
+    #: the run-level options (``TrainConfig.boundary_codec_options``: ``q_owner``, ``anchor_interval``,
+    #: ``tokens_per_iteration``) its constructor takes; ``get_half`` passes only these
+    RUN_OPTIONS: Tuple[str, ...] = ()
+    #: the two directions are one map seen from both ends and share state (``lowrank``'s basis):
+    #: the half only goes alone (``--boundary-codec lowrank``), its backward from :meth:`own_backward`
+    coupled = False
+    #: :meth:`precompute` has context-only work to do ahead of a crossing (``mask``'s PRF indices)
+    precomputes = False
+
+    def own_backward(self) -> Optional["DirectionCodec"]:
+        """The backward half when this half is named alone (``--boundary-codec NAME``): this very
+        instance for a self-adjoint linear half (``dense``, ``mask``: one index cache serves both
+        directions), a view sharing its state for a coupled one; None: a second instance."""
+        return self if self.self_adjoint_linear else None
+
+    def summary(self, d: int) -> str:
+        """What the start-up line adds after the codec's name at width ``d`` ("" by default)."""
+        return ""
+
+    def check_width(self, d: int) -> None:
+        """Raise ValueError (naming the flag) when the budget cannot code width ``d``; the default
+        codes any width."""
+
+    @property
+    def derivations(self) -> dict:
+        """Context-derivation counters ({"precomputed": n, "on_demand": m}; ``mask``); {} here."""
+        return {}
+
+    # -- basis traffic: a forward half whose two ends share a basis the sender refreshes ----
+    def basis_to_send(self, ctx: BoundaryContext) -> Optional[torch.Tensor]:
+        """Sender, after ``encode``: a tensor to ship to the receiver before this payload
+        (metered as basis bytes), or None (the default)."""
+        return None
+
+    def basis_to_receive(self, ctx: BoundaryContext, shape, dtype: torch.dtype) -> Optional[torch.Tensor]:
+        """Receiver, before ``decode``: an empty buffer for the tensor the sender ships with this
+        payload, or None (the default)."""
+        return None
+
+    def accept_basis(self, ctx: BoundaryContext, basis: torch.Tensor) -> None:
+        """Receiver: the tensor announced by :meth:`basis_to_receive` has arrived."""
+
+    def stage_basis(self, boundary: int, q: torch.Tensor, first_step: int) -> None:
+        """A basis sent by the anchor. Raises ValueError: this half takes none (only an
+        anchor-owned ``lowrank`` does)."""
+        raise ValueError(f"the {self.name} codec takes no anchor-sent basis (only --boundary-codec lowrank "
+                         f"with --lowrank-q-owner anchor does)")
 
     @abc.abstractmethod
     def wire_shape(self, shape, ctx: BoundaryContext, dtype: torch.dtype, role: str) -> Tuple[int, ...]:
@@ -115,10 +190,10 @@ class DirectionCodec(abc.ABC):
 
     def precompute(self, ctx: BoundaryContext, shape, device="cpu") -> bool:
         """Derive ahead of the crossing whatever ``ctx`` and the dense ``shape`` (s, b, d)
-        alone determine (``BoundaryCodec.precompute``; called by :meth:`PairCodec.precompute`
+        alone determine (called by :meth:`BoundaryCodec.precompute`
         off the critical path). Default: nothing, returns False (halves whose work depends on
         the data, e.g. ``pcaq``, ``lrq``, ``rpq``). Must be thread-safe and give the same bits
-        as deriving on demand."""
+        as deriving on demand; a half that overrides it sets ``precomputes``."""
         return False
 
     def step_nbytes(self, shape, elem: int, messages: int, keys: int) -> int:
@@ -147,7 +222,7 @@ class DirectionCodec(abc.ABC):
             return self.decode(payload, ctx, tuple(t.shape))
 
     def state_dict(self) -> dict:
-        """State that outlives a step, for checkpoints (``PairCodec.state_dict``); default ``{}``."""
+        """State that outlives a step, for checkpoints (``BoundaryCodec.state_dict``); default ``{}``."""
         return {}
 
     def load_state_dict(self, state: dict) -> None:
@@ -184,45 +259,3 @@ class DenseHalf(DirectionCodec):
     def nbytes(self, shape, elem, first_of_step):
         s, b, d = _check_shape(shape)
         return s * b * d * elem
-
-
-@register_half("mask")
-class MaskHalf(DirectionCodec):
-    """The exact-k PRF mask of :class:`MaskCodec` (same indices in both directions, so
-    ``mask:mask`` is bit-identical to ``mask``): payload [s, b, k], k = ceil(keep_ratio * d),
-    decoded as (d/k) * scatter; unbiased (E = identity) and self-adjoint.
-    Bytes s * b * k * element_size."""
-
-    self_adjoint_linear = True
-    replica_invariant = True  # PRF indices keyed by the global sample id
-    tp_splittable = True
-
-    def __init__(self, keep_ratio: float = 0.05):
-        self.mask = MaskCodec(keep_ratio=keep_ratio)
-        self.keep_ratio = self.mask.keep_ratio
-
-    def wire_shape(self, shape, ctx, dtype, role):
-        return self.mask.payload_shape(shape)
-
-    def encode(self, t, ctx):
-        return self.mask.encode_forward(t, ctx)
-
-    def decode(self, payload, ctx, shape):
-        return self.mask.decode_forward(payload, ctx, shape)
-
-    def nbytes(self, shape, elem, first_of_step):
-        s, b, d = _check_shape(shape)
-        return s * b * self.mask.k(d) * elem
-
-    def precompute(self, ctx, shape, device="cpu") -> bool:
-        """The PRF indices of ``ctx`` for dense ``shape`` (s, b, d), into the mask's plan
-        (:meth:`MaskCodec.precompute`; ValueError on a bad shape or sample_ids). Returns True."""
-        return self.mask.precompute(ctx, shape, device)
-
-    @property
-    def derivations(self) -> dict:
-        """The mask's index derivation counters ({"precomputed": n, "on_demand": m})."""
-        return self.mask.derivations
-
-    def reset(self):
-        self.mask.clear_cache()

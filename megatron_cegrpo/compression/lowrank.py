@@ -20,15 +20,20 @@ Who owns Q (``q_owner``):
   of the old-logprob pass), the sender refreshes ``Q_b <- orth(X^T (X Q_b))`` from that
   micro-batch's activations X [s*b, d] (one power iteration warm-started from the previous
   Q; orth = reduced QR with the signs fixed so that diag(R) >= 0), and ships the new Q to the
-  receiver once (:meth:`LowRankCodec.basis_to_send`, metered as basis bytes). All passes of
+  receiver once (:meth:`LowRankHalf.basis_to_send`, metered as basis bytes). All passes of
   iteration t (old-logprob, reference, update) then use this one Q at both ends.
 * ``anchor``: the anchor rebuilds Q from its dense replay at each fire and sends it to both
   stages of the boundary with its signs (``anchor/basis.py``); a Q received during iteration t
-  takes effect at iteration t + 1 at both ends (:meth:`LowRankCodec.stage_basis`). Until the
+  takes effect at iteration t + 1 at both ends (:meth:`LowRankHalf.stage_basis`). Until the
   first one arrives both ends use :func:`initial_basis` (derived from the run seed; no traffic).
 
 The rank (:func:`lowrank_rank`) is the largest r whose wire bytes, coefficients in both
 directions plus basis traffic amortised per iteration, stay within ``keep_ratio`` of dense.
+
+The two directions are one map seen from both ends: ``--boundary-codec lowrank`` is the
+forward half :class:`LowRankHalf`, which owns the bases, and its backward view
+(:meth:`LowRankHalf.own_backward`), which codes gradients with the same Q (``coupled``: the
+half cannot be paired with another, e.g. ``lowrank:mask``).
 
 Pure tensor code: no torch.distributed (the communicator and the anchor client move the bases).
 """
@@ -41,9 +46,10 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from megatron_cegrpo.compat.placement import compute_device
-from .codecs import BoundaryCodec, BoundaryContext, _check_shape, register_codec
+from .codecs import BoundaryContext, _check_shape
+from .halves import DirectionCodec, register_half
 
-__all__ = ["LowRankCodec", "Q_OWNERS", "initial_basis", "lowrank_rank", "orthonormalize", "power_step"]
+__all__ = ["LowRankHalf", "Q_OWNERS", "initial_basis", "lowrank_rank", "orthonormalize", "power_step"]
 
 Q_OWNERS = ("fast", "anchor")
 
@@ -116,9 +122,10 @@ def initial_basis(seed: int, boundary: int, d: int, r: int, dtype: torch.dtype =
     return orthonormalize(torch.randn(int(d), int(r), generator=gen, dtype=torch.float64)).to(dtype)
 
 
-@register_codec("lowrank")
-class LowRankCodec(BoundaryCodec):
-    """Rank-r projection with a warm-started orthonormal basis (module docstring).
+@register_half("lowrank")
+class LowRankHalf(DirectionCodec):
+    """Rank-r projection with a warm-started orthonormal basis (module docstring): the forward
+    half, owner of the bases; :meth:`own_backward` is the backward view of the same bases.
 
     Payload per direction: [s, b, r] in the pipeline dtype (``x Q`` forward, ``g Q`` backward);
     a fast-owned basis adds one [d, r] tensor per boundary and iteration, sent forward before
@@ -138,6 +145,7 @@ class LowRankCodec(BoundaryCodec):
     """
 
     RUN_OPTIONS = ("q_owner", "tokens_per_iteration", "anchor_interval")
+    coupled = True
 
     def __init__(self, keep_ratio: float = 0.05, q_owner: str = "fast", tokens_per_iteration: int = 16384,
                  anchor_interval: int = 4):
@@ -152,6 +160,12 @@ class LowRankCodec(BoundaryCodec):
         self._q_step: Dict[int, int] = {}  # boundary -> iteration the basis serves (-1: initial)
         self._pending: Dict[int, Tuple[torch.Tensor, int]] = {}  # anchor-sent basis, first iteration
         self._outgoing: Dict[int, torch.Tensor] = {}  # fast owner: refreshed basis not yet shipped
+        self._backward = _LowRankBackward(self)
+
+    def own_backward(self) -> "DirectionCodec":
+        """The backward half: ``g Q`` forward over the wire, ``(g Q) Q^T`` back, with this half's
+        bases (the exact chain rule of the forward map with Q held constant)."""
+        return self._backward
 
     @property
     def tp_splittable(self) -> bool:
@@ -228,36 +242,38 @@ class LowRankCodec(BoundaryCodec):
                              f"(serves {self._q_step[ctx.boundary]}); the sender's basis never arrived")
         return q
 
-    # -- codec API -------------------------------------------------------------------
-    def payload_shape(self, shape):
+    # -- the half's API -------------------------------------------------------------------
+    def wire_shape(self, shape, ctx, dtype, role):
         s, b, d = _check_shape(shape)
         return (s, b, self.rank(d))
 
-    def encode_forward(self, x, ctx):
-        q = self._refresh_if_new_step(x, ctx)
-        return (x.detach() @ q).contiguous()
+    def nbytes(self, shape, elem, first_of_step):
+        """Coefficient bytes of one message, s * b * r * elem; a fast-owned basis (d * r elements a
+        boundary and iteration) is metered apart as basis bytes and budgeted in :func:`lowrank_rank`."""
+        s, b, d = _check_shape(shape)
+        return s * b * self.rank(d) * elem
 
-    def _expand(self, payload, ctx, shape):
+    def encode(self, t, ctx):
+        q = self._refresh_if_new_step(t, ctx)
+        return (t.detach() @ q).contiguous()
+
+    def expand(self, payload, ctx, shape):
         """P Q^T for a payload [s, b, r] (both directions). Raises ValueError on a wrong shape."""
         s, b, d = _check_shape(shape)
-        if tuple(payload.shape) != self.payload_shape(shape):
-            raise ValueError(f"payload shape {tuple(payload.shape)} != {self.payload_shape(shape)}")
+        if tuple(payload.shape) != (s, b, self.rank(d)):
+            raise ValueError(f"payload shape {tuple(payload.shape)} != {(s, b, self.rank(d))}")
         return payload @ self._installed(ctx, d, payload.dtype, payload.device).t()
 
-    def decode_forward(self, payload, ctx, shape):
-        return self._expand(payload, ctx, shape)
+    def decode(self, payload, ctx, shape):
+        return self.expand(payload, ctx, shape)
 
-    def encode_backward(self, grad, ctx):
-        return (grad.detach() @ self._installed(ctx, grad.shape[-1], grad.dtype, grad.device)).contiguous()
-
-    def decode_backward(self, payload, ctx, shape):
-        return self._expand(payload, ctx, shape)
-
-    def forward_map(self, x, ctx):
-        """Single-process reference ``(x Q) Q^T`` (refreshing Q as the sender would)."""
-        q = self._refresh_if_new_step(x, ctx)
-        self._outgoing.pop(ctx.boundary, None)
-        return (x @ q) @ q.t()
+    def roundtrip(self, t, ctx):
+        """Single-process reference ``(x Q) Q^T``, refreshing Q as the sender would (the refreshed
+        basis is not queued for shipping: nobody receives it)."""
+        with torch.no_grad():
+            q = self._refresh_if_new_step(t, ctx)
+            self._outgoing.pop(ctx.boundary, None)
+            return (t.detach() @ q) @ q.t()
 
     # -- checkpoint --------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -275,3 +291,32 @@ class LowRankCodec(BoundaryCodec):
         self._q_step = {int(b): int(s) for b, (_, s) in state["bases"].items()}
         self._pending = {int(b): (q.clone(), int(s)) for b, (q, s) in state["pending"].items()}
         self._outgoing = {}
+
+
+class _LowRankBackward(DirectionCodec):
+    """The backward direction of ``lowrank`` (:meth:`LowRankHalf.own_backward`): the receiver
+    sends ``g Q`` [s, b, r], the sender rebuilds ``(g Q) Q^T``, both with the forward half's
+    bases. Keeps no state of its own."""
+
+    name = "lowrank"
+    coupled = True
+
+    def __init__(self, owner: LowRankHalf):
+        self.owner = owner
+
+    @property
+    def tp_splittable(self) -> bool:
+        """As the forward half's (:attr:`LowRankHalf.tp_splittable`)."""
+        return self.owner.tp_splittable
+
+    def wire_shape(self, shape, ctx, dtype, role):
+        return self.owner.wire_shape(shape, ctx, dtype, role)
+
+    def nbytes(self, shape, elem, first_of_step):
+        return self.owner.nbytes(shape, elem, first_of_step)
+
+    def encode(self, t, ctx):
+        return (t.detach() @ self.owner._installed(ctx, t.shape[-1], t.dtype, t.device)).contiguous()
+
+    def decode(self, payload, ctx, shape):
+        return self.owner.expand(payload, ctx, shape)

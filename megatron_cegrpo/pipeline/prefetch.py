@@ -25,7 +25,7 @@ from typing import Dict, Iterable, Optional, Tuple
 
 import torch
 
-from megatron_cegrpo.compression import BoundaryCodec, BoundaryContext, has_precompute
+from megatron_cegrpo.compression import BoundaryCodec, BoundaryContext
 
 __all__ = ["CodecPrefetcher"]
 
@@ -59,7 +59,7 @@ class CodecPrefetcher:
         Returns:
             the number of crossings newly queued (0 for codecs without precompute).
         """
-        if not has_precompute(codec):
+        if not codec.precomputes:
             return 0
         queued = 0
         with self._lock:

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import contextlib
 
-from megatron_cegrpo.compression import get_codec
+from megatron_cegrpo.compression import build_codec
 
 __all__ = ["DenseSteps"]
 
@@ -52,7 +52,7 @@ class DenseSteps:
     def __init__(self, interval: int, stage, controller=None):
         self.interval = int(interval)
         self.stage, self.controller = stage, controller
-        self.dense = get_codec("dense")
+        self.dense = build_codec("dense")
 
     def on_interval(self, t: int) -> bool:
         """Whether ``--dense-step-interval`` makes iteration ``t`` dense (``t % N == 0``; never at N = 0)."""

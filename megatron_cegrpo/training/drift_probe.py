@@ -27,7 +27,7 @@ from typing import Dict, List, Sequence, Tuple
 
 import torch
 
-from megatron_cegrpo.compression import ByteMeter, get_codec
+from megatron_cegrpo.compression import ByteMeter, build_codec
 from megatron_cegrpo.grpo import core_algos as ca
 from megatron_cegrpo.training import data_parallel as dpx
 from megatron_cegrpo.grpo.batch import RolloutBatch
@@ -70,7 +70,7 @@ class DriftProbe:
     def __init__(self, stage, window: int = 8):
         self.stage, self.window = stage, int(window)
         self.meter = ByteMeter()  # the probe's own dense traffic, never in comm/*
-        self.dense = get_codec("dense")
+        self.dense = build_codec("dense")
         self._passes = None  # the dense passes of the last run(), until metrics()
         self._gaps: List[Tuple[int, float]] = []  # (t, probe/view_abs_logprob_diff) of the last probes
 

@@ -48,7 +48,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
-from megatron_cegrpo.compression import ByteMeter, get_codec
+from megatron_cegrpo.compression import ByteMeter, build_codec
 from megatron_cegrpo.models import allreduce_tied_embedding_grads
 from megatron_cegrpo.rng_state import get_rng_state, set_rng_state
 from megatron_cegrpo.training import data_parallel as dpx
@@ -142,7 +142,7 @@ class GradFidelityProbe:
         if stage.comm is None:
             raise ValueError("the gradient-fidelity probe needs a pipeline boundary (PP >= 2)")
         self.stage = stage
-        self.dense_codec = get_codec("dense")
+        self.dense_codec = build_codec("dense")
         self.meter = ByteMeter()  # the probe's own dense traffic, never in comm/*
         self._old: Optional[torch.Tensor] = None
         self._ref: Optional[torch.Tensor] = None

@@ -9,7 +9,7 @@ import torch
 from benchmarks.bench_codec import boundary_tensors
 from benchmarks.reference_codecs import Int8Reference, TopKReference, wire_bytes
 from distributed_util import REPO, run_single
-from megatron_cegrpo.compression import available_codecs, get_codec, keep_count
+from megatron_cegrpo.compression import available_codecs, build_codec, keep_count
 
 S, B, DIMS = 8, 2, (64, 100)
 
@@ -44,7 +44,7 @@ def test_bench_codec_bytes_match_encodings(tmp_path):
         assert Fraction(mask["bwd_bytes"], dense["bwd_bytes"]) == Fraction(k, d)
         assert mask["ratio_vs_dense"] == k / d
         # lowrank: r coefficients a token each way (the per-iteration basis is not in a micro-batch's bytes)
-        r = get_codec("lowrank", keep_ratio=0.05).rank(d)
+        r = build_codec("lowrank", 0.05).fwd.rank(d)
         assert rows["lowrank"]["fwd_bytes"] == rows["lowrank"]["bwd_bytes"] == S * B * r * 2
 
         # reference encodings: the reported bytes are what the encoders produce

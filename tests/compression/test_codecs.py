@@ -1,4 +1,5 @@
-"""Tests for megatron_cegrpo.compression.codecs (registry, dense and mask codecs)."""
+"""Tests for the codec registry and the dense and mask codecs (compression/codecs.py, halves.py,
+mask.py): every codec is a BoundaryCodec of two halves from one registry (issue 34)."""
 
 import math
 import sys
@@ -13,16 +14,23 @@ _REPO = Path(__file__).resolve().parents[2]
 from megatron_cegrpo.compression import (
     BoundaryCodec,
     BoundaryContext,
-    DenseCodec,
-    MaskCodec,
+    DenseHalf,
+    DirectionCodec,
+    MaskHalf,
     available_codecs,
+    build_codec,
     exact_k_indices,
-    get_codec,
-    has_precompute,
-    register_codec,
+    register_half,
 )
 
 torch.set_num_threads(1)
+
+
+def MaskCodec(keep_ratio=0.05, cache_size=64):
+    """``--boundary-codec mask`` at ``keep_ratio``, its index LRU holding ``cache_size`` entries."""
+    c = build_codec("mask", keep_ratio)
+    c.fwd.cache_size = cache_size
+    return c
 
 
 def _ctx(step=7, b=3, seed=1234, boundary=0, offset=0):
@@ -32,40 +40,44 @@ def _ctx(step=7, b=3, seed=1234, boundary=0, offset=0):
 
 # --------------------------------------------------------------------------- registry
 
-def test_registry_names_and_get():
-    names = available_codecs()
-    assert "dense" in names and "mask" in names
-    assert isinstance(get_codec("dense"), DenseCodec)
-    m = get_codec("mask", keep_ratio=0.05)
-    assert isinstance(m, MaskCodec) and m.k(576) == 29 and m.k(1536) == 77
+def test_registry_names_and_build():
+    assert available_codecs() == ["dense", "lowrank", "lrq", "mask", "pcaq", "rpq"]
+    d = build_codec("dense")
+    assert isinstance(d, BoundaryCodec) and isinstance(d.fwd, DenseHalf) and d.bwd is d.fwd
+    m = build_codec("mask", 0.05)
+    assert isinstance(m.fwd, MaskHalf) and m.bwd is m.fwd  # one index cache for both directions
+    assert m.fwd.k(576) == 29 and m.fwd.k(1536) == 77 and m.name == "mask"
+    # a single name is that codec in both directions: pcaq alone is pcaq:pcaq, two instances
+    p = build_codec("pcaq", 0.05)
+    assert type(p.fwd) is type(p.bwd) and p.fwd is not p.bwd and p.name == "pcaq"
 
 
 def test_registry_unknown_name_lists_valid_names():
     with pytest.raises(ValueError) as e:
-        get_codec("topk")
+        build_codec("topk")
     msg = str(e.value)
-    assert "topk" in msg and "dense" in msg and "mask" in msg
+    assert "topk" in msg and "dense, lowrank, lrq, mask, pcaq, rpq" in msg
 
 
-def test_register_codec_rejects_non_codec_and_duplicate():
-    with pytest.raises(ValueError):
-        register_codec("not_a_codec")(object)
+def test_register_half_rejects_non_codec_and_duplicate():
+    with pytest.raises(ValueError, match="DirectionCodec"):
+        register_half("not_a_codec")(object)
     with pytest.raises(ValueError, match="already registered"):
-        @register_codec("dense")
-        class Other(DenseCodec):
+        @register_half("dense")
+        class Other(DenseHalf):
             pass
-    assert get_codec("dense").__class__ is DenseCodec
+    assert build_codec("dense").fwd.__class__ is DenseHalf
 
 
-def test_abstract_base_not_instantiable():
+def test_abstract_half_not_instantiable():
     with pytest.raises(TypeError):
-        BoundaryCodec()
+        DirectionCodec()
 
 
 # --------------------------------------------------------------------------- dense
 
 def test_dense_is_identity():
-    c = get_codec("dense")
+    c = build_codec("dense")
     x = torch.randn(5, 3, 16, dtype=torch.bfloat16)
     ctx = _ctx()
     assert c.payload_shape((5, 3, 16)) == (5, 3, 16)
@@ -75,8 +87,11 @@ def test_dense_is_identity():
     g = torch.randn(5, 3, 16).transpose(0, 1).contiguous().transpose(0, 1)  # non-contiguous
     pg = c.encode_backward(g, ctx)
     assert pg.is_contiguous() and torch.equal(c.decode_backward(pg, ctx, (5, 3, 16)), g)
-    assert c.forward_map(x, ctx) is x
-    assert c.state_dict() == {}
+    xg = x.float().requires_grad_(True)
+    y = c.forward_map(xg, ctx)
+    y.backward(g)
+    assert torch.equal(y, xg.detach()) and torch.equal(xg.grad, g)  # identity both ways
+    assert c.state_dict() == {} and not c.claims_budget and not c.precomputes
     c.load_state_dict({})
 
 
@@ -85,7 +100,7 @@ def test_dense_is_identity():
 def test_mask_rejects_bad_ratio():
     for r in (0.0, 1.5, -0.2):
         with pytest.raises(ValueError, match="ratio"):
-            MaskCodec(keep_ratio=r)
+            build_codec("mask", r)
 
 
 def test_mask_payload_shape_and_values():
@@ -93,7 +108,7 @@ def test_mask_payload_shape_and_values():
     c = MaskCodec(0.05)
     k = 29
     assert c.payload_shape((s, b, d)) == (s, b, k)
-    assert c.scale(d) == 576 / 29
+    assert c.fwd.scale(d) == 576 / 29
     x = torch.randn(s, b, d, dtype=torch.bfloat16, requires_grad=True)
     ctx = _ctx(b=b)
     with torch.no_grad():
@@ -155,7 +170,7 @@ def test_mask_unbiased_over_steps():
     # coordinate) fails it on average, not just at the worst coordinate.
     s, b, d, ratio, n = 2, 2, 64, 0.25, 4000
     c = MaskCodec(ratio, cache_size=0)
-    k = c.k(d)
+    k = c.fwd.k(d)
     assert k == 16
     g = torch.Generator().manual_seed(0)
     x = torch.randn(s, b, d, generator=g, dtype=torch.float64)
@@ -173,12 +188,13 @@ def test_mask_unbiased_over_steps():
 
 
 def test_mask_index_cache_reuse_and_lru():
-    c = MaskCodec(0.25, cache_size=2)
+    c = MaskHalf(0.25)
+    c.cache_size = 2
     x = torch.randn(3, 2, 16)
     ctx = _ctx(b=2)
     i1 = c.indices(ctx, 3, 16, "cpu")
     assert c.indices(_ctx(b=2), 3, 16, "cpu") is i1  # equal context (fresh tensor) hits
-    c.encode_forward(x, ctx)
+    c.encode(x, ctx)
     c.indices(_ctx(b=2, step=8), 3, 16, "cpu")
     c.indices(_ctx(b=2, step=9), 3, 16, "cpu")  # evicts step 7
     assert len(c._cache) == 2
@@ -211,7 +227,8 @@ def test_mask_precompute_on_another_thread_gives_the_on_demand_bits():
 
 
 def test_mask_precompute_plan_holds_one_step():
-    c = MaskCodec(0.25, cache_size=0)
+    c = MaskHalf(0.25)
+    c.cache_size = 0
     shape = (3, 2, 16)
     for off in range(40):  # more crossings than the LRU default: the plan keeps all of one step
         c.precompute(_ctx(b=2, step=7, offset=2 * off), shape)
@@ -232,9 +249,9 @@ def test_mask_precompute_plan_holds_one_step():
     assert c.derivations["on_demand"] == 2
 
 
-def test_has_precompute():
-    assert has_precompute(MaskCodec(0.05)) and not has_precompute(DenseCodec())
-    assert DenseCodec().precompute(_ctx(), (2, 3, 8)) is False
+def test_precomputes_is_declared_by_the_halves():
+    assert MaskCodec(0.05).precomputes and not build_codec("dense").precomputes
+    assert build_codec("dense").precompute(_ctx(), (2, 3, 8)) is False
 
 
 def test_mask_validation_errors():
@@ -245,8 +262,10 @@ def test_mask_validation_errors():
         c.encode_forward(torch.randn(3, 16), _ctx(b=3))
     with pytest.raises(ValueError, match="payload shape"):
         c.decode_forward(torch.randn(3, 2, 5), _ctx(b=2), (3, 2, 16))
-    with pytest.raises(ValueError, match="stateless"):
+    with pytest.raises(ValueError, match="unexpected codec state keys"):
         c.load_state_dict({"x": 1})
+    with pytest.raises(ValueError, match="keeps no state"):
+        c.load_state_dict({"fwd": {"x": 1}})
     assert c.state_dict() == {}
     c.load_state_dict({})
 

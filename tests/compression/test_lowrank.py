@@ -4,7 +4,7 @@ power iteration, both basis owners, resume bit for bit."""
 import pytest
 import torch
 
-from megatron_cegrpo.compression import BoundaryContext, build_codec, get_codec
+from megatron_cegrpo.compression import BoundaryContext, build_codec
 from megatron_cegrpo.compression.lowrank import initial_basis, lowrank_rank, orthonormalize, power_step
 
 torch.set_num_threads(1)
@@ -35,16 +35,16 @@ def test_rank_formula_values():
 
 def test_build_codec_passes_only_known_options():
     c = build_codec("lowrank", 0.05, q_owner="anchor", anchor_interval=4, tokens_per_iteration=16384, other=1)
-    assert c.q_owner == "anchor" and c.rank(576) == 28
-    assert build_codec("mask", 0.05, q_owner="fast").k(576) == 29
+    assert c.fwd.q_owner == "anchor" and c.fwd.rank(576) == 28
+    assert build_codec("mask", 0.05, q_owner="fast").fwd.k(576) == 29
     with pytest.raises(ValueError, match="--lowrank-q-owner"):
-        get_codec("lowrank", q_owner="nobody")
+        build_codec("lowrank", q_owner="nobody")
 
 
 def test_backward_is_autograd_of_forward_map():
-    codec = get_codec("lowrank", keep_ratio=0.25, tokens_per_iteration=96)
-    sender = get_codec("lowrank", keep_ratio=0.25, tokens_per_iteration=96)
-    receiver = get_codec("lowrank", keep_ratio=0.25, tokens_per_iteration=96)
+    codec = build_codec("lowrank", 0.25, tokens_per_iteration=96)
+    sender = build_codec("lowrank", 0.25, tokens_per_iteration=96)
+    receiver = build_codec("lowrank", 0.25, tokens_per_iteration=96)
     x = _acts(1).requires_grad_(True)
     g = torch.randn(8, 3, 32, generator=torch.Generator().manual_seed(5))
     ctx = _ctx(1)
@@ -58,20 +58,20 @@ def test_backward_is_autograd_of_forward_map():
     buf.copy_(basis)
     receiver.accept_basis(ctx, buf)
     assert receiver.basis_to_receive(ctx, x.shape, x.dtype) is None
-    r = codec.rank(32)
+    r = codec.fwd.rank(32)
     assert payload.shape == (8, 3, r) and basis.shape == (32, r)
     assert torch.equal(receiver.decode_forward(payload, ctx, x.shape), y.detach())
     grad_in = sender.decode_backward(receiver.encode_backward(g, ctx), ctx, x.shape)
     torch.testing.assert_close(grad_in, x.grad, rtol=0, atol=1e-6)
     # y lies in span(Q) and is the orthogonal projection of x: (x - y) Q = 0
-    q = receiver.state_dict()["bases"][0][0]
+    q = receiver.state_dict()["fwd"]["bases"][0][0]
     torch.testing.assert_close((x.detach() - y.detach()) @ q, torch.zeros(8, 3, r), rtol=0, atol=1e-5)
 
 
 def test_receiver_without_the_basis_refuses_to_decode():
-    receiver = get_codec("lowrank", keep_ratio=0.25, tokens_per_iteration=96)
+    receiver = build_codec("lowrank", 0.25, tokens_per_iteration=96)
     with pytest.raises(ValueError, match="never arrived"):
-        receiver.decode_forward(torch.zeros(8, 3, receiver.rank(32)), _ctx(1), (8, 3, 32))
+        receiver.decode_forward(torch.zeros(8, 3, receiver.fwd.rank(32)), _ctx(1), (8, 3, 32))
 
 
 def test_power_iteration_finds_the_top_subspace():
@@ -92,27 +92,45 @@ def test_power_iteration_finds_the_top_subspace():
 
 
 def test_fast_owner_refreshes_once_per_step_and_resumes_bit_exactly():
-    a = get_codec("lowrank", keep_ratio=0.25, tokens_per_iteration=96)
+    a = build_codec("lowrank", 0.25, tokens_per_iteration=96)
     for step in (1, 2, 3):
         for mb in range(3):  # only the first crossing of a step refreshes
             a.encode_forward(_acts(10 * step + mb), _ctx(step))
-        q_step = a.state_dict()["bases"][0]
+        q_step = a.state_dict()["fwd"]["bases"][0]
         assert q_step[1] == step
-        expected = power_step(initial_basis(1234, 0, 32, a.rank(32)), _acts(10)) if step == 1 else None
+        expected = power_step(initial_basis(1234, 0, 32, a.fwd.rank(32)), _acts(10)) if step == 1 else None
         if expected is not None:
             assert torch.equal(q_step[0], expected)
-    b = get_codec("lowrank", keep_ratio=0.25, tokens_per_iteration=96)
+    b = build_codec("lowrank", 0.25, tokens_per_iteration=96)
     b.load_state_dict(a.state_dict())
     pa, pb = a.encode_forward(_acts(40), _ctx(4)), b.encode_forward(_acts(40), _ctx(4))
     assert torch.equal(pa, pb) and torch.equal(a.basis_to_send(_ctx(4)), b.basis_to_send(_ctx(4)))
-    other = get_codec("lowrank", keep_ratio=0.25, q_owner="anchor", tokens_per_iteration=96)
+    other = build_codec("lowrank", 0.25, q_owner="anchor", tokens_per_iteration=96)
     with pytest.raises(ValueError, match="--lowrank-q-owner fast"):
         other.load_state_dict(a.state_dict())
 
 
+def test_lowrank_is_one_basis_seen_from_both_directions():
+    """``lowrank`` is a forward half and its backward view sharing one basis (issue 34: every codec a
+    pair of halves): it only goes alone, the backward keeps no state of its own, and a checkpoint
+    written before the halves (the whole state at the top level) still resumes."""
+    c = build_codec("lowrank", 0.25, tokens_per_iteration=96)
+    assert c.bwd is c.fwd.own_backward() and c.bwd.owner is c.fwd and c.is_chain_rule
+    for bad in ("lowrank:mask", "mask:lowrank", "lowrank:lowrank"):
+        with pytest.raises(ValueError, match="couples its two directions"):
+            build_codec(bad, 0.25)
+    c.encode_forward(_acts(1), _ctx(1))
+    state = c.state_dict()
+    assert set(state) == {"fwd", "bwd"} and state["bwd"] == {} and state["fwd"]["bases"][0][1] == 1
+    legacy = build_codec("lowrank", 0.25, tokens_per_iteration=96)
+    legacy.load_state_dict(state["fwd"])  # the pre-issue-34 layout
+    x = _acts(2)
+    assert torch.equal(legacy.encode_forward(x, _ctx(1)), c.encode_forward(x, _ctx(1)))
+
+
 def test_anchor_owner_uses_a_sent_basis_from_its_first_step_only():
-    c = get_codec("lowrank", keep_ratio=0.25, q_owner="anchor", tokens_per_iteration=96, anchor_interval=2)
-    r = c.rank(32)
+    c = build_codec("lowrank", 0.25, q_owner="anchor", tokens_per_iteration=96, anchor_interval=2)
+    r = c.fwd.rank(32)
     assert r == lowrank_rank(32, 0.25, 96, 1.0)
     x = _acts(1)
     q0 = initial_basis(1234, 0, 32, r)
@@ -123,6 +141,6 @@ def test_anchor_owner_uses_a_sent_basis_from_its_first_step_only():
     saved = c.state_dict()
     assert torch.equal(c.encode_forward(x, _ctx(4)), x @ q0)
     assert torch.equal(c.encode_forward(x, _ctx(5)), x @ q_new)
-    d = get_codec("lowrank", keep_ratio=0.25, q_owner="anchor", tokens_per_iteration=96, anchor_interval=2)
+    d = build_codec("lowrank", 0.25, q_owner="anchor", tokens_per_iteration=96, anchor_interval=2)
     d.load_state_dict(saved)  # a checkpoint taken between the fire and the basis' first step
     assert torch.equal(d.encode_forward(x, _ctx(5)), x @ q_new)

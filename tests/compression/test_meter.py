@@ -8,7 +8,7 @@ import torch
 
 _REPO = Path(__file__).resolve().parents[2]
 
-from megatron_cegrpo.compression import BoundaryContext, ByteMeter, get_codec
+from megatron_cegrpo.compression import BoundaryContext, ByteMeter, build_codec
 
 
 def _run_codec(meter, codec, shape, boundary, dtype=torch.bfloat16, step=0):
@@ -26,7 +26,7 @@ def _run_codec(meter, codec, shape, boundary, dtype=torch.bfloat16, step=0):
 
 def test_mask_ratio_exact_at_576():
     m = ByteMeter()
-    codec = get_codec("mask", keep_ratio=0.05)
+    codec = build_codec("mask", 0.05)
     for boundary in (0, 1, 2):
         for step in range(2):
             _run_codec(m, codec, (8, 2, 576), boundary, step=step)
@@ -44,7 +44,7 @@ def test_mask_ratio_exact_at_576():
 
 def test_dense_ratio_one_and_fp32_bytes():
     m = ByteMeter()
-    _run_codec(m, get_codec("dense"), (4, 3, 10), 1, dtype=torch.float32)
+    _run_codec(m, build_codec("dense"), (4, 3, 10), 1, dtype=torch.float32)
     snap = m.snapshot_and_reset()
     assert snap["comm/bytes_ratio"] == 1.0
     assert snap["comm/fwd_bytes"] == 4 * 3 * 10 * 4

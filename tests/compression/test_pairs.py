@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from megatron_cegrpo.compression import (BoundaryContext, MaskCodec, PairCodec, build_codec, check_codec_budget,
+from megatron_cegrpo.compression import (BoundaryCodec, BoundaryContext, MaskHalf, build_codec, check_codec_budget,
                                          parse_codec_spec)
 from megatron_cegrpo.compression.quant import allocate_bits, dequantize_columns, quantize_columns
 from megatron_cegrpo.compression.wire import ByteReader, bit_stream, pack_stream, stream_values, unpack_stream
@@ -50,8 +50,11 @@ def test_spec_parses_halves_and_params():
     assert (p.fwd, p.bwd, p.fwd_params, p.bwd_params) == ("pcaq", "lrq", {"rank": "96", "share": "0.1"},
                                                           {"rank": "32"})
     c = build_codec(p.text, 0.05)
-    assert isinstance(c, PairCodec) and (c.fwd.rank, c.fwd.share, c.bwd.rank) == (96, 0.1, 32)
-    assert parse_codec_spec("mask").single == "mask" and isinstance(build_codec("mask", 0.05), MaskCodec)
+    assert isinstance(c, BoundaryCodec) and (c.fwd.rank, c.fwd.share, c.bwd.rank) == (96, 0.1, 32)
+    assert parse_codec_spec("mask").single == "mask" and isinstance(build_codec("mask", 0.05).fwd, MaskHalf)
+    one = parse_codec_spec("pcaq/rank=96")  # a single name with params: the codec in both directions
+    assert (one.single, one.fwd, one.bwd, one.fwd_params, one.bwd_params) == ("pcaq", "pcaq", "pcaq",
+                                                                              {"rank": "96"}, {"rank": "96"})
 
 
 def test_mask_pair_is_bit_identical_to_mask_and_is_the_chain_rule():
@@ -74,13 +77,12 @@ def test_mask_pair_is_bit_identical_to_mask_and_is_the_chain_rule():
 def test_pair_mask_halves_precompute_off_the_critical_path():
     """issue 10 item 6: a pair's mask halves derive their PRF indices in precompute (as the single
     mask codec does), with the same bits; pairs of data-dependent halves have nothing to precompute."""
-    from megatron_cegrpo.compression import has_precompute
     x = torch.randn(7, 2, 40)
-    assert not has_precompute(build_codec("pcaq:lrq", 0.1)) and not has_precompute(build_codec("dense:dense", 0.1))
+    assert not build_codec("pcaq:lrq", 0.1).precomputes and not build_codec("dense:dense", 0.1).precomputes
     m = build_codec("mask", 0.1)
     for spec in ("mask:mask", "dense:mask"):
         c, ctx = build_codec(spec, 0.1), _ctx()
-        assert has_precompute(c) and c.precompute(ctx, tuple(x.shape))
+        assert c.precomputes and c.precompute(ctx, tuple(x.shape))
         pb = c.encode_backward(x, ctx)
         assert torch.equal(pb, m.encode_backward(x, ctx))
         assert torch.equal(c.decode_backward(pb, ctx, x.shape), m.decode_backward(pb, ctx, x.shape))
@@ -91,7 +93,7 @@ def test_pair_mask_halves_precompute_off_the_critical_path():
 
 
 def test_pair_backward_is_the_straight_through_compressed_gradient():
-    """pcaq:lrq is NOT the chain rule (pair.py says why): dL/dx = lrq.roundtrip(dL/dx_hat)."""
+    """pcaq:lrq is NOT the chain rule (compression/codecs.py says why): dL/dx = lrq.roundtrip(dL/dx_hat)."""
     shape = (24, 2, 48)
     x, g = _lowrank_data(shape), _lowrank_data(shape, seed=1)
     codec, ref = build_codec("pcaq/rank=12:lrq/rank=8", 0.25), build_codec("pcaq/rank=12:lrq/rank=8", 0.25)
@@ -247,27 +249,22 @@ def test_sender_decode_of_its_own_payloads_equals_the_receivers_across_passes():
 
 
 def test_declared_capabilities_match_the_constructors():
-    """Each codec and half declares what it takes (no signature probing at build time): the
-    spec parameters ``PARAMS`` (names, order, types), ``claims_budget`` (a ``keep_ratio``) and a
-    whole codec's ``RUN_OPTIONS``; checked here against the constructors themselves."""
+    """Each codec declares what it takes (no signature probing at build time): the spec parameters
+    ``PARAMS`` (names, order, types), ``claims_budget`` (a ``keep_ratio``) and the run-level
+    ``RUN_OPTIONS``; checked here against the constructors themselves. One registry (issue 34)."""
     import inspect
 
-    from megatron_cegrpo.compression.codecs import _REGISTRY
+    from megatron_cegrpo.arguments import TrainConfig
     from megatron_cegrpo.compression.halves import _HALVES
 
+    run_options = set(TrainConfig().boundary_codec_options())
     for name, cls in _HALVES.items():
         sig = inspect.signature(cls).parameters
-        own = {k: type(p.default) for k, p in sig.items() if k != "keep_ratio"}
+        own = {k: type(p.default) for k, p in sig.items() if k != "keep_ratio" and k not in cls.RUN_OPTIONS}
         assert cls.PARAMS == own and list(cls.PARAMS) == list(own), name
         assert cls.claims_budget == ("keep_ratio" in sig), name
-    for name, cls in _REGISTRY.items():
-        sig = inspect.signature(cls).parameters
-        assert cls.claims_budget == ("keep_ratio" in sig), name
-        assert set(cls.RUN_OPTIONS) <= set(sig), name
-    from megatron_cegrpo.arguments import TrainConfig
-
-    run_options = set(TrainConfig().boundary_codec_options())
-    for name, cls in _REGISTRY.items():
-        assert set(cls.RUN_OPTIONS) <= run_options, name
-    # what build_codec passes: lowrank takes every run option, mask none (its cache size is not one)
-    assert set(_REGISTRY["lowrank"].RUN_OPTIONS) == run_options and _REGISTRY["mask"].RUN_OPTIONS == ()
+        assert set(cls.RUN_OPTIONS) <= set(sig) and set(cls.RUN_OPTIONS) <= run_options, name
+    # what build_codec passes: lowrank takes every run option, the others none
+    assert set(_HALVES["lowrank"].RUN_OPTIONS) == run_options
+    assert [n for n, c in _HALVES.items() if c.RUN_OPTIONS] == ["lowrank"]
+    assert sorted(n for n, c in _HALVES.items() if c.coupled) == ["lowrank"]

@@ -10,7 +10,7 @@ and update passes (forward and the update's backward, both ends of the boundary)
 - every payload, basis, decoded tensor (both directions, both ends) and the final warm-started
   ``lowrank`` Q hash the same on both ranks;
 - the split bytes: the two pieces sum to the payload's bytes plus at most one padding element, the
-  payload's bytes are the documented ones (``PairCodec.bytes_per_message``; ``lowrank``: s b r
+  payload's bytes are the documented ones (``BoundaryCodec.bytes_per_message``; ``lowrank``: s b r
   elements a message and d r for the basis once per iteration), and the all-gather of the pieces
   rebuilds the payload bit for bit.
 """
@@ -62,9 +62,9 @@ def _documented(spec: str, msg: dict) -> int:
 
     codec = build_codec(spec, dict(SPECS)[spec], warn=False, **OPTIONS)
     if spec == "lowrank":
-        return S * B * codec.rank(D) * 4
+        return S * B * codec.fwd.rank(D) * 4
     if spec == "mask":
-        return S * B * codec.k(D) * 4
+        return S * B * codec.fwd.k(D) * 4
     return None
 
 
@@ -93,7 +93,7 @@ def test_the_split_pieces_sum_to_the_documented_payload_bytes(ranks, spec):
             assert m["bytes"] == codec.bytes_per_message("bwd", (S, B, D), elem, m["mb"] == 0), (spec, m)
         if "basis" in m:
             assert spec == "lowrank" and m["pass"] == "old" and m["mb"] == 0
-            assert m["basis"]["bytes"] == D * codec.rank(D) * elem and all(p["basis"]["rejoined"] for p in pair)
+            assert m["basis"]["bytes"] == D * codec.fwd.rank(D) * elem and all(p["basis"]["rejoined"] for p in pair)
             assert sum(p["basis"]["piece_bytes"] for p in pair) == m["basis"]["bytes"]  # d r divides by 2: no padding
     if spec.startswith("pcaq"):  # per step: the first message carries the basis, the rest do not
         first = codec.bytes_per_message("fwd", (S, B, D), 4, True)

@@ -85,10 +85,10 @@ def run_codec(spec: str, keep: float, rank: int, world: int) -> list:
                     bmsg = {"step": step, "pass": pas, "mb": mb, "dir": "bwd", **record(bpay, rank, world),
                             "decoded_sha": sha(send.decode_backward(bpay, ctx, g.shape))}
                     out.append(bmsg)
-    state = send.state_dict()
+    state = send.state_dict().get("fwd", {})
     if "bases" in state:  # lowrank: the warm-started Q each end holds after the run
         out.append({"dir": "state", "sha": sha(torch.cat([q.reshape(-1) for q, _ in state["bases"].values()])),
-                    "recv_sha": sha(torch.cat([q.reshape(-1) for q, _ in recv.state_dict()["bases"].values()]))})
+                    "recv_sha": sha(torch.cat([q.reshape(-1) for q, _ in recv.state_dict()["fwd"]["bases"].values()]))})
     return out
 
 

@@ -85,7 +85,7 @@ def test_lowrank_anchor_owned_basis_resumes_bit_exactly(tmp_path):
         assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
     # both stages hold the anchor's basis of fire 3 (serving iteration 4) and, pending, fire 4's
     codecs = [torch.load(tmp_path / "ck1" / "iter_0000004" / f"stage_{r:02d}" / "trainer_state.pt",
-                         weights_only=True)["codec"] for r in range(2)]
+                         weights_only=True)["codec"]["fwd"] for r in range(2)]  # the forward half owns the bases
     (q0, from0), (q1, from1) = codecs[0]["bases"][0], codecs[1]["bases"][0]
     assert torch.equal(q0, q1) and from0 == from1 == 4 and q0.shape == (D, R)
     assert not torch.equal(q0, initial_basis(1234, 0, D, R))  # the run seed's basis was replaced

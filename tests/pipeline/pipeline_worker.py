@@ -65,19 +65,19 @@ LOWRANK = {"keep_ratio": 0.25, "q_owner": "fast", "tokens_per_iteration": N * S 
 
 
 def codec_for(name):
-    from megatron_cegrpo.compression import build_codec, get_codec
+    from megatron_cegrpo.compression import build_codec
 
     if ":" in name:  # a FWD:BWD pair (compression/spec.py), sized for keep ratio 0.25
         return build_codec(name, 0.25)
     if name == "lowrank":
-        return get_codec(name, **LOWRANK)
-    return get_codec(name, keep_ratio=0.25) if name == "mask" else get_codec(name)
+        return build_codec(name, **LOWRANK)
+    return build_codec(name, 0.25 if name == "mask" else 0.05)
 
 
 def run_pipeline(args):
     from functools import partial
 
-    from megatron_cegrpo.compression import ByteMeter
+    from megatron_cegrpo.compression import ByteMeter, MaskHalf
     from megatron_cegrpo.initialize import initialize_distributed
     from megatron_cegrpo.models import allreduce_tied_embedding_grads, stage_layer_range
     from megatron_cegrpo.pipeline.communicator import CompressedP2PCommunicator
@@ -103,8 +103,9 @@ def run_pipeline(args):
     torch.save({"grads": grads, "meter": meter.snapshot_and_reset(), "codec_state": comm.codec.state_dict(),
                 "losses": [o["loss"] for o in upd], "logprobs": [o["logprobs"] for o in upd],
                 "fwd_logprobs": [o["logprobs"] for o in fwd], "prefetch_queued": queued,
-                "derivations": dict(getattr(comm.codec, "derivations", {})), "k_d": (getattr(comm.codec, "k", None) and
-                                                                     comm.codec.k(tf.hidden_size), tf.hidden_size)},
+                "derivations": comm.codec.derivations,
+                "k_d": (comm.codec.fwd.k(tf.hidden_size) if isinstance(comm.codec.fwd, MaskHalf) else None,
+                        tf.hidden_size)},
                os.path.join(args.out, f"rank{ctx.rank}.pt"))
 
 

@@ -42,7 +42,7 @@ def run_one(runner, model, batch, meter, ctx, offset, seed):
 
 
 def main(args):
-    from megatron_cegrpo.compression import ByteMeter, get_codec
+    from megatron_cegrpo.compression import ByteMeter, build_codec
     from megatron_cegrpo.initialize import initialize_distributed
     from megatron_cegrpo.models import stage_layer_range
     from megatron_cegrpo.pipeline.communicator import CompressedP2PCommunicator
@@ -52,7 +52,7 @@ def main(args):
     ctx = initialize_distributed(int(os.environ["WORLD_SIZE"]), SEED, num_threads=1)
     hf_config, tf, model = build(ctx.pp_rank, ctx.pp_size, {})
     meter = ByteMeter()
-    comm = CompressedP2PCommunicator(ctx.pp_group, tf, get_codec("dense"), meter, seed=SEED)
+    comm = CompressedP2PCommunicator(ctx.pp_group, tf, build_codec("dense"), meter, seed=SEED)
     offset = stage_layer_range(tf, ctx.pp_rank, ctx.pp_size)[0]
     out = {"hidden": tf.hidden_size}
     for g, prompts in GROUPS.items():

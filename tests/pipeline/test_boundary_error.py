@@ -4,7 +4,7 @@ import math
 
 import torch
 
-from megatron_cegrpo.compression import BoundaryContext, get_codec
+from megatron_cegrpo.compression import BoundaryContext, build_codec
 from megatron_cegrpo.pipeline.boundary_error import BoundaryErrorTracker, declare_error_persistence
 from megatron_cegrpo.training.reduce import StageMetricsReducer
 
@@ -21,7 +21,7 @@ def _iteration(tracker, codec, step, xs, boundary):
 
 
 def test_error_persistence_equals_the_cosine_of_successive_mean_errors():
-    codec = get_codec("mask", keep_ratio=0.25)
+    codec = build_codec("mask", 0.25)
     g = torch.Generator().manual_seed(0)
     red = StageMetricsReducer()
     declare_error_persistence(red)

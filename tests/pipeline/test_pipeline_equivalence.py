@@ -5,7 +5,7 @@
   (codec.forward_map with the same seed/boundary/step/sample ids) at the boundary; every
   rank's masks were precomputed on its background prefetch thread (both ends of a boundary
   in separate processes), none derived on the critical path.
-- a FWD:BWD pair (pcaq:lrq): equals a single process applying PairCodec.forward_map.
+- a FWD:BWD pair (pcaq:lrq): equals a single process applying BoundaryCodec.forward_map.
 """
 
 import os
@@ -102,7 +102,7 @@ def _run_pair(tmp_path, spec):
 
 
 def test_pair_pipeline_equals_single_process_map(tmp_path):
-    """A FWD:BWD pair in a real gloo pipeline equals one process applying PairCodec.forward_map
+    """A FWD:BWD pair in a real gloo pipeline equals one process applying BoundaryCodec.forward_map
     (forward half's roundtrip, backward half's roundtrip of the gradient; per-step basis sent on
     the first message of step 7 and reused by the update pass)."""
     codec, f, b = _run_pair(tmp_path, "pcaq/rank=16:lrq")
@@ -122,7 +122,7 @@ def test_lowrank_pipeline_equals_projected_reference(tmp_path):
     # coefficients (both directions) plus one [d, r] basis
     ranks, ref = _run(tmp_path, "lowrank", 2)
     _compare(ranks, ref, atol=1e-5)
-    (q0, step0), (q1, step1) = ranks[0]["codec_state"]["bases"][0], ranks[1]["codec_state"]["bases"][0]
+    (q0, step0), (q1, step1) = ranks[0]["codec_state"]["fwd"]["bases"][0], ranks[1]["codec_state"]["fwd"]["bases"][0]
     assert torch.equal(q0, q1) and step0 == step1 == 7
     d, r = 64, 13
     assert q0.shape == (d, r)
@@ -139,7 +139,7 @@ def test_lowrank_pipeline_equals_projected_reference(tmp_path):
 def test_rpq_pair_pipeline_equals_single_process_map(tmp_path):
     """rpq (compression/repeat.py) in a real gloo pipeline: the forward-only pass's crossings are
     first crossings, the update pass's are repeats of the same tensors, decoded bit for bit as
-    the first; so the pipeline equals one process applying PairCodec.forward_map once per
+    the first; so the pipeline equals one process applying BoundaryCodec.forward_map once per
     micro-batch, and the bytes are 4 first crossings (each with its own basis, the default) + 4 repeats."""
     from megatron_cegrpo.compression.spec import spec_bytes
 

@@ -5,7 +5,7 @@ import threading
 import pytest
 import torch
 
-from megatron_cegrpo.compression import BoundaryContext, DenseCodec, MaskCodec
+from megatron_cegrpo.compression import BoundaryCodec, BoundaryContext, MaskHalf, build_codec
 from megatron_cegrpo.pipeline.prefetch import CodecPrefetcher
 
 SHAPE = (5, 2, 64)
@@ -15,8 +15,8 @@ def _ctx(step, first_id=0, boundary=0):
     return BoundaryContext(seed=11, boundary=boundary, step=step, sample_ids=torch.tensor([first_id, first_id + 1]))
 
 
-class _Recording(MaskCodec):
-    """A mask codec that records which thread ran each precompute and can be told to fail."""
+class _RecordingHalf(MaskHalf):
+    """A mask half that records which thread ran each precompute and can be told to fail."""
 
     def __init__(self, fail_step=None):
         super().__init__(0.25)
@@ -28,6 +28,14 @@ class _Recording(MaskCodec):
         if ctx.step == self.fail_step:
             raise RuntimeError("precompute failed on purpose")
         return super().precompute(ctx, shape, device)
+
+
+def _Recording(fail_step=None):
+    """A mask codec (one half for both directions, as ``--boundary-codec mask``) that records."""
+    half = _RecordingHalf(fail_step)
+    codec = BoundaryCodec(half, half, spec="mask")
+    codec.threads, codec.order = half.threads, half.order
+    return codec
 
 
 def test_prefetch_runs_in_order_off_thread_and_feeds_the_codec():
@@ -64,6 +72,6 @@ def test_prefetch_new_step_forgets_old_and_errors_surface_on_wait():
 
 def test_prefetch_skips_codecs_without_precompute():
     pf = CodecPrefetcher("cpu")
-    assert pf.submit(DenseCodec(), [(_ctx(1), SHAPE)]) == 0
-    assert pf.wait(DenseCodec(), _ctx(1), SHAPE) is False
+    assert pf.submit(build_codec("dense"), [(_ctx(1), SHAPE)]) == 0
+    assert pf.wait(build_codec("dense"), _ctx(1), SHAPE) is False
     assert pf._executor is None  # no thread started
