@@ -116,7 +116,7 @@ class _Adapter:
                  passes: Optional[int] = None, halves=()):
         self.name, self.k, self.passes = name, k, passes
         self.enc_f, self.dec_f, self.enc_b, self.dec_b, self.precompute = enc_f, dec_f, enc_b, dec_b, precompute
-        self.halves = [h for h in halves if hasattr(h, "background_s")]  # halves with a lagged basis (lag=1)
+        self.halves = list(halves)  # halves with a lagged basis (lag=1; _library_adapter picks them)
 
     def settle(self) -> float:
         """Wait for the halves' background basis updates (``lag=1``: a worker thread builds the

@@ -55,18 +55,18 @@ def preflight(cfg):
     * ``--model`` resolves; its config fits ``--pipeline-model-parallel-size`` and the uneven
       split, ``--tensor-model-parallel-size`` divides its heads, KV heads, FFN and vocabulary,
       and ``--max-prompt-length + --max-new-tokens`` fits its positions (and vllm's KV cache);
-    * ``--boundary-codec`` (built once, ``plan.resolve_plan``): its bytes fit the
-      ``--boundary-keep-ratio`` it claims (PP >= 2), and it runs at this data-parallel and TP size;
+    * ``--save`` holds no other run's checkpoints (``checkpointing.check_save_dir``);
+    * the run plan (``plan.resolve_plan``): ``--boundary-codec`` built once, its parameters in
+      range, its bytes within the ``--boundary-keep-ratio`` it claims (PP >= 2), and it runs at this
+      data-parallel and TP size; ``--load`` (``checkpointing.decide_resume``, the one resume
+      decision): a checkpoint is there unless it is the ``--save`` directory; it fits the model,
+      split and codec (``check_compatible``), its files have their recorded sizes, and, when it
+      continues a run, it was written at this ``--tensor-model-parallel-size`` and the trajectory
+      options equal this run's (``check_resume``);
     * ``--custom-reward-function`` loads and takes ``(response, ground_truth)``;
     * ``--train-data`` resolves and loads, ``--num-holdout`` leaves a training prompt, and
       at least one prompt fits ``--max-prompt-length`` (``data.check_train_data``); every
-      ``--eval-datasets`` file exists;
-    * ``--save`` holds no other run's checkpoints (``checkpointing.check_save_dir``);
-    * ``--load`` (``checkpointing.decide_resume``, the one resume decision): a checkpoint is there
-      unless it is the ``--save`` directory; it fits the model, split and codec
-      (``check_compatible``), its files have their recorded sizes, and, when it continues a
-      run, it was written at this ``--tensor-model-parallel-size`` and the trajectory options
-      equal this run's (``check_resume``).
+      ``--eval-datasets`` file exists.
 
     Returns:
         the :class:`~megatron_cegrpo.plan.RunPlan`.
@@ -99,6 +99,13 @@ def preflight(cfg):
             f"{cfg.model.model}; fix: lower one of them so that their sum is at most {positions}")
 
     _check_rollout_engine(cfg, hf_config)
+    c = cfg.checkpoint
+    if c.save:
+        ck.check_save_dir(c.save, c.load)
+    # the layout, the codec (built once, its parameters' ranges, capabilities and bytes checked) and
+    # the resume decision (here also checking the listed checkpoint files' sizes): the run plan the
+    # trainer gets, before the slower data checks below tokenize every prompt
+    plan = resolve_plan(cfg, _launch_world_size(), hf_config, verify_sizes=True)
     d = cfg.data
 
     def encode(question):
@@ -117,12 +124,7 @@ def preflight(cfg):
 
         check_eval_data(list(parse_dataset_specs(d.eval_datasets)), d.data_root)
 
-    c = cfg.checkpoint
-    if c.save:
-        ck.check_save_dir(c.save, c.load)
-    # the layout, the codec (built once, its capabilities and bytes checked) and the resume decision
-    # (here also checking the listed checkpoint files' sizes): the run plan the trainer gets
-    return resolve_plan(cfg, _launch_world_size(), hf_config, verify_sizes=True)
+    return plan
 
 
 def _check_rollout_engine(cfg, hf_config) -> None:

@@ -229,8 +229,8 @@ CASES = [
     Case("keep-ratio", "flag", ["--boundary-keep-ratio", "1.5"],
          "--boundary-keep-ratio must be a finite number > 0 and <= 1, got 1.5; fix: e.g. --boundary-keep-ratio 0.05"),
     Case("codec", "flag", ["--boundary-codec", "topk"],
-         "--boundary-codec 'topk': unknown codec 'topk'; valid names: dense, lowrank, lrq, mask, pcaq, rpq, or "
-         "FWD:BWD of two of them; fix: e.g. --boundary-codec mask, or --boundary-codec pcaq:lrq"),
+         "--boundary-codec 'topk': unknown codec 'topk'; valid names: dense, lowrank, mask, or FWD:BWD with halves from "
+         "dense, lrq, mask, pcaq, rpq; fix: e.g. --boundary-codec mask, or --boundary-codec pcaq:lrq"),
     Case("codec-coupled-in-pair", "flag", ["--boundary-codec", "lowrank:mask"],
          "--boundary-codec 'lowrank:mask': lowrank couples its two directions (one basis for both): use "
          "--boundary-codec lowrank alone, not in 'lowrank:mask'; fix: e.g. --boundary-codec mask, or "

@@ -83,16 +83,18 @@ def _check_shape(shape) -> Tuple[int, int, int]:
 
 
 class _PairMap(torch.autograd.Function):
-    """forward: FWD.roundtrip(x); backward: BWD.roundtrip(g) (see module docstring)."""
+    """forward: FWD.roundtrip(x); backward: BWD.roundtrip(g) (see module docstring), with what the
+    forward held for it (``DirectionCodec.forward_roundtrip``: a coupled codec's basis of that step)."""
 
     @staticmethod
     def forward(ctx, x, codec, bctx):
         ctx.codec, ctx.bctx = codec, bctx
-        return codec.fwd.roundtrip(x, bctx)
+        y, ctx.held = codec.fwd.forward_roundtrip(x, bctx)
+        return y
 
     @staticmethod
     def backward(ctx, g):
-        return ctx.codec.bwd.roundtrip(g.contiguous(), ctx.bctx), None, None
+        return ctx.codec.bwd.backward_roundtrip(g.contiguous(), ctx.bctx, ctx.held), None, None
 
 
 class BoundaryCodec:
@@ -106,6 +108,10 @@ class BoundaryCodec:
     """
 
     def __init__(self, fwd: "DirectionCodec", bwd: "DirectionCodec", spec: str = ""):
+        """Raises ValueError: a coupled half (``lowrank``) with any backward but its own view."""
+        for h in (fwd, bwd):
+            if h.coupled and bwd is not fwd.own_backward():
+                raise ValueError(f"{h.name} couples its two directions (one basis for both): it only goes alone")
         self.fwd, self.bwd, self.spec = fwd, bwd, spec or f"{fwd.name}:{bwd.name}"
         self.name = self.spec
         self._halves = (fwd,) if fwd is bwd else (fwd, bwd)
@@ -129,8 +135,9 @@ class BoundaryCodec:
     @property
     def claims_budget(self) -> bool:
         """The codec is sized by ``--boundary-keep-ratio`` and the start-up byte-budget check
-        applies (``spec.check_codec_budget``); False only for ``dense``, the uncompressed control."""
-        return bool(self.fwd.claims_budget or self.bwd.claims_budget)
+        applies (``spec.check_codec_budget``); False only for ``dense`` named alone (one half serving
+        both directions), the uncompressed control: ``dense:dense`` is checked, and refused."""
+        return bool(self.fwd.claims_budget or self.bwd.claims_budget or self.fwd is not self.bwd)
 
     @property
     def precomputes(self) -> bool:
@@ -160,7 +167,7 @@ class BoundaryCodec:
     def summary(self, d: int) -> str:
         """What the start-up line adds after the codec's name at width ``d`` (e.g. mask: ``" (k=29
         of d)"``): a single-name codec's half's summary, "" for a pair of two halves."""
-        return self.fwd.summary(d) if ":" not in self.spec else ""
+        return self.fwd.summary(d) if (self.fwd is self.bwd or self.fwd.coupled) else ""
 
     def check_width(self, d: int) -> None:
         """Raise ValueError (naming the flag) when a half's budget cannot code width ``d``."""

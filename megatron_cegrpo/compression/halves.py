@@ -130,11 +130,25 @@ class DirectionCodec(abc.ABC):
     #: :meth:`precompute` has context-only work to do ahead of a crossing (``mask``'s PRF indices)
     precomputes = False
 
+    #: the half is a whole codec named alone (``--boundary-codec NAME``: ``dense``, ``mask``,
+    #: ``lowrank``), its backward :meth:`own_backward`; the others only go in a ``FWD:BWD`` pair
+    alone = False
+
     def own_backward(self) -> Optional["DirectionCodec"]:
-        """The backward half when this half is named alone (``--boundary-codec NAME``): this very
-        instance for a self-adjoint linear half (``dense``, ``mask``: one index cache serves both
-        directions), a view sharing its state for a coupled one; None: a second instance."""
-        return self if self.self_adjoint_linear else None
+        """The backward half when this half is named alone (``alone``): this very instance for
+        ``dense`` and ``mask`` (one index cache serves both directions), a view sharing the basis for
+        ``lowrank``; None for the halves that only go in a pair."""
+        return None
+
+    def forward_roundtrip(self, t: torch.Tensor, ctx: BoundaryContext):
+        """``(roundtrip(t), held)``: the single-process forward map and what its backward needs from
+        this very call (None but for a coupled half: ``lowrank``'s basis of that step)."""
+        return self.roundtrip(t, ctx), None
+
+    def backward_roundtrip(self, g: torch.Tensor, ctx: BoundaryContext, held) -> torch.Tensor:
+        """The single-process backward map of a gradient ``g`` (``roundtrip``), given what the forward
+        held (:meth:`forward_roundtrip`; ignored here)."""
+        return self.roundtrip(g, ctx)
 
     def summary(self, d: int) -> str:
         """What the start-up line adds after the codec's name at width ``d`` ("" by default)."""
@@ -246,6 +260,11 @@ class DenseHalf(DirectionCodec):
     replica_invariant = True
     tp_splittable = True
     claims_budget = False
+    alone = True
+
+    def own_backward(self) -> "DirectionCodec":
+        """This instance (the identity is its own adjoint)."""
+        return self
 
     def wire_shape(self, shape, ctx, dtype, role):
         return _check_shape(shape)

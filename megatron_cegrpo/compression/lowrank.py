@@ -146,6 +146,7 @@ class LowRankHalf(DirectionCodec):
 
     RUN_OPTIONS = ("q_owner", "tokens_per_iteration", "anchor_interval")
     coupled = True
+    alone = True
 
     def __init__(self, keep_ratio: float = 0.05, q_owner: str = "fast", tokens_per_iteration: int = 16384,
                  anchor_interval: int = 4):
@@ -270,10 +271,15 @@ class LowRankHalf(DirectionCodec):
     def roundtrip(self, t, ctx):
         """Single-process reference ``(x Q) Q^T``, refreshing Q as the sender would (the refreshed
         basis is not queued for shipping: nobody receives it)."""
+        return self.forward_roundtrip(t, ctx)[0]
+
+    def forward_roundtrip(self, t, ctx):
+        """``((x Q) Q^T, Q)``: the backward of this very map projects with this Q, whatever basis the
+        half holds by then (a later step's, an anchor-sent one)."""
         with torch.no_grad():
             q = self._refresh_if_new_step(t, ctx)
             self._outgoing.pop(ctx.boundary, None)
-            return (t.detach() @ q) @ q.t()
+            return (t.detach() @ q) @ q.t(), q
 
     # -- checkpoint --------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -320,3 +326,10 @@ class _LowRankBackward(DirectionCodec):
 
     def decode(self, payload, ctx, shape):
         return self.owner.expand(payload, ctx, shape)
+
+    def backward_roundtrip(self, g, ctx, held):
+        """``(g Q) Q^T`` with the Q of the forward map (``held``; the installed basis without one)."""
+        if held is None:
+            return self.roundtrip(g, ctx)
+        with torch.no_grad():
+            return (g.detach() @ held) @ held.t()

@@ -65,6 +65,7 @@ class MaskHalf(DirectionCodec):
     replica_invariant = True  # indices keyed by the global sample id
     tp_splittable = True  # no state but the PRF indices of ctx
     precomputes = True
+    alone = True
 
     def __init__(self, keep_ratio: float = 0.05):
         keep_count(1, keep_ratio)  # validates the ratio
@@ -179,6 +180,11 @@ class MaskHalf(DirectionCodec):
         # tensor (0 * (d/k) = 0), with k instead of d multiplications and no second [s, b, d]
         return torch.zeros((s, b, d), dtype=payload.dtype, device=payload.device).scatter_(
             -1, idx, payload * self.scale(d))
+
+    def own_backward(self) -> "DirectionCodec":
+        """This instance: the backward uses the forward's indices (the exact chain rule), from one
+        index cache."""
+        return self
 
     # -- the half's API -----------------------------------------------------------
     def wire_shape(self, shape, ctx, dtype, role):

@@ -46,7 +46,7 @@ fewer bytes; if a key's shape changes, its crossing counts as a first one (the m
 from the payloads, is the truth: ``comm/bytes_ratio``).
 
 Not unbiased (truncation, deterministic rounding) and no chain rule; as the forward half of a
-pair the backward is the backward half's compressed gradient, straight-through (``pair.py``).
+pair the backward is the backward half's compressed gradient, straight-through (``codecs.py``).
 
 Pure tensor code: no torch.distributed.
 """

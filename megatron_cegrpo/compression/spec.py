@@ -2,15 +2,15 @@
 
 Grammar (issue 10, item 4)::
 
-    SPEC   := HALF                      one registered codec in both directions
-                                        (dense, mask, lowrank, pcaq, ...)
+    SPEC   := NAME                      a codec that goes alone, in both directions
+                                        (dense, mask, lowrank: ``alone``)
             | HALF ":" HALF             forward half ":" backward half
     HALF   := NAME ("/" KEY "=" VALUE)*  a registered codec (halves.py: one registry) with
                                          optional parameters, e.g. pcaq/rank=96
 
 Examples: ``mask``; ``mask:mask`` (bit-identical to ``mask``); ``pcaq:lrq``;
 ``pcaq/rank=96/share=0.1:lrq/rank=32``; ``dense:mask``. A ``coupled`` codec (``lowrank``: both
-directions share one basis) only goes alone. ``--boundary-keep-ratio`` is the byte budget
+directions share one basis) only goes alone; ``pcaq``, ``lrq``, ``rpq`` only in a pair. ``--boundary-keep-ratio`` is the byte budget
 every compressing half is sized for (its default parameters follow from it).
 
 :func:`build_codec` is THE constructor of a codec (the run plan, tools, benchmarks): it parses
@@ -31,14 +31,20 @@ from .codecs import BoundaryCodec
 from .halves import available_halves, get_half, half_class, half_params
 from .prf import keep_count
 
-__all__ = ["CodecSpec", "available_codecs", "parse_codec_spec", "build_codec", "check_codec_budget", "spec_bytes"]
+__all__ = ["CodecSpec", "available_codecs", "pair_halves", "parse_codec_spec", "build_codec", "check_codec_budget", "spec_bytes"]
 
 _HALF_RE = re.compile(r"^[a-z][a-z0-9_]*(/[a-z_]+=[0-9.eE+-]+)*$")
 
 
 def available_codecs() -> List[str]:
-    """Sorted names of the registered codecs (``--boundary-codec NAME``; halves.py's registry)."""
-    return available_halves()
+    """Sorted names of the codecs that go alone (``--boundary-codec NAME``: the halves that declare
+    ``alone``: dense, lowrank, mask); every other registered half only goes in a ``FWD:BWD`` pair."""
+    return sorted(n for n in available_halves() if half_class(n).alone)
+
+
+def pair_halves() -> List[str]:
+    """Sorted names usable on either side of ``FWD:BWD`` (every half but the ``coupled`` ones)."""
+    return sorted(n for n in available_halves() if not half_class(n).coupled)
 
 
 @dataclass(frozen=True)
@@ -59,7 +65,7 @@ def _parse_half(text: str, which: str) -> Tuple[str, Dict[str, str]]:
         raise ValueError(f"{which} half {text!r} is not NAME or NAME/key=value/...")
     name, *pairs = text.split("/")
     if name not in available_halves():
-        raise ValueError(f"unknown {which} half {name!r}; valid halves: {', '.join(available_halves())}")
+        raise ValueError(f"unknown {which} half {name!r}; valid halves: {', '.join(pair_halves())}")
     params: Dict[str, str] = {}
     for p in pairs:
         k, v = p.split("=", 1)
@@ -83,11 +89,10 @@ def parse_codec_spec(text: str) -> CodecSpec:
         raise ValueError("empty codec spec")
     text = text.strip()
     if ":" not in text:
-        if text.split("/")[0] not in available_halves():
-            raise ValueError(f"unknown codec {text!r}; valid names: {', '.join(available_halves())}, "
-                             f"or FWD:BWD of two of them")
-        name, params = _parse_half(text, "the")
-        return CodecSpec(text=text, fwd=name, bwd=name, fwd_params=params, bwd_params=params, single=name)
+        if text not in available_codecs():
+            raise ValueError(f"unknown codec {text!r}; valid names: {', '.join(available_codecs())}, "
+                             f"or FWD:BWD with halves from {', '.join(pair_halves())}")
+        return CodecSpec(text=text, fwd=text, bwd=text, single=text)
     parts = text.split(":")
     if len(parts) != 2:
         raise ValueError(f"{text!r} has {len(parts) - 1} ':'; a pair is FWD:BWD")
@@ -110,7 +115,7 @@ def build_codec(spec: str, keep_ratio: float = 0.05, *, warn: bool = True, **opt
     goes to a half's constructor only when the half declares it (``DirectionCodec.RUN_OPTIONS``).
     A single name is that codec in both directions: its backward is
     :meth:`~megatron_cegrpo.compression.halves.DirectionCodec.own_backward` (the same instance
-    for ``dense`` and ``mask``, a view of the same basis for ``lowrank``) or a second instance.
+    for ``dense`` and ``mask``, a view of the same basis for ``lowrank``).
 
     Raises:
         ValueError: malformed spec, unknown name, bad parameter, keep_ratio outside (0, 1], a
@@ -119,7 +124,7 @@ def build_codec(spec: str, keep_ratio: float = 0.05, *, warn: bool = True, **opt
     keep_count(1, keep_ratio)  # validates the ratio
     p = parse_codec_spec(spec)
     fwd = get_half(p.fwd, keep_ratio, p.fwd_params, options)
-    bwd = (fwd.own_backward() if p.single else None) or get_half(p.bwd, keep_ratio, p.bwd_params, options)
+    bwd = fwd.own_backward() if p.single else get_half(p.bwd, keep_ratio, p.bwd_params, options)
     codec = BoundaryCodec(fwd, bwd, spec=p.text)
     if not codec.claims_budget and keep_ratio != 0.05 and warn:
         warnings.warn(f"--boundary-keep-ratio {keep_ratio} is ignored by --boundary-codec {p.text}")

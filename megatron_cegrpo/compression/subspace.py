@@ -43,7 +43,7 @@ Budget (per message, ``budget = floor(keep_ratio * N * d * elem)`` bytes):
   B = min(max_bits r, floor(8 * (budget - r (2 d + 8) - K (2 d + 4)) / N)).
 
 Both are biased (truncation to r directions and deterministic rounding): not unbiased
-estimators, and no chain rule: see ``pair.py`` for what the backward of a pair is.
+estimators, and no chain rule: see ``codecs.py`` for what the backward of a pair is.
 
 Pure tensor code: no torch.distributed.
 """

@@ -41,22 +41,24 @@ def _ctx(step=7, b=3, seed=1234, boundary=0, offset=0):
 # --------------------------------------------------------------------------- registry
 
 def test_registry_names_and_build():
-    assert available_codecs() == ["dense", "lowrank", "lrq", "mask", "pcaq", "rpq"]
+    assert available_codecs() == ["dense", "lowrank", "mask"]  # the halves that go alone
     d = build_codec("dense")
     assert isinstance(d, BoundaryCodec) and isinstance(d.fwd, DenseHalf) and d.bwd is d.fwd
     m = build_codec("mask", 0.05)
     assert isinstance(m.fwd, MaskHalf) and m.bwd is m.fwd  # one index cache for both directions
     assert m.fwd.k(576) == 29 and m.fwd.k(1536) == 77 and m.name == "mask"
-    # a single name is that codec in both directions: pcaq alone is pcaq:pcaq, two instances
-    p = build_codec("pcaq", 0.05)
-    assert type(p.fwd) is type(p.bwd) and p.fwd is not p.bwd and p.name == "pcaq"
+    # the other halves go only in a pair, each direction its own instance
+    with pytest.raises(ValueError, match="or FWD:BWD with halves from dense, lrq, mask, pcaq, rpq"):
+        build_codec("pcaq", 0.05)
+    p = build_codec("pcaq:pcaq", 0.05)
+    assert type(p.fwd) is type(p.bwd) and p.fwd is not p.bwd and p.name == "pcaq:pcaq"
 
 
 def test_registry_unknown_name_lists_valid_names():
     with pytest.raises(ValueError) as e:
         build_codec("topk")
     msg = str(e.value)
-    assert "topk" in msg and "dense, lowrank, lrq, mask, pcaq, rpq" in msg
+    assert "topk" in msg and "valid names: dense, lowrank, mask," in msg
 
 
 def test_register_half_rejects_non_codec_and_duplicate():

@@ -110,12 +110,29 @@ def test_fast_owner_refreshes_once_per_step_and_resumes_bit_exactly():
         other.load_state_dict(a.state_dict())
 
 
+def test_forward_map_backward_projects_with_the_basis_of_its_own_forward():
+    """autograd through ``forward_map`` uses the Q of that forward, even after a later step refreshed
+    the basis (as autograd through ``(x Q) Q^T`` did before the halves)."""
+    c = build_codec("lowrank", 0.25, tokens_per_iteration=96)
+    x1 = _acts(1).requires_grad_(True)
+    y1 = c.forward_map(x1, _ctx(1))
+    q1 = c.state_dict()["fwd"]["bases"][0][0].clone()
+    c.forward_map(_acts(2), _ctx(2))  # step 2 refreshes the basis
+    assert not torch.equal(q1, c.state_dict()["fwd"]["bases"][0][0])
+    g = torch.randn(8, 3, 32, generator=torch.Generator().manual_seed(9))
+    y1.backward(g)
+    assert torch.equal(x1.grad, (g @ q1) @ q1.t())
+
+
 def test_lowrank_is_one_basis_seen_from_both_directions():
     """``lowrank`` is a forward half and its backward view sharing one basis (issue 34: every codec a
     pair of halves): it only goes alone, the backward keeps no state of its own, and a checkpoint
     written before the halves (the whole state at the top level) still resumes."""
     c = build_codec("lowrank", 0.25, tokens_per_iteration=96)
     assert c.bwd is c.fwd.own_backward() and c.bwd.owner is c.fwd and c.is_chain_rule
+    from megatron_cegrpo.compression import BoundaryCodec, MaskHalf
+    with pytest.raises(ValueError, match="only goes alone"):
+        BoundaryCodec(c.fwd, MaskHalf(0.25))
     for bad in ("lowrank:mask", "mask:lowrank", "lowrank:lowrank"):
         with pytest.raises(ValueError, match="couples its two directions"):
             build_codec(bad, 0.25)

@@ -52,9 +52,11 @@ def test_spec_parses_halves_and_params():
     c = build_codec(p.text, 0.05)
     assert isinstance(c, BoundaryCodec) and (c.fwd.rank, c.fwd.share, c.bwd.rank) == (96, 0.1, 32)
     assert parse_codec_spec("mask").single == "mask" and isinstance(build_codec("mask", 0.05).fwd, MaskHalf)
-    one = parse_codec_spec("pcaq/rank=96")  # a single name with params: the codec in both directions
-    assert (one.single, one.fwd, one.bwd, one.fwd_params, one.bwd_params) == ("pcaq", "pcaq", "pcaq",
-                                                                              {"rank": "96"}, {"rank": "96"})
+    one = parse_codec_spec("lowrank")  # a codec that goes alone: the same name both ways
+    assert (one.single, one.fwd, one.bwd, one.fwd_params) == ("lowrank", "lowrank", "lowrank", {})
+    for bad in ("pcaq", "pcaq/rank=96", "mask/rank=2"):  # one direction's codecs, and no params alone
+        with pytest.raises(ValueError, match="unknown codec"):
+            parse_codec_spec(bad)
 
 
 def test_mask_pair_is_bit_identical_to_mask_and_is_the_chain_rule():
@@ -255,7 +257,7 @@ def test_declared_capabilities_match_the_constructors():
     import inspect
 
     from megatron_cegrpo.arguments import TrainConfig
-    from megatron_cegrpo.compression.halves import _HALVES
+    from megatron_cegrpo.compression.halves import _HALVES, DirectionCodec
 
     run_options = set(TrainConfig().boundary_codec_options())
     for name, cls in _HALVES.items():
@@ -268,3 +270,19 @@ def test_declared_capabilities_match_the_constructors():
     assert set(_HALVES["lowrank"].RUN_OPTIONS) == run_options
     assert [n for n, c in _HALVES.items() if c.RUN_OPTIONS] == ["lowrank"]
     assert sorted(n for n, c in _HALVES.items() if c.coupled) == ["lowrank"]
+    for name, cls in _HALVES.items():  # a declaration that its code contradicts would go unnoticed
+        assert cls.precomputes == (cls.precompute is not DirectionCodec.precompute), name
+        assert cls.alone == (cls.own_backward is not DirectionCodec.own_backward), name
+    assert sorted(n for n, c in _HALVES.items() if c.alone) == ["dense", "lowrank", "mask"]
+
+
+def test_dense_alone_is_the_control_but_a_dense_pair_claims_the_budget():
+    """``dense`` alone is the uncompressed control (no budget check); ``dense:dense`` names two
+    halves and is checked like any pair (and refused: it sends all of dense)."""
+    assert not build_codec("dense").claims_budget
+    with pytest.warns(UserWarning, match="ignored by --boundary-codec dense"):
+        build_codec("dense", 0.1)
+    pair = build_codec("dense:dense", 0.05)
+    assert pair.claims_budget
+    with pytest.raises(ValueError, match="forward sends"):
+        check_codec_budget(pair, 0.05, (16, 2, 64), 4)
