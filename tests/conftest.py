@@ -19,6 +19,16 @@ TIERS = ("unit", "integration", "e2e")
 _E2E_SIGNS = ("megatron_cegrpo/train.py", 'launcher("deepspeed")', '_launcher("deepspeed")', "torchrun",
               "launch_train(", "equivalence_runs import")
 _PROCESS_SIGNS = ("run_ranks(", "run_single(", "subprocess", "mp.spawn", "multiprocessing")
+#: the e2e modules ``make test`` runs (marked ``smoke``): one launch of the main path through the
+#: deepspeed launcher with the mask, the anchor, a save, a kill and a resume against its record
+#: (equivalence), both launchers, the bad-input lines (each flag's and the launcher's), the entry
+#: points, the heartbeat and restart policy, the example scripts' flags. The other e2e modules, the
+#: long launches (resume at every path, faults, chaos, elastic, DP/TP, each feature's launch), run in
+#: ``make test-launch``, which CI runs after ``make test`` (docs/testing.md)
+SMOKE_E2E = ("equivalence/test_equivalence.py", "e2e/test_train_launch.py", "test_reliability.py",
+             "test_bootstrap.py", "test_heartbeat.py", "test_restart_policy.py", "e2e/test_example_scripts.py",
+             "benchmarks/test_bench_peer.py")
+_HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def module_tier(path: str) -> str:
@@ -33,12 +43,16 @@ def module_tier(path: str) -> str:
 
 
 def pytest_collection_modifyitems(config, items):
-    """Give each test its tier marker (one named on the test itself wins)."""
+    """Give each test its tier marker (one named on the test itself wins), and ``smoke`` to the tests
+    of the :data:`SMOKE_E2E` modules."""
     tiers = {}
+    smoke = {os.path.join(_HERE, p) for p in SMOKE_E2E}
     for item in items:
+        path = str(item.fspath)
+        if path in smoke:
+            item.add_marker(pytest.mark.smoke)
         if any(item.get_closest_marker(t) for t in TIERS):
             continue
-        path = str(item.fspath)
         if path not in tiers:
             tiers[path] = module_tier(path)
         item.add_marker(getattr(pytest.mark, tiers[path]))

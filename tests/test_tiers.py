@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from conftest import TIERS, module_tier
+from conftest import SMOKE_E2E, TIERS, module_tier
 from distributed_util import REPO
 
 # its own tier, named (its source quotes a launch only as a sample for module_tier)
@@ -39,7 +39,7 @@ def test_every_collected_test_has_exactly_one_tier(tmp_path):
         "import json, os\n"
         "def pytest_collection_finish(session):\n"
         f"    tiers = {TIERS!r}\n"
-        "    rows = [[m.name for m in item.iter_markers() if m.name in tiers] for item in session.items]\n"
+        "    rows = [[m.name for m in item.iter_markers() if m.name in tiers + ('smoke',)] for item in session.items]\n"
         "    json.dump(rows, open(os.environ['TIER_OUT'], 'w'))\n")
     out = tmp_path / "tiers.json"
     env = dict(os.environ, TIER_OUT=str(out), PYTHONPATH=str(tmp_path) + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -48,5 +48,19 @@ def test_every_collected_test_has_exactly_one_tier(tmp_path):
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     rows = json.loads(out.read_text())
     assert len(rows) > 1000
-    assert all(len(r) == 1 for r in rows), [r for r in rows if len(r) != 1][:5]
-    assert {r[0] for r in rows} == set(TIERS)
+    tiers = [[m for m in r if m != "smoke"] for r in rows]
+    assert all(len(r) == 1 for r in tiers), [r for r in tiers if len(r) != 1][:5]
+    assert {r[0] for r in tiers} == set(TIERS)
+    # `make test` (not e2e, or smoke) and `make test-launch` (e2e, not smoke) split the default suite;
+    # every smoke test is an e2e one, so the split leaves none out and runs none twice
+    smoke = [r for r in rows if "smoke" in r]
+    assert smoke and all(r == ["e2e", "smoke"] or r == ["smoke", "e2e"] for r in smoke)
+    assert 0 < sum(r == ["e2e"] for r in rows) < sum("e2e" in r for r in rows)
+
+
+def test_the_smoke_modules_exist_and_launch():
+    """Each module that `make test` runs from the e2e tier (conftest.SMOKE_E2E) is there and is e2e."""
+    for rel in SMOKE_E2E:
+        path = os.path.join(REPO, "tests", rel)
+        assert os.path.isfile(path), rel
+        assert module_tier(path) == "e2e", rel
