@@ -27,6 +27,7 @@ host's kind (where there is none it skips and says what differs).
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -129,6 +130,7 @@ def environment_path(name: str) -> str:
 ENVIRONMENT_KEYS = ("cpu_capability", "amx", "torch", "transformers", "tokenizers")
 
 
+@functools.lru_cache(maxsize=None)  # one host per process; every record lookup asks it
 def environment() -> dict:
     """This host's :data:`ENVIRONMENT_KEYS` (ATen's CPU capability, e.g. ``AVX512``, and the
     package versions), plus the CPU's name for the reader (not compared)."""
@@ -205,7 +207,7 @@ def main(argv) -> int:
             for r in recs:
                 f.write(json.dumps(r, sort_keys=True) + "\n")
         with open(base + ".env.json", "w") as f:
-            json.dump(environment(), f, indent=1, sort_keys=True)
+            json.dump(dict(environment()), f, indent=1, sort_keys=True)
             f.write("\n")
         print(f"recorded {len(recs)} records to {base}.jsonl (environment: {base}.env.json)")
         return 0
