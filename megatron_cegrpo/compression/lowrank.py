@@ -258,15 +258,12 @@ class LowRankHalf(DirectionCodec):
         q = self._refresh_if_new_step(t, ctx)
         return (t.detach() @ q).contiguous()
 
-    def expand(self, payload, ctx, shape):
+    def decode(self, payload, ctx, shape):
         """P Q^T for a payload [s, b, r] (both directions). Raises ValueError on a wrong shape."""
         s, b, d = _check_shape(shape)
         if tuple(payload.shape) != (s, b, self.rank(d)):
             raise ValueError(f"payload shape {tuple(payload.shape)} != {(s, b, self.rank(d))}")
         return payload @ self._installed(ctx, d, payload.dtype, payload.device).t()
-
-    def decode(self, payload, ctx, shape):
-        return self.expand(payload, ctx, shape)
 
     def roundtrip(self, t, ctx):
         """Single-process reference ``(x Q) Q^T``, refreshing Q as the sender would (the refreshed
@@ -325,7 +322,7 @@ class _LowRankBackward(DirectionCodec):
         return (t.detach() @ self.owner._installed(ctx, t.shape[-1], t.dtype, t.device)).contiguous()
 
     def decode(self, payload, ctx, shape):
-        return self.owner.expand(payload, ctx, shape)
+        return self.owner.decode(payload, ctx, shape)
 
     def backward_roundtrip(self, g, ctx, held):
         """``(g Q) Q^T`` with the Q of the forward map (``held``; the installed basis without one)."""
