@@ -146,7 +146,7 @@ def _library_adapter(name: str, codec, shape) -> _Adapter:
 def _reference_adapter(ref, shape) -> _Adapter:
     return _Adapter(ref.name, lambda x, ctx: ref.encode_forward(x), lambda p, ctx: ref.decode_forward(p, shape),
                     lambda g, ctx, fp: ref.encode_backward(g, fp), lambda p, ctx, fp: ref.decode_backward(p, fp, shape),
-                    k=getattr(ref, "k", None))
+                    k=ref.k if isinstance(ref, TopKReference) else None)
 
 
 def default_specs() -> List[str]:

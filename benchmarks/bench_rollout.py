@@ -101,8 +101,7 @@ def bench_engine(name: str, cfg, sd, tokenizer, rollout_prompts, holdout, repeat
         push_s = time.perf_counter() - t
         finished = float(out.finished.float().mean())
     finally:
-        if hasattr(eng, "close"):
-            eng.close()
+        eng.close()
         del eng
     return {"engine": name, "startup_s": startup, "rollout_s": statistics.median(times), "rollout_all_s": times,
             "rollout_tokens": tokens, "rollout_finished": finished, "eval_s": eval_s,

@@ -47,7 +47,7 @@ class AnchorCircuit:
                                              counted=[p for p in owned if stage.counted_here(p)])
         stage.register_correction(self.correction)
         tied_copy = any(stage.is_duplicate_tied_weight(p) for p in owned)
-        self.tp = int(getattr(ctx, "tp_size", 1))
+        self.tp = ctx.tp_size
         # at TP > 1 TP rank 0 ships the gathered stage and holds the whole signs (its hook its shard)
         whole = _whole_owned(stage) if self.tp > 1 else stage.named_owned
         self.relay = build_relay(ctx, self.correction, [n for n, _ in stage.named_owned],

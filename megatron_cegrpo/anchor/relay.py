@@ -238,7 +238,7 @@ def build_relay(ctx, hook, names: Sequence[str], whole_shapes: Sequence[Tuple[in
         names: the stage-local names of the hook's parameters (``StageWorker.named_owned``).
         whole_shapes: the whole stage's parameter shapes in the same order (the hook's at TP = 1).
     """
-    tp = int(getattr(ctx, "tp_size", 1))
+    tp = ctx.tp_size
     dp_hop = (Hop(ctx.dp_group, whole_shapes, metric="anchor/bytes_dp_fanout", upstream_name="replica 0")
               if ctx.dp_group is not None and ctx.tp_rank == 0 else None)
     tp_hop = (Hop(ctx.tp_group, [tuple(p.shape) for p in hook.params], names=names,

@@ -13,6 +13,18 @@ SAVERS = ("megatron", "hf")
 __all__ = ["LOADERS", "SAVERS", "plugin"]
 
 
+# the functions each kind of plugin module defines (plugin_common's protocol)
+PLUGIN_FUNCTIONS = {"loader": ("add_arguments", "load_checkpoint"),
+                    "saver": ("add_arguments", "preflight", "save_checkpoint")}
+
+
 def plugin(kind: str, name: str):
-    """The ``loader_<name>`` (kind ``"loader"``) or ``saver_<name>`` (kind ``"saver"``) module."""
-    return importlib.import_module(f"megatron_cegrpo.conversion.{kind}_{name}")
+    """The ``loader_<name>`` (kind ``"loader"``) or ``saver_<name>`` (kind ``"saver"``) module.
+
+    Raises TypeError when the module lacks one of ``PLUGIN_FUNCTIONS[kind]``."""
+    module = importlib.import_module(f"megatron_cegrpo.conversion.{kind}_{name}")
+    missing = [f for f in PLUGIN_FUNCTIONS[kind] if not callable(vars(module).get(f))]
+    if missing:
+        raise TypeError(f"conversion plugin {module.__name__} lacks {', '.join(missing)}; "
+                        f"fix: define them (see megatron_cegrpo/conversion/plugin_common.py)")
+    return module

@@ -4,9 +4,11 @@ Plugin protocol (Megatron-LM ``tools/checkpoint`` style, without the queue: the 
 here fit in host memory):
 
 * ``loader_<name>.py``: ``add_arguments(parser)`` and ``load_checkpoint(args) -> ModelPayload``;
-* ``saver_<name>.py``:  ``add_arguments(parser)``, optionally ``preflight(args)`` (cheap checks of
-  the target, run before the source is loaded) and ``save_checkpoint(payload, args) -> str``
+* ``saver_<name>.py``:  ``add_arguments(parser)``, ``preflight(args)`` (cheap checks of the
+  target, run before the source is loaded) and ``save_checkpoint(payload, args) -> str``
   (the path written).
+
+:func:`megatron_cegrpo.conversion.plugin` checks that a plugin module has these functions.
 
 Conversions are pure name / layout maps (:func:`megatron_cegrpo.models.hf_to_megatron` and
 :func:`~megatron_cegrpo.models.megatron_to_hf`); no torch.distributed, no model is built.

@@ -399,8 +399,7 @@ def _generate_k(engine, name, recs, ids, order, mode, bar, *, max_new_tokens, ba
         if len(out.texts) != len(chunk):
             raise RuntimeError(f"evaluate {name!r}: the engine returned {len(out.texts)} responses "
                                f"for {len(chunk)} prompts")
-        resp_ids = getattr(out, "response_ids", None)
-        finished = getattr(out, "finished", None)
+        resp_ids, finished = out.response_ids, out.finished
         for pos, (i, j) in enumerate(chunk):
             texts[i][j] = out.texts[pos]
             if resp_ids is not None and len(resp_ids) == len(chunk):

@@ -83,7 +83,7 @@ class TiedEmbeddingSync:
         if mode not in SYNC_MODES:
             raise ValueError(f"tied embedding sync mode must be one of {SYNC_MODES}, got {mode!r}")
         self.mode, self.model, self.group = mode, model, ctx.embd_group
-        self.tp_rank, self.tp_size = int(getattr(ctx, "tp_rank", 0)), int(getattr(ctx, "tp_size", 1))
+        self.tp_rank, self.tp_size = ctx.tp_rank, ctx.tp_size
         tied = ctx.pp_size > 1 and bool(getattr(model, "share_embeddings_and_output_weights", False))
         self.role = None if not tied else "first" if ctx.is_first_stage else "last" if ctx.is_last_stage else None
         self.weight: Optional[torch.nn.Parameter] = model.shared_embedding_or_output_weight() if self.role else None

@@ -62,6 +62,10 @@ class RolloutEngine(abc.ABC):
     def update_weights(self, hf_state_dict: Dict[str, torch.Tensor]) -> None:
         """Load a full HF-named state dict (the trainer's current weights)."""
 
+    def close(self) -> None:
+        """Release what the engine holds beyond its Python objects (worker processes, device
+        memory). The in-process HF engine holds nothing more: a no-op."""
+
 
 _ENGINES = {}
 

@@ -61,7 +61,7 @@ class Checkpointer:
         self.cfg, self.ctx, self.hf_config, self._log = cfg, ctx, hf_config, log
         self.resume = resume  # the run plan's resume decision (checkpointing.ResumePoint, or None)
         self._pending: Dict[str, Any] = {}
-        self.tp_rank, self.tp_size = int(getattr(ctx, "tp_rank", 0)), int(getattr(ctx, "tp_size", 1))
+        self.tp_rank, self.tp_size = ctx.tp_rank, ctx.tp_size
         # the ranks that write one checkpoint together: the pipeline, or at TP > 1 every TP rank of it
         self.group = ctx.pg_collection.mp if self.tp_size > 1 else ctx.pp_group
 

@@ -236,3 +236,19 @@ def test_cli_as_a_script_refuses_an_occupied_target(tmp_path):
     assert "[convert] loaded" not in p.stdout
     p = subprocess.run([sys.executable, CONVERT, "--loader", "nope"], capture_output=True, text=True, env=env)
     assert p.returncode == 2 and "invalid choice: 'nope'" in p.stderr
+
+
+def test_every_plugin_has_its_protocol_functions_and_a_lacking_one_is_refused(monkeypatch):
+    """convert.py calls the saver's preflight unconditionally: plugin() checks the protocol."""
+    import types
+
+    from megatron_cegrpo import conversion
+    for kind, names in (("loader", conversion.LOADERS), ("saver", conversion.SAVERS)):
+        for name in names:
+            module = conversion.plugin(kind, name)
+            assert all(callable(getattr(module, f)) for f in conversion.PLUGIN_FUNCTIONS[kind])
+    fake = types.ModuleType("megatron_cegrpo.conversion.saver_fake")
+    fake.add_arguments = fake.save_checkpoint = lambda *a: None
+    monkeypatch.setitem(sys.modules, fake.__name__, fake)
+    with pytest.raises(TypeError, match=r"saver_fake lacks preflight; fix: define"):
+        conversion.plugin("saver", "fake")

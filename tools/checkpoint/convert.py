@@ -47,8 +47,7 @@ def main(argv=None) -> str:
     args = build_parser(known.loader, known.saver).parse_args(argv)
 
     saver = plugin("saver", args.saver)
-    if hasattr(saver, "preflight"):  # cheap checks of the target before the (slow) load
-        saver.preflight(args)
+    saver.preflight(args)  # cheap checks of the target before the (slow) load
     t0 = time.time()
     payload = plugin("loader", args.loader).load_checkpoint(args)
     n_params = sum(v.numel() for v in payload.state_dict.values())
