@@ -13,6 +13,9 @@
 #                          quantised coefficients, backward low-rank), BEST_PAIR     first seed
 #   pcaq:lrq_anchor        the same pair + anchor: the best compressed arm            SEEDS
 #   <arm>_filter           any arm with --filter-groups (DAPO's dynamic sampling),   only in ARMS=
+#   <arm>_overlong         any arm with DAPO's overlong penalty (--overlong-buffer-   only in ARMS=
+#                          len OVERLONG_BUFFER: answers past MAX_NEW_TOKENS - OVERLONG_BUFFER
+#                          tokens lose reward; docs/dynamic_sampling.md)
 #   <arm>_dense<N>         any arm with a dense step every N iterations              only in ARMS=
 #                          (--dense-step-interval N, docs/dense_steps.md; its bytes count
 #                          in the arm's boundary bytes)
@@ -57,6 +60,7 @@ FIDELITY_INTERVAL=${FIDELITY_INTERVAL:-$(( TRAIN_ITERS / 4 > 0 ? TRAIN_ITERS / 4
 MASTER_PORT=${MASTER_PORT:-29571}
 KEEP_CKPT=${KEEP_CKPT:-0}
 MAX_GEN_BATCHES=${MAX_GEN_BATCHES:-4}  # the *_filter arms' bound
+OVERLONG_BUFFER=${OVERLONG_BUFFER:-16}  # the *_overlong arms' --overlong-buffer-len (tokens)
 # the weight trajectory for tools/forecast_report.py (training/weight_trace.py): N sampled fp32
 # coordinates per stage after every iteration, about 1 MB an iteration per stage at 262144; 0: off
 WEIGHT_SAMPLE=${WEIGHT_SAMPLE:-262144}
@@ -98,6 +102,7 @@ arm_spec() {
     *_vllm) echo "$(arm_spec "${1%_vllm}") --rollout-engine vllm" ;;
     *_shared) echo "$(arm_spec "${1%_shared}") --shared-prefix --micro-batch-size $GROUP" ;;
     *_filter) echo "$(arm_spec "${1%_filter}") --filter-groups --max-num-gen-batches $MAX_GEN_BATCHES" ;;
+    *_overlong) echo "$(arm_spec "${1%_overlong}") --overlong-buffer-len $OVERLONG_BUFFER" ;;
     dense) echo "dense 0" ;;
     mask) echo "mask 0" ;;
     mask_anchor) echo "mask 1" ;;

@@ -374,9 +374,15 @@ class GRPOConfig:
                                          "iteration may draw (verl); short of mixed groups then, the newest tied "
                                          "groups fill the batch")
 
+    overlong_buffer_len: int = option(0, "DAPO's soft overlong punishment (verl reward_model.overlong_buffer.len): "
+                                         "a response longer than --max-new-tokens minus this many tokens loses "
+                                         "reward linearly, --overlong-penalty-factor at the limit (0: off)")
+    overlong_penalty_factor: float = option(1.0, "--overlong-buffer-len: the reward lost by a response of "
+                                                 "--max-new-tokens tokens (verl overlong_buffer.penalty_factor)")
+
     RESUME = ("rollout_batch_size", "num_generations", "global_batch_size", "ppo_epochs", "clip_ratio_low",
               "clip_ratio_high", "kl_coef", "kl_loss_type", "loss_agg_mode", "norm_adv_by_std", "filter_groups",
-              "max_num_gen_batches")
+              "max_num_gen_batches", "overlong_buffer_len", "overlong_penalty_factor")
     #: the largest --max-num-gen-batches (grpo/dynamic_sampling.py: the round's generation seed)
     MAX_GEN_BATCHES = 64
 
@@ -412,6 +418,10 @@ class GRPOConfig:
         _check_int("--max-num-gen-batches", self.max_num_gen_batches, 1,
                    "e.g. --max-num-gen-batches 4 (generation rounds per iteration; unbounded is not offered)",
                    maximum=self.MAX_GEN_BATCHES)
+        _check_int("--overlong-buffer-len", self.overlong_buffer_len, 0,
+                   "e.g. --overlong-buffer-len 16 (tokens before --max-new-tokens; 0: off)")
+        _check_float("--overlong-penalty-factor", self.overlong_penalty_factor, "e.g. --overlong-penalty-factor 1.0",
+                     low=0.0)
         if self.filter_groups and self.num_generations < 2:
             raise ConfigError(f"--filter-groups with --num-generations {self.num_generations}: a group of one "
                               "response is always tied, none would be kept; fix: --num-generations 2 or more, or "
@@ -990,6 +1000,11 @@ class TrainConfig:
                 f"of --num-generations={g.num_generations}; fix: pass --micro-batch-size "
                 f"{-(-p.micro_batch_size // g.num_generations) * g.num_generations} (and a --global-batch-size it "
                 "divides) or drop --shared-prefix")
+        if g.overlong_buffer_len >= self.rollout.max_new_tokens:
+            raise ConfigError(
+                f"--overlong-buffer-len {g.overlong_buffer_len} must be below --max-new-tokens "
+                f"{self.rollout.max_new_tokens} (the penalty starts that many tokens before the limit); fix: pass "
+                f"--overlong-buffer-len {max(1, self.rollout.max_new_tokens // 4)} or less")
         if self.codec.drift_controller and not self.logging.drift_probe_interval:
             raise ConfigError("--drift-controller acts on the drift probe's measurements, but --drift-probe-interval "
                               "is 0; fix: pass --drift-probe-interval N (e.g. 5: a decision every 5 iterations)")

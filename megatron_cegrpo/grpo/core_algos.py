@@ -15,6 +15,8 @@ Sources:
   2017 (PPO) eq. (7); Yu et al. 2025 (DAPO) "clip-higher".
 - k3 KL estimator: J. Schulman, "Approximating KL Divergence" (2020); verl's
   ``low_var_kl`` clamps it to [-10, 10].
+- Soft overlong punishment: Yu et al. 2025 (DAPO, arXiv 2503.14476) eq. (13); verl's
+  ``DAPORewardManager`` (``reward_model.overlong_buffer``).
 - Log-ratio bound before ``exp``: verl ``trainer/ppo/core_algos.py``
   (``compute_policy_loss_vanilla`` and ``kl_penalty`` "low_var_kl", commit 012be9d)
   clamps the log-ratio to [-20, 20] "for numerical stability" (:data:`LOG_RATIO_CLAMP`).
@@ -31,6 +33,7 @@ __all__ = [
     "LOG_RATIO_CLAMP",
     "bounded_log_ratio",
     "compute_grpo_outcome_advantage",
+    "overlong_penalty",
     "tied_groups",
     "logprobs_from_logits",
     "entropy_from_logits",
@@ -132,6 +135,34 @@ def compute_grpo_outcome_advantage(
         centred = centred / (std + epsilon)
     centred = centred.masked_fill(_tied_rows(grouped), 0.0)
     return centred.reshape(-1).to(out_dtype)
+
+
+def overlong_penalty(response_lengths: torch.Tensor, max_new_tokens: int, buffer_len: int,
+                     penalty_factor: float = 1.0) -> torch.Tensor:
+    """DAPO's soft overlong punishment, the reward added to each response for its length.
+
+    With L_max = ``max_new_tokens`` and L_cache = ``buffer_len``: 0 for |y| <= L_max - L_cache,
+    ((L_max - L_cache) - |y|) / L_cache x ``penalty_factor`` above it, so -``penalty_factor`` for a
+    response cut at L_max (Yu et al. 2025, DAPO, eq. (13); verl ``DAPORewardManager``, whose
+    lengths, like these, count the EOS token). Responses never exceed L_max here (the sampler
+    stops there), so eq. (13)'s -1 beyond L_max does not arise.
+
+    Args:
+        response_lengths: int or float tensor [b], tokens of each response (EOS included).
+        max_new_tokens: L_max >= 1, the sampler's limit (``--max-new-tokens``).
+        buffer_len: L_cache, 1 <= buffer_len < max_new_tokens (``--overlong-buffer-len``).
+        penalty_factor: >= 0, the reward lost at L_max (``--overlong-penalty-factor``).
+    Returns:
+        fp32 tensor [b] of values in [-penalty_factor, 0].
+    Raises:
+        ValueError: for a buffer outside [1, max_new_tokens) or a negative factor.
+    """
+    if not 1 <= buffer_len < max_new_tokens:
+        raise ValueError(f"buffer_len must be in [1, max_new_tokens={max_new_tokens}), got {buffer_len}")
+    if not penalty_factor >= 0:
+        raise ValueError(f"penalty_factor must be >= 0, got {penalty_factor}")
+    exceed = response_lengths.to(torch.float32) - float(max_new_tokens - buffer_len)
+    return (-exceed / buffer_len * penalty_factor).clamp(max=0.0)
 
 
 def _tied_rows(grouped: torch.Tensor) -> torch.Tensor:

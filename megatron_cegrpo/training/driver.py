@@ -87,6 +87,7 @@ class Driver:
         self.sampler = PromptSampler(len(kept), cfg.grpo.rollout_batch_size, cfg.optim.seed)
         self.ledger = RunLedger()  # the whole-step ledger over the run (training/ledger.py), checkpointed
         self._rollout_metrics: Dict[str, float] = {}  # --filter-groups: the last batch's (rollout_metrics)
+        self._reward_metrics: Dict[str, float] = {}  # --overlong-buffer-len: the last batch's (rollout_metrics)
         # training reward: the data set's verifier or a custom function; evaluation: the verifier
         custom = load_custom_reward_function(d.custom_reward_function) if d.custom_reward_function else None
         self.get_reward_fn = (lambda _name: custom) if custom is not None else get_verifier
@@ -169,10 +170,23 @@ class Driver:
         return out, scores
 
     def _pack(self, out, scores: torch.Tensor, timers) -> RolloutBatch:
-        """Group-normalised advantages of ``scores`` and the packed batch of ``out``."""
+        """Group-normalised advantages of the rewards and the packed batch of ``out``. The rewards
+        are the verifier's ``scores``, plus DAPO's overlong penalty with ``--overlong-buffer-len``
+        (``ca.overlong_penalty``; ``--filter-groups`` judges ties on the scores, verl's ``acc``)."""
+        g = self.cfg.grpo
         with timers.phase("reward"):
-            adv = ca.compute_grpo_outcome_advantage(scores, self.cfg.grpo.num_generations,
-                                                    norm_adv_by_std=self.cfg.grpo.norm_adv_by_std)
+            rewards = scores
+            if g.overlong_buffer_len:
+                lengths = torch.tensor([r.numel() for r in out.response_ids])
+                penalty = ca.overlong_penalty(lengths, self.cfg.rollout.max_new_tokens, g.overlong_buffer_len,
+                                              g.overlong_penalty_factor)
+                rewards = scores + penalty
+                self._reward_metrics = {
+                    "critic/rewards/mean": float(rewards.mean()), "critic/rewards/max": float(rewards.max()),
+                    "critic/rewards/min": float(rewards.min()),
+                    "response_length/overlong_penalty": float(penalty.mean()),
+                    "response_length/overlong_frac": float((penalty < 0).float().mean())}
+            adv = ca.compute_grpo_outcome_advantage(rewards, g.num_generations, norm_adv_by_std=g.norm_adv_by_std)
         batch = pack_rollouts(out.prompt_ids, out.response_ids, out.response_logprobs, scores, adv,
                               pad_token_id=self.rollout.pad_token_id,
                               max_seq_length=int(self.hf_config.max_position_embeddings))
@@ -183,8 +197,11 @@ class Driver:
         """The last batch's ``batch/*`` metrics of ``--filter-groups`` (empty without it):
         ``batch/num_gen_batches`` (rounds drawn), ``batch/kept_groups`` (groups of the batch with
         mixed scores), ``batch/filled_with_tied`` (tied groups of the batch: the bound was hit),
-        ``batch/tied_groups_dropped``, ``batch/mixed_groups_unused`` (drawn, left out)."""
-        return dict(self._rollout_metrics)
+        ``batch/tied_groups_dropped``, ``batch/mixed_groups_unused`` (drawn, left out); and with
+        ``--overlong-buffer-len`` verl's ``critic/rewards/{mean,max,min}`` (score + length penalty),
+        ``response_length/overlong_penalty`` (its mean) and ``response_length/overlong_frac`` (the
+        share of responses it touched)."""
+        return {**self._rollout_metrics, **self._reward_metrics}
 
     @staticmethod
     def batch_metrics(batch: RolloutBatch) -> Dict[str, float]:

@@ -74,8 +74,9 @@ def test_the_demo_runs_the_studys_configuration(tmp_path):
 def test_study_arm_suffixes_add_their_flags(tmp_path):
     """``<arm>_dense<N>`` adds ``--dense-step-interval N`` to the arm's command, ``_filter`` adds
     DAPO's dynamic sampling, ``_vllm`` the vLLM sampler, ``_shared`` shared-prefix passes over
-    micro-batches of one group; the arm's folder keeps its whole name."""
-    env = _env(DRY_RUN="1", ARMS="mask_anchor_dense16 pcaq:lrq_anchor_dense8_filter dense_vllm mask_anchor_shared",
+    micro-batches of one group, ``_overlong`` DAPO's length penalty; the arm's folder keeps its whole name."""
+    env = _env(DRY_RUN="1", ARMS="mask_anchor_dense16 pcaq:lrq_anchor_dense8_filter dense_vllm mask_anchor_shared "
+                                 "dense_overlong",
                SEEDS="1234",
                STUDY_DIR=str(tmp_path / "study"))
     study = subprocess.run(["bash", "examples/study_cpu.sh"], cwd=REPO, env=env, capture_output=True, text=True,
@@ -97,3 +98,6 @@ def test_study_arm_suffixes_add_their_flags(tmp_path):
     assert _flags(shared)["--boundary-codec"] == "mask" and "--shared-prefix" in shared
     assert [shared[i + 1] for i, a in enumerate(shared) if a == "--micro-batch-size"] == ["4", "8"]
     assert "--shared-prefix" not in lines["mask_anchor_dense16"]
+    overlong = _flags(lines["dense_overlong"])
+    assert (overlong["--boundary-codec"], overlong["--overlong-buffer-len"]) == ("dense", "16")
+    assert "--overlong-buffer-len" not in dense16

@@ -37,7 +37,7 @@ def _driver(mixed, *flags):
     cfg = build_config(parse_args(["--rollout-batch-size", str(B), "--num-generations", str(G), "--seed", "3",
                                    *flags])).validate()
     d = Driver.__new__(Driver)
-    d.cfg, d.rollout, d._rollout_metrics = cfg, FakeEngine(), {}
+    d.cfg, d.rollout, d._rollout_metrics, d._reward_metrics = cfg, FakeEngine(), {}, {}
     d.hf_config = SimpleNamespace(max_position_embeddings=64)
     d.prompt_ids = [torch.tensor([i + 1]) for i in range(N)]
     d.train_records = [SimpleNamespace(question=f"q{i}", ground_truth="mixed" if mixed(i) else "tied",
