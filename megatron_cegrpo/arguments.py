@@ -933,7 +933,7 @@ class TrainConfig:
         no effect: ``--min-lr`` and ``--train-iters`` with ``--lr-decay-style constant`` (so a
         constant-LR run may be resumed with a larger ``--train-iters`` to train longer),
         ``--kl-loss-type`` with ``--kl-coef 0``, ``--max-num-gen-batches`` without
-        ``--filter-groups``, the anchor settings with ``--anchor-ranks 0`` and the drift
+        ``--filter-groups``, ``--overlong-penalty-factor`` without ``--overlong-buffer-len``, the anchor settings with ``--anchor-ranks 0`` and the drift
         controller's band and budget without ``--drift-controller`` (with it,
         ``--drift-probe-interval``, its cadence, is recorded too). ``--global-batch-size``,
         ``--holdout-seed`` and ``--drift-target-kl-low`` are recorded as their effective values,
@@ -946,6 +946,8 @@ class TrainConfig:
             skip.add(("grpo", "kl_loss_type"))
         if not self.grpo.filter_groups:
             skip.add(("grpo", "max_num_gen_batches"))
+        if not self.grpo.overlong_buffer_len:
+            skip.add(("grpo", "overlong_penalty_factor"))
         if self.anchor.anchor_ranks == 0:
             skip |= {("anchor", n) for n in AnchorConfig.RESUME if n != "anchor_ranks"}
         if not self.codec.drift_controller:

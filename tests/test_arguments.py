@@ -126,6 +126,10 @@ def test_resume_options_leave_out_what_has_no_effect():
     decay = cfg("--lr-decay-style", "cosine", "--train-iters", "30", "--no-norm-adv-by-std").resume_options()
     assert decay["--train-iters"] == 30 and decay["--min-lr"] == 0.0 and decay["--anchor-interval"] == 20
     assert decay["--no-norm-adv-by-std"] is True
+    # the length penalty's factor only counts with a buffer; the buffer (0: off) is always recorded
+    assert plain["--overlong-buffer-len"] == 0 and "--overlong-penalty-factor" not in plain
+    shaped = cfg("--overlong-buffer-len", "16", "--overlong-penalty-factor", "0.5").resume_options()
+    assert (shaped["--overlong-buffer-len"], shaped["--overlong-penalty-factor"]) == (16, 0.5)
     # the held-out split's seed is recorded as used: --seed unless --holdout-seed fixes it
     assert plain["--holdout-seed"] == 1234
     fixed = cfg("--seed", "7", "--holdout-seed", "1234")
