@@ -11,7 +11,7 @@
 # (about an hour each here); this run uses c = K = 4 so that the anchor fires within it (at 4
 # and 8), adds the drift probe, and skips the study's second data set and fidelity checks. The
 # seeds use c = K = 20. Too short to show learning: at the end it prints its own gain and the
-# study's table (tools/study_report.py --show --run).
+# table of the study run on this kind of host (tools/study_report.py --show --run; STUDY_NAME).
 #
 # Launched by DeepSpeed's launcher on CPU (`--num_gpus 3` = three local ranks, gloo);
 # examples/launch_multihost.sh runs the same job across hosts (DS_LAUNCH_ARGS = the launcher's
@@ -33,6 +33,14 @@ MASTER_PORT=${MASTER_PORT:-29561}
 # the sampler's engine (issue 36): vLLM where it is installed (`make demo VLLM=1`; docs/vllm.md:
 # generation 3.1x and the iteration 1.2x faster on a 2-core AVX512-BF16 host), HF generate otherwise
 ROLLOUT_ENGINE=${ROLLOUT_ENGINE:-$("${PYTHON:-python}" -c 'import importlib.util as u; print("vllm" if u.find_spec("vllm") else "hf")')}
+
+# the study whose table the run ends with: the one run on this kind of host's arithmetic (bf16 rounds
+# differently on AMX and on AVX512-BF16 CPUs, so only that study's numbers compare with this run)
+if [[ " $PRECISION_FLAGS " != *" --bf16 "* ]]; then
+  STUDY_NAME=${STUDY_NAME:-study}  # the fp32 path's study (docs/study.md)
+else
+  STUDY_NAME=${STUDY_NAME:-$("${PYTHON:-python}" -c 'import torch; print("study_bf16_amx" if torch.cpu._is_amx_tile_supported() else "study_bf16")')}
+fi
 
 # shellcheck disable=SC2206  # DS_LAUNCH_ARGS is a word list (no spaces inside one argument)
 LAUNCH=(${DS_LAUNCH_ARGS:---num_gpus $((PP + ANCHOR_RANKS)) --master_port $MASTER_PORT})
@@ -69,8 +77,8 @@ LAUNCH=(${DS_LAUNCH_ARGS:---num_gpus $((PP + ANCHOR_RANKS)) --master_port $MASTE
   "$@"
 echo "[demo] done; metrics in $LOG_DIR/metrics.jsonl"
 if [[ -f "$LOG_DIR/summary.json" ]]; then
-  python tools/study_report.py --show --run "$LOG_DIR" || true
+  python tools/study_report.py --show --name "$STUDY_NAME" --run "$LOG_DIR" || true
 else  # a host of a multi-host run without the driver (rank 0 writes the summary)
   echo "[demo] no $LOG_DIR/summary.json on this host (the driver, rank 0, writes it)"
-  python tools/study_report.py --show || true
+  python tools/study_report.py --show --name "$STUDY_NAME" || true
 fi

@@ -948,7 +948,8 @@ def main(argv=None) -> int:
                    help="the study's name: writes <docs>/<name>.md and <docs>/<name>/ (default: study)")
     p.add_argument("--title", default=DEFAULT_TITLE, help="the report's title")
     p.add_argument("--show", action="store_true",
-                   help="print the table of the committed <docs>/study/summary.json and exit (reads no run, writes nothing)")
+                   help="print the table of the committed <docs>/<name>/summary.json, after a line saying which "
+                        "study it is, and exit (reads no run, writes nothing)")
     p.add_argument("--run", metavar="LOG_DIR",
                    help="with --show: first a line on that finished trainer run (its summary.json): held-out "
                         "accuracy before -> after, gain and z")
@@ -964,7 +965,7 @@ def main(argv=None) -> int:
                 print(f"error: {e}", file=sys.stderr)
                 rc = 2
         try:
-            print(show_summary(args.docs, intro=bool(args.run), name=args.name))
+            print(show_summary(args.docs, intro=True, name=args.name))
         except (FileNotFoundError, ValueError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 2

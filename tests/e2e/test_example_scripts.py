@@ -48,6 +48,11 @@ def test_the_demo_runs_the_studys_configuration(tmp_path):
     # the stand-in wrote no summary.json (as on a host without the driver): said so, the study's table printed
     assert f"[demo] no {tmp_path / 'demo' / 'summary.json'} on this host (the driver, rank 0, writes it)" in demo.stdout
     assert "| dense | 1234 | dense | no | 48 |" in demo.stdout and demo.stderr == ""
+    # the table of this kind of host's study: bf16 on AMX, bf16 on AVX512-BF16, the fp32 path elsewhere
+    import torch
+    bf16 = "--bf16" in demo_argv
+    name = ("study_bf16_amx" if torch.cpu._is_amx_tile_supported() else "study_bf16") if bf16 else "study"
+    assert f"the study (docs/{name}.md;" in demo.stdout
 
     env = _env(DRY_RUN="1", ARMS="mask_anchor", SEEDS="1234", STUDY_DIR=str(tmp_path / "study"))
     study = subprocess.run(["bash", "examples/study_cpu.sh"], cwd=REPO, env=env, capture_output=True, text=True,

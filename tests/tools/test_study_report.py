@@ -190,7 +190,8 @@ def test_show_prints_the_committed_table_and_writes_nothing(study, tmp_path, cap
     shutil.rmtree(study)
     assert mod.main(["--show", "--docs", str(docs)]) == 0
     out = capsys.readouterr().out
-    assert out == mod.table(summary["arms"]) + "\n"
+    assert out == mod.show_summary(str(docs), intro=True) + "\n"
+    assert out.startswith("the study (docs/study.md;") and out.endswith(mod.table(summary["arms"]) + "\n")
     assert "| dense | 1 | dense | no | 2 |" in out and "| +0.100 (+2.8) |" in out
     assert {p: p.stat().st_mtime_ns for p in docs.rglob("*")} == before
     (docs / "study" / "summary.json").write_text("{")
