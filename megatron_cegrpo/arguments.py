@@ -377,8 +377,9 @@ class GRPOConfig:
     overlong_buffer_len: int = option(0, "DAPO's soft overlong punishment (verl reward_model.overlong_buffer.len): "
                                          "a response longer than --max-new-tokens minus this many tokens loses "
                                          "reward linearly, --overlong-penalty-factor at the limit (0: off)")
-    overlong_penalty_factor: float = option(1.0, "--overlong-buffer-len: the reward lost by a response of "
-                                                 "--max-new-tokens tokens (verl overlong_buffer.penalty_factor)")
+    overlong_penalty_factor: float = option(0.5, "--overlong-buffer-len: the reward lost by a response of "
+                                                 "--max-new-tokens tokens (verl overlong_buffer.penalty_factor, "
+                                                 "1.0 there on +-1 scores: 0.5 is its size on 0/1 scores)")
 
     RESUME = ("rollout_batch_size", "num_generations", "global_batch_size", "ppo_epochs", "clip_ratio_low",
               "clip_ratio_high", "kl_coef", "kl_loss_type", "loss_agg_mode", "norm_adv_by_std", "filter_groups",
@@ -933,7 +934,8 @@ class TrainConfig:
         no effect: ``--min-lr`` and ``--train-iters`` with ``--lr-decay-style constant`` (so a
         constant-LR run may be resumed with a larger ``--train-iters`` to train longer),
         ``--kl-loss-type`` with ``--kl-coef 0``, ``--max-num-gen-batches`` without
-        ``--filter-groups``, ``--overlong-penalty-factor`` without ``--overlong-buffer-len``, the anchor settings with ``--anchor-ranks 0`` and the drift
+        ``--filter-groups``, ``--overlong-penalty-factor`` without ``--overlong-buffer-len``,
+        the anchor settings with ``--anchor-ranks 0`` and the drift
         controller's band and budget without ``--drift-controller`` (with it,
         ``--drift-probe-interval``, its cadence, is recorded too). ``--global-batch-size``,
         ``--holdout-seed`` and ``--drift-target-kl-low`` are recorded as their effective values,
@@ -1002,11 +1004,12 @@ class TrainConfig:
                 f"of --num-generations={g.num_generations}; fix: pass --micro-batch-size "
                 f"{-(-p.micro_batch_size // g.num_generations) * g.num_generations} (and a --global-batch-size it "
                 "divides) or drop --shared-prefix")
-        if g.overlong_buffer_len >= self.rollout.max_new_tokens:
+        if g.overlong_buffer_len > self.rollout.max_new_tokens:
             raise ConfigError(
-                f"--overlong-buffer-len {g.overlong_buffer_len} must be below --max-new-tokens "
+                f"--overlong-buffer-len {g.overlong_buffer_len} exceeds --max-new-tokens "
                 f"{self.rollout.max_new_tokens} (the penalty starts that many tokens before the limit); fix: pass "
-                f"--overlong-buffer-len {max(1, self.rollout.max_new_tokens // 4)} or less")
+                f"--overlong-buffer-len {max(1, self.rollout.max_new_tokens // 4)} or another value up to "
+                f"{self.rollout.max_new_tokens}, or 0 (off)")
         if self.codec.drift_controller and not self.logging.drift_probe_interval:
             raise ConfigError("--drift-controller acts on the drift probe's measurements, but --drift-probe-interval "
                               "is 0; fix: pass --drift-probe-interval N (e.g. 5: a decision every 5 iterations)")

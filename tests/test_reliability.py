@@ -492,9 +492,9 @@ CASES = [
     Case("heartbeat-timeout-negative", "flag", ["--heartbeat-timeout-minutes", "-1"],
          "--heartbeat-timeout-minutes must be a finite number >= 0, got -1.0; fix: e.g. --heartbeat-timeout-minutes 1 "
          "(0: no watchdog)"),
-    Case("overlong-buffer-too-long", "flag", ["--max-new-tokens", "16", "--overlong-buffer-len", "16"],
-         "--overlong-buffer-len 16 must be below --max-new-tokens 16 (the penalty starts that many tokens before the "
-         "limit); fix: pass --overlong-buffer-len 4 or less"),
+    Case("overlong-buffer-too-long", "flag", ["--max-new-tokens", "16", "--overlong-buffer-len", "17"],
+         "--overlong-buffer-len 17 exceeds --max-new-tokens 16 (the penalty starts that many tokens before the limit); "
+         "fix: pass --overlong-buffer-len 4 or another value up to 16, or 0 (off)"),
 ]
 
 

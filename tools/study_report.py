@@ -870,7 +870,7 @@ def _report_lines(arms: Sequence[Dict], fractions: Sequence[Dict], figs: Sequenc
 
 
 def show_summary(docs_dir: str, intro: bool = False, name: str = DEFAULT_NAME) -> str:
-    """The table of the committed ``<docs>/study/summary.json`` (no run folder read, nothing
+    """The table of the committed ``<docs>/<name>/summary.json`` (no run folder read, nothing
     written): what ``make demo`` prints after its short run; ``intro``: a line before it saying
     where the study lives and how many iterations its arms ran. Raises FileNotFoundError when
     the file is missing and ValueError (naming the file) when it is not a summary this tool wrote."""

@@ -25,6 +25,6 @@ def plugin(kind: str, name: str):
     module = importlib.import_module(f"megatron_cegrpo.conversion.{kind}_{name}")
     missing = [f for f in PLUGIN_FUNCTIONS[kind] if not callable(vars(module).get(f))]
     if missing:
-        raise TypeError(f"conversion plugin {module.__name__} lacks {', '.join(missing)}; "
+        raise TypeError(f"--{kind} {name}: conversion plugin {module.__name__} lacks {', '.join(missing)}; "
                         f"fix: define them (see megatron_cegrpo/conversion/plugin_common.py)")
     return module

@@ -150,15 +150,16 @@ def overlong_penalty(response_lengths: torch.Tensor, max_new_tokens: int, buffer
     Args:
         response_lengths: int or float tensor [b], tokens of each response (EOS included).
         max_new_tokens: L_max >= 1, the sampler's limit (``--max-new-tokens``).
-        buffer_len: L_cache, 1 <= buffer_len < max_new_tokens (``--overlong-buffer-len``).
+        buffer_len: L_cache, 1 <= buffer_len <= max_new_tokens (``--overlong-buffer-len``; verl
+            allows L_cache = L_max too: then every token is penalised).
         penalty_factor: >= 0, the reward lost at L_max (``--overlong-penalty-factor``).
     Returns:
         fp32 tensor [b] of values in [-penalty_factor, 0].
     Raises:
-        ValueError: for a buffer outside [1, max_new_tokens) or a negative factor.
+        ValueError: for a buffer outside [1, max_new_tokens] or a negative factor.
     """
-    if not 1 <= buffer_len < max_new_tokens:
-        raise ValueError(f"buffer_len must be in [1, max_new_tokens={max_new_tokens}), got {buffer_len}")
+    if not 1 <= buffer_len <= max_new_tokens:
+        raise ValueError(f"buffer_len must be in [1, max_new_tokens={max_new_tokens}], got {buffer_len}")
     if not penalty_factor >= 0:
         raise ValueError(f"penalty_factor must be >= 0, got {penalty_factor}")
     exceed = response_lengths.to(torch.float32) - float(max_new_tokens - buffer_len)

@@ -250,5 +250,5 @@ def test_every_plugin_has_its_protocol_functions_and_a_lacking_one_is_refused(mo
     fake = types.ModuleType("megatron_cegrpo.conversion.saver_fake")
     fake.add_arguments = fake.save_checkpoint = lambda *a: None
     monkeypatch.setitem(sys.modules, fake.__name__, fake)
-    with pytest.raises(TypeError, match=r"saver_fake lacks preflight; fix: define"):
+    with pytest.raises(TypeError, match=r"--saver fake: conversion plugin \S+saver_fake lacks preflight; fix: define"):
         conversion.plugin("saver", "fake")

@@ -22,7 +22,9 @@ def test_penalty_is_dapo_eq_13():
     assert ca.overlong_penalty(lengths, 64, 16).tolist() == [0.0, 0.0, -1 / 16, -0.5, -1.0]
     assert ca.overlong_penalty(lengths, 64, 16, 0.5).tolist() == [0.0, 0.0, -1 / 32, -0.25, -0.5]
     assert ca.overlong_penalty(lengths, 64, 16, 0.0).abs().sum() == 0
-    for bad in (0, 64):
+    # verl allows L_cache = L_max: every token is penalised
+    assert ca.overlong_penalty(torch.tensor([0, 32, 64]), 64, 64).tolist() == [0.0, -0.5, -1.0]
+    for bad in (0, 65):
         with pytest.raises(ValueError, match="buffer_len must be in"):
             ca.overlong_penalty(lengths, 64, bad)
 
@@ -70,6 +72,14 @@ def test_advantages_come_from_score_plus_penalty_and_scores_stay_the_verifiers()
     assert m["response_length/overlong_frac"] == 0.5
 
 
+def test_default_factor_is_half_a_correct_answer():
+    """Scores here are 0/1 where DAPO's are +-1: the default factor 0.5 keeps verl's 1.0 relative to
+    the gap between a right and a wrong answer (a right answer cut at the limit is worth 0.5)."""
+    d = _driver("--overlong-buffer-len", "16")
+    assert d.cfg.grpo.overlong_penalty_factor == 0.5
+    assert float(1 + ca.overlong_penalty(torch.tensor([64]), 64, 16, d.cfg.grpo.overlong_penalty_factor)) == 0.5
+
+
 def test_off_by_default_leaves_advantages_of_the_scores():
     d = _driver()
     batch = d.generate_and_score(1, PhaseTimers())
@@ -79,8 +89,8 @@ def test_off_by_default_leaves_advantages_of_the_scores():
 
 
 @pytest.mark.parametrize("flags, match", [
-    (["--overlong-buffer-len", "64"], r"--overlong-buffer-len 64 must be below --max-new-tokens 64.*fix: pass "
-                                      r"--overlong-buffer-len 16 or less"),
+    (["--overlong-buffer-len", "65"], r"--overlong-buffer-len 65 exceeds --max-new-tokens 64.*fix: pass "
+                                      r"--overlong-buffer-len 16 or another value up to 64, or 0 \(off\)"),
     (["--overlong-buffer-len", "-1"], r"--overlong-buffer-len"),
     (["--overlong-buffer-len", "8", "--overlong-penalty-factor", "-0.5"], r"--overlong-penalty-factor"),
 ])
