@@ -39,7 +39,7 @@ $(VLLM_STAMP): $(STAMP)
 	VLLM_ENABLE_V1_MULTIPROCESSING=0 $(BIN)/python -c "import vllm"
 	touch $@
 
-# The main job: SmolLM2-135M-Instruct, MAWPS, PP=2, exact-k PRF mask at 5%.
+# The main job: SmolLM2-135M-Instruct, MAWPS, PP=2, pcaq/every=2:lrq under 5% + anchor (CODEC=mask: the PRF mask).
 demo: $(STAMP) $(if $(VLLM),$(VLLM_STAMP))
 	PATH=$(abspath $(BIN)):$$PATH bash examples/run_smollm2_mawps.sh
 

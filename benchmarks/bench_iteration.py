@@ -93,7 +93,7 @@ def summarize(records):
 
 def run_variant(name: str, iters: int, work: str, port: int, peak: float) -> dict:
     log = os.path.join(work, name)
-    env = dict(os.environ, TRAIN_ITERS=str(iters), NUM_HOLDOUT="0", LOG_DIR=log, MASTER_PORT=str(port),
+    env = dict(os.environ, TRAIN_ITERS=str(iters), NUM_HOLDOUT="0", LOG_DIR=log, MASTER_PORT=str(port), CODEC="mask",
                **VARIANTS[name])
     cmd = ["bash", "examples/run_smollm2_mawps.sh", "--no-tqdm", "--peak-tflops", f"{peak:.4f}", *EXTRA.get(name, [])]
     print(f"[bench_iteration] {name}: {' '.join(cmd)} (log {log})", flush=True)

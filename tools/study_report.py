@@ -3,7 +3,7 @@
 
     python tools/study_report.py [STUDY_DIR] [--docs docs]
     python tools/study_report.py --show     # print the committed summary's table, write nothing
-    python tools/study_report.py --show --run runs/smollm2_mawps_mask   # and that run's gain (make demo)
+    python tools/study_report.py --show --run runs/smollm2_mawps_pcaq_every=2_lrq   # and that run's gain (make demo)
 
 ``STUDY_DIR`` (default ``$STUDY_DIR``, else ``/work/study-runs/study``) holds one folder per
 arm and seed, as ``examples/study_cpu.sh`` writes them: ``metrics.jsonl`` and ``config.json``
@@ -955,7 +955,7 @@ def main(argv=None) -> int:
                         "accuracy before -> after, gain and z")
     args = p.parse_args(argv)
     if args.run and not args.show:
-        p.error("--run goes with --show (e.g. --show --run runs/smollm2_mawps_mask)")
+        p.error("--run goes with --show (e.g. --show --run runs/smollm2_mawps_pcaq_every=2_lrq)")
     if args.show:
         rc = 0
         if args.run:

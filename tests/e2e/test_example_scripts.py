@@ -54,11 +54,13 @@ def test_the_demo_runs_the_studys_configuration(tmp_path):
     name = ("study_bf16_amx" if torch.cpu._is_amx_tile_supported() else "study_bf16") if bf16 else "study"
     assert f"the study (docs/{name}.md;" in demo.stdout
 
-    env = _env(DRY_RUN="1", ARMS="mask_anchor", SEEDS="1234", STUDY_DIR=str(tmp_path / "study"))
+    # the main job is the study's pcaq/every=2:lrq + anchor arm (issue 33 item 7: its best paired gain in the budget)
+    env = _env(DRY_RUN="1", ARMS="pcaq/every=2:lrq_anchor", SEEDS="1234", STUDY_DIR=str(tmp_path / "study"))
     study = subprocess.run(["bash", "examples/study_cpu.sh"], cwd=REPO, env=env, capture_output=True, text=True,
                            timeout=120)
     assert study.returncode == 0, study.stderr
-    line = next(ln for ln in study.stdout.splitlines() if ln.startswith("[study] mask_anchor seed 1234: flock"))
+    line = next(ln for ln in study.stdout.splitlines()
+                if ln.startswith("[study] pcaq/every=2:lrq_anchor seed 1234: flock"))
     study_argv = shlex.split(line.split(": ", 1)[1])
 
     d, s = _flags(demo_argv), _flags(study_argv)
@@ -66,8 +68,13 @@ def test_the_demo_runs_the_studys_configuration(tmp_path):
     assert {f: d[f] for f in ("--prompt-template", "--max-new-tokens", "--lr", "--kl-coef", "--num-holdout",
                               "--holdout-seed", "--boundary-codec", "--boundary-keep-ratio", "--anchor-ranks")} == {
         "--prompt-template": "answer_is", "--max-new-tokens": "64", "--lr": "1e-5", "--kl-coef": "0",
-        "--num-holdout": "300", "--holdout-seed": "1234", "--boundary-codec": "mask",
+        "--num-holdout": "300", "--holdout-seed": "1234", "--boundary-codec": "pcaq/every=2:lrq",
         "--boundary-keep-ratio": "0.05", "--anchor-ranks": "1"}
+    # the default log folder is named after the codec, without the spec's "/" and ":" (no nested folders)
+    plain = subprocess.run(["bash", "examples/run_smollm2_mawps.sh"], cwd=REPO, env=_env(DEEPSPEED=str(fake)),
+                           capture_output=True, text=True, timeout=120)
+    assert _flags(shlex.split(plain.stdout.splitlines()[0][len("ARGV "):]))["--log-dir"] == \
+        "runs/smollm2_mawps_pcaq_every=2_lrq"
     # what differs, on purpose: the demo is short and fires its anchor every 4 iterations; it samples
     # with vLLM where vLLM is installed (the study only in its *_vllm arms)
     assert (d["--train-iters"], d["--anchor-interval"], d["--anchor-delay"]) == ("10", "4", "4")
