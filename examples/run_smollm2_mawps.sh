@@ -44,7 +44,7 @@ ROLLOUT_ENGINE=${ROLLOUT_ENGINE:-$("${PYTHON:-python}" -c 'import importlib.util
 
 # the study whose table the run ends with: the one run on this kind of host's arithmetic (bf16 rounds
 # differently on AMX and on AVX512-BF16 CPUs, so only that study's numbers compare with this run)
-if [[ " $PRECISION_FLAGS " != *" --bf16 "* ]]; then
+if [[ " $PRECISION_FLAGS $* " != *" --bf16 "* ]]; then  # --bf16 in PRECISION_FLAGS or after the script
   STUDY_NAME=${STUDY_NAME:-study}  # the fp32 path's study (docs/study.md)
 else
   STUDY_NAME=${STUDY_NAME:-$("${PYTHON:-python}" -c 'import torch; print("study_bf16_amx" if torch.cpu._is_amx_tile_supported() else "study_bf16")')}
