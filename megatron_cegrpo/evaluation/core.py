@@ -399,13 +399,12 @@ def _generate_k(engine, name, recs, ids, order, mode, bar, *, max_new_tokens, ba
         if len(out.texts) != len(chunk):
             raise RuntimeError(f"evaluate {name!r}: the engine returned {len(out.texts)} responses "
                                f"for {len(chunk)} prompts")
-        resp_ids, finished = out.response_ids, out.finished
         for pos, (i, j) in enumerate(chunk):
             texts[i][j] = out.texts[pos]
-            if resp_ids is not None and len(resp_ids) == len(chunk):
-                lens[i][j] = int(len(resp_ids[pos]))
-            if finished is not None and len(finished) == len(chunk):
-                trunc[i][j] = not bool(finished[pos])
+            if len(out.response_ids) == len(chunk):
+                lens[i][j] = int(len(out.response_ids[pos]))
+            if len(out.finished) == len(chunk):
+                trunc[i][j] = not bool(out.finished[pos])
         if bar is not None:
             bar.update(len(chunk))
     return texts, lens, trunc

@@ -11,7 +11,8 @@ from megatron_cegrpo.data import PromptSampler
 from megatron_cegrpo.grpo.dynamic_sampling import round_seed
 from megatron_cegrpo.metrics import PhaseTimers
 from megatron_cegrpo.rollout.base import RolloutOutput
-from megatron_cegrpo.training.driver import Driver
+
+from driver_double import bare_driver
 
 B, G, N = 2, 4, 10
 
@@ -36,15 +37,9 @@ def _driver(mixed, *flags):
     """A Driver on N prompts (id i + 1); prompt i has mixed scores when ``mixed(i)``, else all 0."""
     cfg = build_config(parse_args(["--rollout-batch-size", str(B), "--num-generations", str(G), "--seed", "3",
                                    *flags])).validate()
-    d = Driver.__new__(Driver)
-    d.cfg, d.rollout, d._rollout_metrics, d._reward_metrics = cfg, FakeEngine(), {}, {}
-    d.hf_config = SimpleNamespace(max_position_embeddings=64)
-    d.prompt_ids = [torch.tensor([i + 1]) for i in range(N)]
-    d.train_records = [SimpleNamespace(question=f"q{i}", ground_truth="mixed" if mixed(i) else "tied",
-                                       verifier="fake") for i in range(N)]
-    d.get_reward_fn = lambda _name: (lambda response, gt: float(gt == "mixed" and response == "0"))
-    d.sampler = PromptSampler(N, B, cfg.optim.seed)
-    return d
+    records = [SimpleNamespace(question=f"q{i}", ground_truth="mixed" if mixed(i) else "tied", verifier="fake")
+               for i in range(N)]
+    return bare_driver(cfg, FakeEngine(), records, lambda response, gt: float(gt == "mixed" and response == "0"))
 
 
 def _order(n_batches):

@@ -8,12 +8,12 @@ import pytest
 import torch
 
 from megatron_cegrpo.arguments import build_config, parse_args
-from megatron_cegrpo.data import PromptSampler
 from megatron_cegrpo.errors import ConfigError
 from megatron_cegrpo.grpo import core_algos as ca
 from megatron_cegrpo.metrics import PhaseTimers
 from megatron_cegrpo.rollout.base import RolloutOutput
-from megatron_cegrpo.training.driver import Driver
+
+from driver_double import bare_driver
 
 
 def test_penalty_is_dapo_eq_13():
@@ -44,14 +44,9 @@ class LengthEngine:
 def _driver(*flags):
     cfg = build_config(parse_args(["--rollout-batch-size", "2", "--num-generations", "4", "--max-new-tokens", "64",
                                    *flags])).validate()
-    d = Driver.__new__(Driver)
-    d.cfg, d.rollout, d._rollout_metrics, d._reward_metrics = cfg, LengthEngine(), {}, {}
-    d.hf_config = SimpleNamespace(max_position_embeddings=256)
-    d.prompt_ids = [torch.tensor([i + 1]) for i in range(4)]
-    d.train_records = [SimpleNamespace(question=f"q{i}", ground_truth="1", verifier="fake") for i in range(4)]
-    d.get_reward_fn = lambda _name: (lambda response, gt: float(response == gt))
-    d.sampler = PromptSampler(4, 2, cfg.optim.seed)
-    return d
+    records = [SimpleNamespace(question=f"q{i}", ground_truth="1", verifier="fake") for i in range(4)]
+    return bare_driver(cfg, LengthEngine(), records, lambda response, gt: float(response == gt),
+                       max_position_embeddings=256)
 
 
 def test_advantages_come_from_score_plus_penalty_and_scores_stay_the_verifiers():
