@@ -47,7 +47,7 @@ ROLLOUT_ENGINE=${ROLLOUT_ENGINE:-$("${PYTHON:-python}" -c 'import importlib.util
 if [[ " $PRECISION_FLAGS $* " != *" --bf16 "* ]]; then  # --bf16 in PRECISION_FLAGS or after the script
   STUDY_NAME=${STUDY_NAME:-study}  # the fp32 path's study (docs/study.md)
 else
-  STUDY_NAME=${STUDY_NAME:-$("${PYTHON:-python}" -c 'import torch; print("study_bf16_amx" if torch.cpu._is_amx_tile_supported() else "study_bf16")')}
+  STUDY_NAME=${STUDY_NAME:-$([[ $("${PYTHON:-python}" -m megatron_cegrpo.compat.precision --kernels) == amx ]] && echo study_bf16_amx || echo study_bf16)}
 fi
 
 # shellcheck disable=SC2206  # DS_LAUNCH_ARGS is a word list (no spaces inside one argument)

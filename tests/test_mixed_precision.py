@@ -156,6 +156,7 @@ def test_precision_choice_follows_the_hosts_bf16_support(monkeypatch):
         monkeypatch.setattr(pr.torch.cpu, "_is_amx_tile_supported", lambda v=amx: v)
         monkeypatch.setattr(pr.torch.cpu, "_is_avx512_bf16_supported", lambda v=avx: v)
         assert pr.recommended_precision_flags() == flags
+        assert pr.cpu_bf16_kernels() == ("amx" if amx else "avx512_bf16" if avx else "emulated")
         warning = pr.precision_warning(cfg)
         assert (warning == "") == bool(flags)
         if warning:

@@ -13,6 +13,7 @@ holding the same bf16 values exactly (``--rollout-compute-dtype auto``).
 
     python -m megatron_cegrpo.compat.precision          # prints the flags: "--bf16" or ""
     python -m megatron_cegrpo.compat.precision --explain  # also why, and both measured speeds
+    python -m megatron_cegrpo.compat.precision --kernels  # amx, avx512_bf16 or emulated (CPU only)
 """
 
 from __future__ import annotations
@@ -26,9 +27,18 @@ import torch
 
 from megatron_cegrpo.bootstrap import bootstrap
 
-__all__ = ["native_bf16", "matmul_gflops", "recommended_precision_flags", "precision_warning", "rollout_compute_dtype"]
+__all__ = ["native_bf16", "cpu_bf16_kernels", "matmul_gflops", "recommended_precision_flags", "precision_warning", "rollout_compute_dtype"]
 
 BF16_FLAGS = "--bf16"
+
+
+def cpu_bf16_kernels() -> str:
+    """Which bf16 matmul kernels this CPU runs: ``"amx"`` (AMX tiles), ``"avx512_bf16"`` or
+    ``"emulated"``. The kinds round bf16 products differently, so runs compare paired only within
+    one kind (the study's pages are kept per kind: ``docs/study_bf16_amx.md``, ``docs/study_bf16.md``)."""
+    if torch.cpu._is_amx_tile_supported():
+        return "amx"
+    return "avx512_bf16" if torch.cpu._is_avx512_bf16_supported() else "emulated"
 
 
 def native_bf16() -> Tuple[bool, str]:
@@ -97,7 +107,12 @@ def precision_warning(cfg) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description="print the precision flags for this host (bf16 where native)")
     ap.add_argument("--explain", action="store_true", help="say why, with both dtypes' measured GFLOP/s, on stderr")
+    ap.add_argument("--kernels", action="store_true", help="print only this CPU's bf16 kernels: amx, avx512_bf16 "
+                                                           "or emulated")
     args = ap.parse_args(argv)
+    if args.kernels:
+        print(cpu_bf16_kernels())
+        return 0
     bootstrap()
     flags = recommended_precision_flags()
     if args.explain:

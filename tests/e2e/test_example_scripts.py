@@ -49,9 +49,10 @@ def test_the_demo_runs_the_studys_configuration(tmp_path):
     assert f"[demo] no {tmp_path / 'demo' / 'summary.json'} on this host (the driver, rank 0, writes it)" in demo.stdout
     assert "| dense | 1234 | dense | no | 48 |" in demo.stdout and demo.stderr == ""
     # the table of this kind of host's study: bf16 on AMX, bf16 on AVX512-BF16, the fp32 path elsewhere
-    import torch
+    from megatron_cegrpo.compat.precision import cpu_bf16_kernels
+
     bf16 = "--bf16" in demo_argv
-    name = ("study_bf16_amx" if torch.cpu._is_amx_tile_supported() else "study_bf16") if bf16 else "study"
+    name = ("study_bf16_amx" if cpu_bf16_kernels() == "amx" else "study_bf16") if bf16 else "study"
     assert f"the study (docs/{name}.md;" in demo.stdout
 
     # the main job is the study's pcaq/every=2:lrq + anchor arm (issue 33 item 7: its best paired gain in the budget)
