@@ -80,6 +80,9 @@ WEIGHT_SAMPLE=${WEIGHT_SAMPLE:-262144}
 # damage to the base model (issue 33 item 6): every N iterations the drift probe's dense-view KL to
 # the base model, probe/kl_to_base (training/drift_probe.py; a few extra forward passes); 0: off
 DRIFT_PROBE_INTERVAL=${DRIFT_PROBE_INTERVAL:-$(( TRAIN_ITERS / 6 > 0 ? TRAIN_ITERS / 6 : 1 ))}
+# the held-out learning curve: the 300 rows also scored every N iterations (the long horizon, issue 33
+# item 5: TRAIN_ITERS=160 HOLDOUT_EVAL_INTERVAL=40; about 5 minutes each here); 0: before and after only
+HOLDOUT_EVAL_INTERVAL=${HOLDOUT_EVAL_INTERVAL:-0}
 
 # The learnable configuration (issue 11, "What to build" 1; docs/study.md says how it was chosen),
 # shared with `make demo`: TRAIN_DATA TEMPLATE NUM_HOLDOUT HOLDOUT_SEED MAX_NEW_TOKENS ... KL_COEF
@@ -158,7 +161,7 @@ run_arm() {  # run_arm ARM SEED
   local cmd=(flock "$STUDY_LOCK" deepspeed --num_gpus "$((2 + anchor))" --master_port "$MASTER_PORT"
     megatron_cegrpo/train.py
     --model smollm2-135m-instruct --train-data "$TRAIN_DATA" --prompt-template "$TEMPLATE"
-    --num-holdout "$NUM_HOLDOUT" --holdout-seed "$HOLDOUT_SEED"
+    --num-holdout "$NUM_HOLDOUT" --holdout-seed "$HOLDOUT_SEED" --holdout-eval-interval "$HOLDOUT_EVAL_INTERVAL"
     --eval-datasets "$EVAL_DATA" --eval-limit "$EVAL_LIMIT" --eval-interval "$TRAIN_ITERS"
     --eval-max-new-tokens "$EVAL_MAX_NEW_TOKENS" --eval-batch-size "$EVAL_BATCH"
     --pipeline-model-parallel-size 2 --micro-batch-size 4

@@ -516,6 +516,9 @@ class DataConfig:
     holdout_seed: Optional[int] = option(
         None, "seed of the --num-holdout split (default: --seed); fix it so that runs of different seeds hold "
               "out the same rows")
+    holdout_eval_interval: int = option(0, "also score the --num-holdout rows every N iterations (a learning "
+                                           "curve; its per-row files feed the paired statistics); 0: only "
+                                           "before and after training")
     eval_max_new_tokens: int = option(128, "longest response in tokens when evaluating")
     eval_interval: int = option(0, "dense-view evaluation every N iterations (and before training); 0: off")
     eval_datasets: Optional[str] = option(
@@ -543,6 +546,11 @@ class DataConfig:
         if self.holdout_seed is not None:
             _check_int("--holdout-seed", self.holdout_seed, 0, "e.g. --holdout-seed 1234, or drop it to split "
                        "with --seed", maximum=OptimConfig.MAX_SEED)
+        _check_int("--holdout-eval-interval", self.holdout_eval_interval, 0, "e.g. --holdout-eval-interval 40, or "
+                   "0 for before and after only")
+        if self.holdout_eval_interval and not self.num_holdout:
+            raise ConfigError("--holdout-eval-interval needs held-out rows; fix: add e.g. --num-holdout 300, or drop "
+                              "--holdout-eval-interval")
         _check_int("--eval-max-new-tokens", self.eval_max_new_tokens, 1, "e.g. --eval-max-new-tokens 128")
         _check_int("--eval-interval", self.eval_interval, 0, "e.g. --eval-interval 10, or 0 for none")
         if self.eval_limit is not None:

@@ -33,6 +33,8 @@ def test_defaults_validate_and_derived_sizes():
     (["--anchor-ranks", "2"], "--anchor-ranks"),
     (["--anchor-interval", "0"], "--anchor-interval"),
     (["--save-interval", "5"], "--save-interval needs --save"),
+    (["--holdout-eval-interval", "40"], "^--holdout-eval-interval needs held-out rows; fix: add e.g. --num-holdout"),
+    (["--holdout-eval-interval", "-1", "--num-holdout", "8"], "^--holdout-eval-interval must be an integer >= 0"),
 ])
 def test_bad_flags_name_the_flag(argv, match):
     with pytest.raises(ValueError, match=match):

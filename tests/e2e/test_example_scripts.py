@@ -82,6 +82,7 @@ def test_the_demo_runs_the_studys_configuration(tmp_path):
     assert d["--rollout-engine"] == ("vllm" if importlib.util.find_spec("vllm") else "hf")
     assert "--rollout-engine" not in s
     assert (s["--train-iters"], s["--anchor-interval"], s["--anchor-delay"]) == ("48", "8", "8")
+    assert s["--holdout-eval-interval"] == "0"  # HOLDOUT_EVAL_INTERVAL: the long horizon's curve
 
 
 def test_study_arm_suffixes_add_their_flags(tmp_path):
