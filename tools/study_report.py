@@ -77,8 +77,10 @@ summary field                source
 Figures (one line per arm, raw values per step): ``reward.png`` (``critic/score/mean``),
 ``mismatch.png`` (``mismatch/abs_logprob_diff_mean``), ``fidelity_cos.png`` (the first
 ``fidelity/cos...`` key, when a run logged one), ``kl.png`` (``actor/kl_loss``),
-``entropy.png`` (``actor/entropy``) and ``heldout_accuracy.png`` (before/after bars with
-standard-error whiskers). The panels are drawn by ``tools/plot_runs.py``.
+``entropy.png`` (``actor/entropy``), ``kl_to_base.png`` (``probe/kl_to_base``),
+``error_persistence.png`` (``codec/error_persistence``), ``heldout_curve.png`` (``val/holdout/acc``
+per step, where a run scored the held-out rows between before and after: ``--holdout-eval-interval``)
+and ``heldout_accuracy.png`` (before/after bars with standard-error whiskers). The panels are drawn by ``tools/plot_runs.py``.
 
 The finished runs' small files (:data:`ARCHIVE_FILES`; finished: a ``DONE`` file, so an arm
 still running is left out) are copied into ``<docs>/study/runs/<arm>-s<seed>/`` and the report
@@ -113,12 +115,17 @@ FIELDS = ("arm", "seed", "codec", "anchor", "iterations", "wall_s", "acc_before"
           "heldout_rows", "boundary_bytes_ratio")
 
 #: (metric or metric prefix, title, y label, file stem); a prefix ends in "/".
-STEP_PANELS = [
-    ("critic/score/mean", "Training reward", "mean verifier score", "reward"),
-    ("mismatch/abs_logprob_diff_mean", "Train-inference mismatch", "nats / token", "mismatch"),
-    ("fidelity/cos", "Gradient fidelity (cosine to the dense gradient)", "cosine", "fidelity_cos"),
-    ("actor/kl_loss", "KL to the reference", "KL", "kl"),
-    ("actor/entropy", "Entropy", "nats / token", "entropy"),
+STEP_PANELS = [  # (metric, title, y label, file stem, fewest points a run needs to be drawn)
+    ("critic/score/mean", "Training reward", "mean verifier score", "reward", 1),
+    ("mismatch/abs_logprob_diff_mean", "Train-inference mismatch", "nats / token", "mismatch", 1),
+    ("fidelity/cos", "Gradient fidelity (cosine to the dense gradient)", "cosine", "fidelity_cos", 1),
+    ("actor/kl_loss", "KL to the reference", "KL", "kl", 1),
+    ("actor/entropy", "Entropy", "nats / token", "entropy", 1),
+    ("probe/kl_to_base", "Drift: dense-view KL to the base model", "KL / token", "kl_to_base", 1),
+    ("codec/error_persistence", "Codec error persistence (cosine of consecutive errors)", "cosine",
+     "error_persistence", 1),
+    # a curve only where a run scored the held-out rows between before and after (--holdout-eval-interval)
+    ("val/holdout/acc", "Held-out greedy accuracy", "accuracy", "heldout_curve", 3),
 ]
 
 NOTES_BEGIN, NOTES_END = "<!-- study:notes -->", "<!-- /study:notes -->"
@@ -597,9 +604,9 @@ def plot_steps(run_dirs: Sequence[str], labels: Sequence[str], out_dir: str) -> 
     plt = pr._plt()
     runs = [(lab, pr.read_metrics(d)[0]) for d, lab in zip(run_dirs, labels)]
     written = []
-    for key, title, ylabel, stem in STEP_PANELS:
+    for key, title, ylabel, stem, fewest in STEP_PANELS:
         found = sorted({k for _, s in runs for k in s if k == key or k.startswith(key + "/")})
-        if not found:
+        if not found or not any(len(s.get(found[0], ())) >= fewest for _, s in runs):
             continue
         fig, ax = plt.subplots(figsize=(7, 4.2))
         pr._draw_panel(ax, runs, found[0], title, ylabel, None)

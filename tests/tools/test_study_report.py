@@ -107,9 +107,26 @@ def test_summary_values(study, tmp_path):
     assert "| mask_anchor-s1 | 1 | - | - | - | - |" in md
     assert f"{mod.NOTES_BEGIN}\nThe dense arm learns.\n{mod.NOTES_END}" in md and "old" not in md.splitlines()
     pngs = {p.name for p in (docs / "study").glob("*.png")}
-    assert pngs == {"reward.png", "mismatch.png", "fidelity_cos.png", "kl.png", "entropy.png",
+    # no run scored the held-out rows between before and after: no curve (the bars hold both points)
+    assert pngs == {"reward.png", "mismatch.png", "fidelity_cos.png", "kl.png", "entropy.png", "kl_to_base.png",
                     "heldout_accuracy.png"}
     assert all((docs / "study" / n).stat().st_size < 200_000 for n in pngs)
+
+
+def test_a_held_out_curve_is_drawn_and_the_last_evaluation_is_after(tmp_path):
+    """--holdout-eval-interval: the held-out rows scored at 0, 1 and 2; "after" is the last one, and
+    the curve is drawn."""
+    root = tmp_path / "runs"
+    _write_run(root / "dense-s1", [
+        _holdout(0, 0.30, 0.02, 40.0), _step(1, 0.25, 1000, 1000, 2000, 60.0), _holdout(1, 0.50, 0.03, 40.0),
+        _step(2, 0.50, 1000, 1000, 2000, 60.0), _holdout(2, 0.40, 0.03, 38.0),
+    ], arm={"arm": "dense", "seed": 1, "codec": "dense", "anchor": False})
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    summary = _tool().write_report(str(root), str(docs))
+    (dense,) = summary["arms"]
+    assert (dense["acc_before"], dense["acc_after"]) == (0.30, 0.40)
+    assert (docs / "study" / "heldout_curve.png").stat().st_size > 0
 
 
 def test_no_runs_is_an_error(tmp_path):
