@@ -32,6 +32,9 @@
 #                          batches of one group: each prompt computed and sent once per group;
 #                          docs/shared_prefix.md)
 #   <codec>, <codec>_anchor  every other registered codec (lowrank, ...)             first seed
+#   lowrank_anchorq        lowrank + anchor, the basis Q refreshed by the anchor at   only in ARMS=
+#                          its fires (--lowrank-q-owner anchor): the seeds' persistent-
+#                          direction challenger, for the long horizon
 #
 # Every arm: same seed(s), same data order, same held-out rows (--holdout-seed), no KL, no
 # entropy bonus (as the seeds' runs; KL_COEF), held-out greedy accuracy before and after training with
@@ -125,6 +128,7 @@ arm_spec() {
     dense) echo "dense 0" ;;
     mask) echo "mask 0" ;;
     mask_anchor) echo "mask 1" ;;
+    lowrank_anchorq) echo "lowrank 1 --lowrank-q-owner anchor" ;;
     mask_anchor_constmag) echo "mask 1 --sign-blend-magnitude mean --sign-blend-alpha 0 --sign-blend-beta 1" ;;
     *_anchor) echo "${1%_anchor} 1" ;;
     *) echo "$1 0" ;;

@@ -88,10 +88,11 @@ def test_the_demo_runs_the_studys_configuration(tmp_path):
 def test_study_arm_suffixes_add_their_flags(tmp_path):
     """``<arm>_dense<N>`` adds ``--dense-step-interval N`` to the arm's command, ``_filter`` adds
     DAPO's dynamic sampling, ``_vllm`` the vLLM sampler, ``_shared`` shared-prefix passes over
-    micro-batches of one group, ``_overlong`` DAPO's length penalty, ``_controller`` the drift controller
-    and ``_c2`` the seeds' fire-only fold at beta 0.5; the arm's folder keeps its whole name."""
+    micro-batches of one group, ``_overlong`` DAPO's length penalty, ``_controller`` the drift
+    controller, ``_c2`` the seeds' fire-only fold at beta 0.5, ``lowrank_anchorq`` the anchor-owned
+    basis; the arm's folder keeps its whole name."""
     env = _env(DRY_RUN="1", ARMS="mask_anchor_dense16 pcaq:lrq_anchor_dense8_filter dense_vllm mask_anchor_shared "
-                                 "dense_overlong mask_anchor_controller mask_anchor_c2",
+                                 "dense_overlong mask_anchor_controller mask_anchor_c2 lowrank_anchorq",
                SEEDS="1234",
                STUDY_DIR=str(tmp_path / "study"))
     study = subprocess.run(["bash", "examples/study_cpu.sh"], cwd=REPO, env=env, capture_output=True, text=True,
@@ -123,3 +124,5 @@ def test_study_arm_suffixes_add_their_flags(tmp_path):
     c2 = _flags(lines["mask_anchor_c2"])
     assert (c2["--anchor-ranks"], c2["--sign-fold"], c2["--sign-blend-beta"]) == ("1", "fire-only", "0.5")
     assert "--sign-fold" not in dense16
+    q = _flags(lines["lowrank_anchorq"])
+    assert (q["--boundary-codec"], q["--anchor-ranks"], q["--lowrank-q-owner"]) == ("lowrank", "1", "anchor")
