@@ -157,8 +157,10 @@ class AnchorWorker:
         d = int(self.model.config.hidden_size)
         r = self.codec.fwd.rank(d)  # the stages' lowrank codec, as the run plan built it
         last_layers = [meta["layer_offset"] - 1 for meta in self.stage_meta[1:]]
+        # the dtype the stages receive it in: the pipeline's (bf16 under --bf16, whose parameters
+        # stay fp32 masters), not the replica's parameters'
         return AnchorBasis(self.model.decoder.layers, last_layers, self.cfg.optim.seed, d, r,
-                           next(self.model.parameters()).dtype)
+                           self.model.config.pipeline_dtype)
 
     # ------------------------------------------------------------------ loop
     def run(self, on_iteration_end=None) -> None:

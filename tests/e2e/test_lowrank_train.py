@@ -11,6 +11,8 @@
   ``pow`` after a restart instead of its running product, 1 ulp apart in fp32 for 0.999;
   deepspeed/ops/csrc/includes/cpu_adam.h ``IncrementStep``. The optimizer now replays the
   product on load: optim/factory.replay_cpu_adam_bias_correction.)
+- anchor-owned basis under ``--bf16``: the bases travel in the pipeline dtype (bf16) and both
+  stages hold the same one.
 """
 
 import json
@@ -91,3 +93,19 @@ def test_lowrank_anchor_owned_basis_resumes_bit_exactly(tmp_path):
     assert not torch.equal(q0, initial_basis(1234, 0, D, R))  # the run seed's basis was replaced
     assert torch.equal(codecs[0]["pending"][0][0], codecs[1]["pending"][0][0])
     assert codecs[0]["pending"][0][1] == 5
+
+
+def test_lowrank_anchor_owned_basis_travels_in_the_pipeline_dtype_under_bf16(tmp_path):
+    """--bf16: the anchor's replica keeps fp32 parameters but the stages take the basis in the
+    pipeline dtype (bf16); the anchor built it in its parameters' dtype and the stages' receive
+    of the first basis failed ("512 vs 256" bytes, gloo) until the basis took the pipeline's."""
+    anchor = ["--anchor-interval", "1", "--anchor-delay", "1", "--lowrank-q-owner", "anchor", "--bf16"]
+    run = _train(tmp_path, "bf16", 1, *anchor, "--train-iters", "2", "--save", str(tmp_path / "ck"),
+                 "--save-interval", "2")
+    for t in (1, 2):
+        assert run[t]["anchor/fire"] == 1 and run[t]["anchor/bytes_out"] >= 2 * (8 + D * R * 2)
+    codecs = [torch.load(tmp_path / "ck" / "iter_0000002" / f"stage_{r:02d}" / "trainer_state.pt",
+                         weights_only=True)["codec"]["fwd"] for r in range(2)]
+    (q0, from0), (q1, from1) = codecs[0]["bases"][0], codecs[1]["bases"][0]
+    assert q0.dtype == q1.dtype == torch.bfloat16 and torch.equal(q0, q1) and from0 == from1 == 2
+    assert not torch.equal(q0, initial_basis(1234, 0, D, R, torch.bfloat16))
