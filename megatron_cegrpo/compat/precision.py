@@ -27,7 +27,8 @@ import torch
 
 from megatron_cegrpo.bootstrap import bootstrap
 
-__all__ = ["native_bf16", "cpu_bf16_kernels", "matmul_gflops", "recommended_precision_flags", "precision_warning", "rollout_compute_dtype"]
+__all__ = ["native_bf16", "cpu_bf16_kernels", "matmul_gflops", "recommended_precision_flags", "precision_warning",
+           "rollout_compute_dtype"]
 
 BF16_FLAGS = "--bf16"
 
