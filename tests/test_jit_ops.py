@@ -1,12 +1,14 @@
 """A killed JIT build's lock on a DeepSpeed op stops start-up with one line, not a silent hang."""
 
 import os
+import subprocess
+import threading
 import time
 
 import pytest
 
 from megatron_cegrpo.errors import ConfigError
-from megatron_cegrpo.optim.jit_ops import STALE_LOCK_S, build_lock_path, check_build_locks
+from megatron_cegrpo.optim.jit_ops import STALE_LOCK_S, build_lock_path, builders_in, check_build_locks
 
 
 @pytest.fixture
@@ -41,9 +43,38 @@ def test_a_stale_lock_names_itself_its_age_and_the_fix(ext_dir):
 
 def test_a_build_in_progress_and_no_lock_pass(ext_dir):
     now = time.time()
-    _lock(ext_dir, "cpu_adam", STALE_LOCK_S - 60, now)  # another rank building right now
-    check_build_locks(["cpu_adam", "deepspeed_shm_comm"], now=now)
+    lock = _lock(ext_dir, "cpu_adam", STALE_LOCK_S - 60, now)  # another rank building right now:
+    builder = subprocess.Popen(["sleep", "30"], cwd=lock.parent)  # ninja works in the build folder
+    try:
+        assert builders_in(str(lock.parent)) == [builder.pid]
+        check_build_locks(["cpu_adam", "deepspeed_shm_comm"], now=now, grace_s=0.3)
+    finally:
+        builder.kill()
+        builder.wait()
     _lock(ext_dir, "cpu_adam", STALE_LOCK_S + 60, now)
     with pytest.raises(ConfigError):
         check_build_locks(["cpu_adam"], now=now)
     check_build_locks(["deepspeed_shm_comm"], now=now)  # only the named ops are looked at
+
+
+def test_a_young_lock_no_process_builds_under_is_a_killed_build(ext_dir):
+    """A build killed a minute ago: its lock is young, but no ninja or compiler works in the folder
+    (the hang of 2026-12-05: a test run killed mid-build, the next launch waited forever)."""
+    now = time.time()
+    lock = _lock(ext_dir, "cpu_adam", 60, now)
+    assert builders_in(str(lock.parent)) == []
+    with pytest.raises(ConfigError) as e:
+        check_build_locks(["cpu_adam"], now=now, grace_s=0.3)
+    assert str(e.value) == (
+        f"torch extension build lock {lock} is held by no running build (no process in its folder for 0.3 s): "
+        f"a build of DeepSpeed's cpu_adam op was killed and every load of it would wait forever; fix: delete "
+        f"{lock.parent} (it is rebuilt on next use) or set TORCH_EXTENSIONS_DIR to another folder")
+
+
+def test_a_lock_released_within_the_grace_passes(ext_dir):
+    """torch holds the lock without a builder only while it writes build.ninja: a lock that goes
+    within the grace was a live load's."""
+    now = time.time()
+    lock = _lock(ext_dir, "cpu_adam", 0, now)
+    threading.Timer(0.3, lock.unlink).start()
+    check_build_locks(["cpu_adam"], now=now, grace_s=3.0)

@@ -163,6 +163,16 @@ def _stale_build_lock(tmp):
     return []
 
 
+def _orphaned_build_lock(tmp):
+    """A lock a JIT build of cpu_adam left a minute ago when it was killed: no process works in its folder."""
+    lock = os.path.join(tmp, "ext", "cpu_adam", "lock")
+    os.makedirs(os.path.dirname(lock))
+    open(lock, "w").close()
+    old = time.time() - 60
+    os.utime(lock, (old, old))
+    return []
+
+
 def _mkdir(name):
     def setup(tmp):
         os.makedirs(os.path.join(tmp, name))
@@ -451,6 +461,12 @@ CASES = [
          "next use) or set TORCH_EXTENSIONS_DIR to another folder", setup=_stale_build_lock,
          env={"TORCH_EXTENSIONS_DIR": "{tmp}/ext"},
          doc_input="TORCH_EXTENSIONS_DIR=<tmp>/ext, whose cpu_adam/lock a build killed 2 hours ago left"),
+    Case("orphaned-build-lock", "launch", [],
+         "torch extension build lock {tmp}/ext/cpu_adam/lock is held by no running build (no process in its folder "
+         "for 5 s): a build of DeepSpeed's cpu_adam op was killed and every load of it would wait forever; fix: "
+         "delete {tmp}/ext/cpu_adam (it is rebuilt on next use) or set TORCH_EXTENSIONS_DIR to another folder",
+         setup=_orphaned_build_lock, env={"TORCH_EXTENSIONS_DIR": "{tmp}/ext"},
+         doc_input="TORCH_EXTENSIONS_DIR=<tmp>/ext, whose cpu_adam/lock a build killed a minute ago left"),
     Case("reward-file-missing", "reward", [], "--custom-reward-function '{tmp}/missing.py:f': '{tmp}/missing.py' "
          "does not exist (working directory '{repo}'); give the path of a .py file", setup=_reward("missing.py:f"),
          doc_input="--custom-reward-function <tmp>/missing.py:f"),

@@ -6,7 +6,9 @@ each build directory with a lock file (``FileBaton``). A build that is killed mi
 timeout, the OOM killer, Ctrl-C) leaves that file behind, and every later load of the op, by
 any process of the same user, waits on it forever without printing anything: the trainer
 hangs at its optimizer and every test that trains hangs with it (CI of stop 22, 2026-12-02).
-:func:`check_build_locks` turns that into one line at start-up; :func:`build_ops` builds the
+:func:`check_build_locks` turns that into one line at start-up (a lock older than
+:data:`STALE_LOCK_S`, or, on Linux, a younger one that no process is building under: torch runs
+ninja and the compilers in the build folder); :func:`build_ops` builds the
 ops ahead of time (``make venv`` runs ``tools/build_ops.py``, into ``.venv/torch_extensions``), so that no test or
 rank pays for, or can interrupt, a build.
 """
@@ -15,18 +17,21 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Iterable, Optional, Sequence
+from typing import Iterable, List, Optional, Sequence
 
 from megatron_cegrpo.errors import ConfigError
 
-__all__ = ["JIT_OPS", "STALE_LOCK_S", "ops_for_this_machine", "build_lock_path", "check_build_locks",
-           "build_ops"]
+__all__ = ["JIT_OPS", "STALE_LOCK_S", "ORPHAN_GRACE_S", "ops_for_this_machine", "build_lock_path",
+           "builders_in", "check_build_locks", "build_ops"]
 
 # extension name (torch's build folder) -> DeepSpeed op builder class
 JIT_OPS = {"cpu_adam": "CPUAdamBuilder", "deepspeed_shm_comm": "ShareMemCommBuilder",
            "fused_adam": "FusedAdamBuilder"}
 # a build of cpu_adam took 46-53 s here (shm_comm 23-31 s) on 2 loaded cores; a lock this old is no build's
 STALE_LOCK_S = 10 * 60
+# a younger lock with no process working in its folder this long is a killed build's too (torch holds
+# the lock without ninja running only while it writes build.ninja: milliseconds)
+ORPHAN_GRACE_S = 5.0
 
 
 def ops_for_this_machine() -> tuple:
@@ -47,17 +52,55 @@ def build_lock_path(name: str) -> str:
     return os.path.join(_get_build_directory(name, verbose=False), "lock")
 
 
+def builders_in(build_dir: str) -> Optional[List[int]]:
+    """PIDs of the processes whose working directory is ``build_dir`` (torch runs ninja there, and
+    ninja the compilers); None where ``/proc`` cannot tell (not Linux)."""
+    if not os.path.isdir("/proc/self"):
+        return None
+    target, pids = os.path.realpath(build_dir), []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if os.readlink(f"/proc/{entry}/cwd") == target:
+                    pids.append(int(entry))
+            except OSError:  # gone meanwhile, or another user's
+                continue
+    return pids
+
+
+def _orphaned(lock: str, grace_s: float) -> bool:
+    """True when ``lock`` stays in place for ``grace_s`` seconds with no process building in its
+    folder (checked every 0.1 s); False as soon as a builder is seen or the lock goes, and where
+    :func:`builders_in` cannot tell."""
+    folder, deadline = os.path.dirname(lock), time.monotonic() + grace_s
+    while True:
+        pids = builders_in(folder)
+        if pids is None or pids or not os.path.exists(lock):
+            return False
+        if time.monotonic() >= deadline:
+            return True
+        time.sleep(0.1)
+
+
+def _fix(lock: str) -> str:
+    return (f"fix: delete {os.path.dirname(lock)} (it is rebuilt on next use) or set TORCH_EXTENSIONS_DIR "
+            "to another folder")
+
+
 def check_build_locks(names: Optional[Iterable[str]] = None, stale_after_s: float = STALE_LOCK_S,
-                      now: Optional[float] = None) -> None:
+                      now: Optional[float] = None, grace_s: float = ORPHAN_GRACE_S) -> None:
     """Stop at start-up when a killed build left a lock that would make this run wait forever.
 
     Args:
         names: extension names (keys of :data:`JIT_OPS`); default :func:`ops_for_this_machine`.
         stale_after_s: a lock file older than this (seconds, by its mtime) is a dead build's.
         now: the current time (``time.time()``; a parameter for tests).
+        grace_s: a younger lock is a dead build's too when no process works in its folder for
+            this many seconds (Linux, :func:`builders_in`); a build in progress has ninja or a
+            compiler there.
     Raises:
-        ConfigError: naming the lock, its age and the fix (delete the build folder, or point
-            ``TORCH_EXTENSIONS_DIR`` elsewhere). A younger lock is a build in progress: no error.
+        ConfigError: naming the lock, its age or that no build holds it, and the fix (delete the
+            build folder, or point ``TORCH_EXTENSIONS_DIR`` elsewhere). A build in progress: no error.
     """
     now = time.time() if now is None else now
     for name in ops_for_this_machine() if names is None else names:
@@ -69,9 +112,12 @@ def check_build_locks(names: Optional[Iterable[str]] = None, stale_after_s: floa
         if age > stale_after_s:
             raise ConfigError(
                 f"torch extension build lock {lock} is {age / 60:.0f} min old: a build of DeepSpeed's "
-                f"{name} op was killed and every load of it would wait forever; fix: delete "
-                f"{os.path.dirname(lock)} (it is rebuilt on next use) or set TORCH_EXTENSIONS_DIR "
-                f"to another folder")
+                f"{name} op was killed and every load of it would wait forever; {_fix(lock)}")
+        if _orphaned(lock, grace_s):
+            raise ConfigError(
+                f"torch extension build lock {lock} is held by no running build (no process in its folder "
+                f"for {grace_s:g} s): a build of DeepSpeed's {name} op was killed and every load of it "
+                f"would wait forever; {_fix(lock)}")
 
 
 def build_ops(names: Optional[Sequence[str]] = None) -> None:
