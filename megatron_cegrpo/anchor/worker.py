@@ -157,10 +157,8 @@ class AnchorWorker:
         d = int(self.model.config.hidden_size)
         r = self.codec.fwd.rank(d)  # the stages' lowrank codec, as the run plan built it
         last_layers = [meta["layer_offset"] - 1 for meta in self.stage_meta[1:]]
-        # the dtype the stages receive it in: the pipeline's (bf16 under --bf16, whose parameters
-        # stay fp32 masters), not the replica's parameters'
         return AnchorBasis(self.model.decoder.layers, last_layers, self.cfg.optim.seed, d, r,
-                           self.model.config.pipeline_dtype)
+                           self.model.config.pipeline_dtype)  # the stages' dtype: bf16 under --bf16, not fp32
 
     # ------------------------------------------------------------------ loop
     def run(self, on_iteration_end=None) -> None:

@@ -111,10 +111,10 @@ def main(argv=None) -> int:
     ap.add_argument("--kernels", action="store_true", help="print only this CPU's bf16 kernels: amx, avx512_bf16 "
                                                            "or emulated")
     args = ap.parse_args(argv)
+    bootstrap()
     if args.kernels:
         print(cpu_bf16_kernels())
         return 0
-    bootstrap()
     flags = recommended_precision_flags()
     if args.explain:
         ok, why = native_bf16()

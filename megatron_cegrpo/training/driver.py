@@ -243,6 +243,21 @@ class Driver:
         self._keep_rows(report, step)
         return report.metrics
 
+    def evaluate_on_cadence(self, t: int) -> Dict[str, float]:
+        """The evaluations due after iteration ``t``: ``--eval-datasets`` every ``--eval-interval``
+        iterations (:meth:`evaluate_suite`) and the held-out rows every ``--holdout-eval-interval``
+        (:meth:`evaluate_holdout`, the learning curve; not after the last iteration, whose held-out
+        evaluation is the trainer's after training). Returns their metrics ({} when none is due)."""
+        d, m = self.cfg.data, {}
+        if d.eval_interval and t % d.eval_interval == 0:
+            m.update(self.evaluate_suite(t) or {})
+        if d.holdout_eval_interval and t % d.holdout_eval_interval == 0 and t < self.cfg.optim.train_iters:
+            ho = self.evaluate_holdout(t)
+            m.update(ho)
+            log(f"held-out greedy accuracy at iteration {t}: {ho['val/holdout/acc']:.3f} ± "
+                f"{ho['val/holdout/acc_stderr']:.3f} ({ho['timing_s/eval']:.0f} s)")
+        return m
+
     def evaluate_suite(self, iteration: int) -> Optional[Dict[str, float]]:
         """Dense-view evaluation on ``--eval-datasets`` (greedy or avg@k per data set) at training
         step ``iteration``: ``val/<dataset>/acc`` and friends (``megatron_cegrpo.evaluation``);

@@ -190,15 +190,7 @@ class GRPOTrainer:
         self.weight_trace.record(t)  # --log-weight-sample
         m = self._metrics(full, stats, t, time.perf_counter() - t_start)
         if self.driver is not None:
-            d = self.cfg.data
-            if d.eval_interval and t % d.eval_interval == 0:  # the stages wait meanwhile
-                m.update(self.driver.evaluate_suite(t))
-            # the held-out curve; the last iteration's is train()'s evaluation after training
-            if d.holdout_eval_interval and t % d.holdout_eval_interval == 0 and t < self.cfg.optim.train_iters:
-                ho = self.driver.evaluate_holdout(t)
-                m.update(ho)
-                self._log(f"held-out greedy accuracy at iteration {t}: {ho['val/holdout/acc']:.3f} ± "
-                          f"{ho['val/holdout/acc_stderr']:.3f} ({ho['timing_s/eval']:.0f} s)")
+            m.update(self.driver.evaluate_on_cadence(t))  # the stages wait meanwhile
             self.driver.write(m)
         return m
 
