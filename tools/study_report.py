@@ -21,7 +21,9 @@ summary field                source in metrics.jsonl
                              loading and process start-up are not counted)
 ``acc_before``               ``val/holdout/acc`` of the step-0 record (before training)
 ``acc_after``                ``val/holdout/acc`` of the last record holding it at step
-                             ``iterations`` > 0 (after training); None while unfinished
+                             ``iterations`` > 0 (after training); None while unfinished (a run
+                             stopped right after a ``--holdout-eval-interval`` evaluation would
+                             read that one: unfinished runs, no ``DONE``, are left out)
 ``acc_before_stderr``,       their ``val/holdout/acc_stderr`` (sample std / sqrt(n),
 ``acc_stderr``               ``megatron_cegrpo.evaluation.DatasetResult.acc_stderr``)
 ``heldout_rows``             ``val/holdout/num_rows``
@@ -606,10 +608,12 @@ def plot_steps(run_dirs: Sequence[str], labels: Sequence[str], out_dir: str) -> 
     written = []
     for key, title, ylabel, stem, fewest in STEP_PANELS:
         found = sorted({k for _, s in runs for k in s if k == key or k.startswith(key + "/")})
-        if not found or not any(len(s.get(found[0], ())) >= fewest for _, s in runs):
+        # the runs with fewer points stay out of the panel (empty: each run keeps its colour)
+        drawn = [(lab, s if len(s.get(found[0], ())) >= fewest else {}) for lab, s in runs] if found else []
+        if not any(s for _, s in drawn):
             continue
         fig, ax = plt.subplots(figsize=(7, 4.2))
-        pr._draw_panel(ax, runs, found[0], title, ylabel, None)
+        pr._draw_panel(ax, drawn, found[0], title, ylabel, None)
         fig.tight_layout()
         path = os.path.join(out_dir, f"{stem}.png")
         fig.savefig(path, dpi=90)

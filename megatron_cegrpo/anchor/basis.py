@@ -86,5 +86,6 @@ class AnchorBasis:
         return {"q": {b: q.clone() for b, q in self.q.items()}, "num_refreshes": self.num_refreshes}
 
     def load_state_dict(self, state: dict) -> None:
-        self.q = {int(b): q.clone() for b, q in state["q"].items()}
+        # in the dtype the stages receive (a --bf16 checkpoint of before 2026-12-05 holds fp32 bases)
+        self.q = {int(b): q.to(self.dtype, copy=True) for b, q in state["q"].items()}
         self.num_refreshes = int(state["num_refreshes"])

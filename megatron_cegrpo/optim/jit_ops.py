@@ -21,7 +21,7 @@ from typing import Iterable, List, Optional, Sequence
 
 from megatron_cegrpo.errors import ConfigError
 
-__all__ = ["JIT_OPS", "STALE_LOCK_S", "ORPHAN_GRACE_S", "ops_for_this_machine", "build_lock_path",
+__all__ = ["JIT_OPS", "STALE_LOCK_S", "ORPHAN_GRACE_S", "SHARED_FS", "ops_for_this_machine", "build_lock_path",
            "builders_in", "check_build_locks", "build_ops"]
 
 # extension name (torch's build folder) -> DeepSpeed op builder class
@@ -30,8 +30,12 @@ JIT_OPS = {"cpu_adam": "CPUAdamBuilder", "deepspeed_shm_comm": "ShareMemCommBuil
 # a build of cpu_adam took 46-53 s here (shm_comm 23-31 s) on 2 loaded cores; a lock this old is no build's
 STALE_LOCK_S = 10 * 60
 # a younger lock with no process working in its folder this long is a killed build's too (torch holds
-# the lock without ninja running only while it writes build.ninja: milliseconds)
+# the lock with no process there only while it checks the compiler and writes build.ninja: seconds
+# at most, on a loaded host)
 ORPHAN_GRACE_S = 5.0
+#: filesystems a build on another host can lock (this host's /proc cannot see that build)
+SHARED_FS = ("nfs", "nfs4", "cifs", "smb3", "smbfs", "lustre", "ceph", "glusterfs", "gpfs", "beegfs", "9p",
+             "afs", "virtiofs")
 
 
 def ops_for_this_machine() -> tuple:
@@ -52,10 +56,28 @@ def build_lock_path(name: str) -> str:
     return os.path.join(_get_build_directory(name, verbose=False), "lock")
 
 
+def _fs_type(path: str) -> Optional[str]:
+    """The filesystem type of the mount holding ``path`` (``/proc/self/mountinfo``), None if unknown."""
+    try:
+        with open("/proc/self/mountinfo", encoding="utf-8") as f:
+            mounts = [(ln.split()[4], ln.split(" - ", 1)[1].split()[0]) for ln in f if " - " in ln]
+    except (OSError, IndexError):
+        return None
+    path = os.path.realpath(path)
+    best = max((m for m in mounts if path == m[0] or path.startswith(m[0].rstrip("/") + "/")),
+               key=lambda m: len(m[0]), default=None)
+    return best[1] if best else None
+
+
 def builders_in(build_dir: str) -> Optional[List[int]]:
-    """PIDs of the processes whose working directory is ``build_dir`` (torch runs ninja there, and
-    ninja the compilers); None where ``/proc`` cannot tell (not Linux)."""
+    """PIDs of this host's processes whose working directory is ``build_dir`` (torch runs ninja
+    there, and ninja the compilers); None where that cannot tell whether a build is running: no
+    ``/proc`` (not Linux), or the folder on a filesystem another host may build in
+    (:data:`SHARED_FS`, ``fuse.*``)."""
     if not os.path.isdir("/proc/self"):
+        return None
+    fs = _fs_type(build_dir)
+    if fs is None or fs in SHARED_FS or fs.startswith("fuse"):
         return None
     target, pids = os.path.realpath(build_dir), []
     for entry in os.listdir("/proc"):
@@ -68,18 +90,31 @@ def builders_in(build_dir: str) -> Optional[List[int]]:
     return pids
 
 
-def _orphaned(lock: str, grace_s: float) -> bool:
-    """True when ``lock`` stays in place for ``grace_s`` seconds with no process building in its
-    folder (checked every 0.1 s); False as soon as a builder is seen or the lock goes, and where
-    :func:`builders_in` cannot tell."""
-    folder, deadline = os.path.dirname(lock), time.monotonic() + grace_s
-    while True:
-        pids = builders_in(folder)
-        if pids is None or pids or not os.path.exists(lock):
+def _orphaned(lock: str, grace_s: float, max_wait_s: float) -> bool:
+    """True when ``lock`` stays in place with no process building in its folder for ``grace_s``
+    seconds in a row (checked every 0.1 s). False when the lock goes, where :func:`builders_in`
+    cannot tell or another user made the lock (their processes are not readable), and after
+    ``max_wait_s`` of a build still running (the load waits for it anyway; a build whose Python
+    parent was killed keeps its compilers running a while, then leaves the lock: caught here once
+    they end)."""
+    folder, start = os.path.dirname(lock), time.monotonic()
+    try:
+        if os.stat(lock).st_uid != os.getuid():
             return False
-        if time.monotonic() >= deadline:
+    except FileNotFoundError:
+        return False
+    idle_since = start
+    while os.path.exists(lock):
+        pids = builders_in(folder)
+        now = time.monotonic()
+        if pids is None or now - start > max_wait_s:
+            return False
+        if pids:
+            idle_since = now
+        elif now - idle_since >= grace_s:
             return True
         time.sleep(0.1)
+    return False
 
 
 def _fix(lock: str) -> str:
@@ -96,8 +131,9 @@ def check_build_locks(names: Optional[Iterable[str]] = None, stale_after_s: floa
         stale_after_s: a lock file older than this (seconds, by its mtime) is a dead build's.
         now: the current time (``time.time()``; a parameter for tests).
         grace_s: a younger lock is a dead build's too when no process works in its folder for
-            this many seconds (Linux, :func:`builders_in`); a build in progress has ninja or a
-            compiler there.
+            this many seconds in a row (Linux, a local filesystem, the lock this user's:
+            :func:`builders_in`); while a build runs (ninja or a compiler there) this waits for it,
+            at most until the lock is ``stale_after_s`` old.
     Raises:
         ConfigError: naming the lock, its age or that no build holds it, and the fix (delete the
             build folder, or point ``TORCH_EXTENSIONS_DIR`` elsewhere). A build in progress: no error.
@@ -113,7 +149,7 @@ def check_build_locks(names: Optional[Iterable[str]] = None, stale_after_s: floa
             raise ConfigError(
                 f"torch extension build lock {lock} is {age / 60:.0f} min old: a build of DeepSpeed's "
                 f"{name} op was killed and every load of it would wait forever; {_fix(lock)}")
-        if _orphaned(lock, grace_s):
+        if _orphaned(lock, grace_s, max_wait_s=stale_after_s - age):
             raise ConfigError(
                 f"torch extension build lock {lock} is held by no running build (no process in its folder "
                 f"for {grace_s:g} s): a build of DeepSpeed's {name} op was killed and every load of it "
