@@ -30,9 +30,11 @@ it. A link that comes back within ``timeout_s`` is ridden out: TCP resends what 
 beats resume. Not covered: a rank whose main thread is stuck while its threads run (a deadlock
 inside this process): it keeps beating, and its peers wait as before.
 
-A rank that finishes posts ``done`` and is never named; a store that refuses connections (rank 0's
+A rank that finishes posts ``done`` and is never named. A store that refuses connections (rank 0's
 process, which hosts it under DeepSpeed and torchrun's c10d rendezvous, has ended) stops the
-threads quietly: that is the run ending, or a death every peer notices by its closed connection.
+threads quietly when rank 0 had posted ``done`` (the run is ending); otherwise rank 0 died or its
+watchdog ended it, and this rank, no longer reaching the store, ends after ``timeout_s`` like a rank
+cut off from it (a launcher's agent usually ends it first).
 """
 
 from __future__ import annotations
@@ -145,7 +147,10 @@ class Heartbeat:
                 self._post()
                 self._read()
             except Exception:  # connection refused or reset: the store's host (rank 0) ended
-                self._stop.set()
+                if self._seen.get(0, (None, None, {}))[2].get("done"):
+                    self._stop.set()  # it finished: the run is ending, nothing is left to watch
+                # else it died: no contact from now on, and the watchdog ends this rank after
+                # timeout_s (check); stopping here left the rank running with no one to end it
 
     def _watch_loop(self) -> None:
         while not self._stop.wait(self.interval_s):
