@@ -153,24 +153,17 @@ def _reward(spec):
 _ROW0 = "row 0 of the batch (question 'Harry is inviting 3 friends to a party. He has 12 cookies...')"
 
 
-def _stale_build_lock(tmp):
-    """A lock a killed JIT build of cpu_adam left two hours ago in TORCH_EXTENSIONS_DIR={tmp}/ext."""
-    lock = os.path.join(tmp, "ext", "cpu_adam", "lock")
-    os.makedirs(os.path.dirname(lock))
-    open(lock, "w").close()
-    old = time.time() - 7210
-    os.utime(lock, (old, old))
-    return []
-
-
-def _orphaned_build_lock(tmp):
-    """A lock a JIT build of cpu_adam left a minute ago when it was killed: no process works in its folder."""
-    lock = os.path.join(tmp, "ext", "cpu_adam", "lock")
-    os.makedirs(os.path.dirname(lock))
-    open(lock, "w").close()
-    old = time.time() - 60
-    os.utime(lock, (old, old))
-    return []
+def _build_lock(age_s):
+    """Setup: a lock a killed JIT build of cpu_adam left ``age_s`` seconds ago in
+    TORCH_EXTENSIONS_DIR={tmp}/ext (no process works in its folder)."""
+    def setup(tmp):
+        lock = os.path.join(tmp, "ext", "cpu_adam", "lock")
+        os.makedirs(os.path.dirname(lock))
+        open(lock, "w").close()
+        old = time.time() - age_s
+        os.utime(lock, (old, old))
+        return []
+    return setup
 
 
 def _mkdir(name):
@@ -458,14 +451,14 @@ CASES = [
     Case("stale-build-lock", "launch", [],
          "torch extension build lock {tmp}/ext/cpu_adam/lock is 120 min old: a build of DeepSpeed's cpu_adam op "
          "was killed and every load of it would wait forever; fix: delete {tmp}/ext/cpu_adam (it is rebuilt on "
-         "next use) or set TORCH_EXTENSIONS_DIR to another folder", setup=_stale_build_lock,
+         "next use) or set TORCH_EXTENSIONS_DIR to another folder", setup=_build_lock(7210),
          env={"TORCH_EXTENSIONS_DIR": "{tmp}/ext"},
          doc_input="TORCH_EXTENSIONS_DIR=<tmp>/ext, whose cpu_adam/lock a build killed 2 hours ago left"),
     Case("orphaned-build-lock", "launch", [],
          "torch extension build lock {tmp}/ext/cpu_adam/lock is held by no running build (no process in its folder "
          "for 5 s): a build of DeepSpeed's cpu_adam op was killed and every load of it would wait forever; fix: "
          "delete {tmp}/ext/cpu_adam (it is rebuilt on next use) or set TORCH_EXTENSIONS_DIR to another folder",
-         setup=_orphaned_build_lock, env={"TORCH_EXTENSIONS_DIR": "{tmp}/ext"},
+         setup=_build_lock(60), env={"TORCH_EXTENSIONS_DIR": "{tmp}/ext"},
          doc_input="TORCH_EXTENSIONS_DIR=<tmp>/ext, whose cpu_adam/lock a build killed a minute ago left"),
     Case("reward-file-missing", "reward", [], "--custom-reward-function '{tmp}/missing.py:f': '{tmp}/missing.py' "
          "does not exist (working directory '{repo}'); give the path of a .py file", setup=_reward("missing.py:f"),
