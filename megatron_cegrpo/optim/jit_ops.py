@@ -74,11 +74,20 @@ def builders_in(build_dir: str) -> Optional[List[int]]:
     there, and ninja the compilers); None where that cannot tell whether a build is running: no
     ``/proc`` (not Linux), or the folder on a filesystem another host may build in
     (:data:`SHARED_FS`, ``fuse.*``)."""
+    return _pids_in(build_dir) if _local_builds_visible(build_dir) else None
+
+
+def _local_builds_visible(build_dir: str) -> bool:
+    """Whether this host's ``/proc`` shows every build of ``build_dir``: Linux, and a filesystem no
+    other host builds in (not :data:`SHARED_FS`, not ``fuse.*``)."""
     if not os.path.isdir("/proc/self"):
-        return None
+        return False
     fs = _fs_type(build_dir)
-    if fs is None or fs in SHARED_FS or fs.startswith("fuse"):
-        return None
+    return not (fs is None or fs in SHARED_FS or fs.startswith("fuse"))
+
+
+def _pids_in(build_dir: str) -> List[int]:
+    """PIDs whose working directory is ``build_dir`` (this user's; others' are not readable)."""
     target, pids = os.path.realpath(build_dir), []
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -103,11 +112,13 @@ def _orphaned(lock: str, grace_s: float, max_wait_s: float) -> bool:
             return False
     except FileNotFoundError:
         return False
+    if not _local_builds_visible(folder):  # decided once: the mount does not change while polling
+        return False
     idle_since = start
     while os.path.exists(lock):
-        pids = builders_in(folder)
+        pids = _pids_in(folder)
         now = time.monotonic()
-        if pids is None or now - start > max_wait_s:
+        if now - start > max_wait_s:
             return False
         if pids:
             idle_since = now
