@@ -26,7 +26,7 @@ from megatron_cegrpo.rewards.custom import load_custom_reward_function
 from megatron_cegrpo.rollout.base import RolloutOutput, get_rollout_engine
 from megatron_cegrpo.training.ledger import RunLedger
 
-__all__ = ["Driver", "log", "rollout_engine_options"]
+__all__ = ["Driver", "all_cores", "log", "rollout_engine_options", "usable_cores"]
 
 
 def log(msg: str) -> None:
@@ -51,12 +51,23 @@ def rollout_engine_options(cfg, hf_config) -> Dict:
                 kv_cache_mb=r.kv_cache_mb, compile=r.compile, seed=cfg.optim.seed)
 
 
+def usable_cores() -> int:
+    """Cores this process may run on: its CPU affinity (``taskset``, a container's cpuset, a
+    launcher's core binding) where the OS reports one, else ``os.cpu_count()``; at least 1. A cpuset
+    of 2 on a 64-core host gives 2, not 64 threads that would share 2 cores."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # no affinity call (macOS, Windows)
+        return os.cpu_count() or 1
+
+
 class all_cores:
-    """Give the driver every core while the other ranks wait (generation and evaluation)."""
+    """Give the driver every core it may use (:func:`usable_cores`) while the other ranks wait
+    (generation and evaluation)."""
 
     def __enter__(self):
         self.prev = torch.get_num_threads()
-        torch.set_num_threads(os.cpu_count() or self.prev)
+        torch.set_num_threads(usable_cores())
 
     def __exit__(self, *exc):
         torch.set_num_threads(self.prev)

@@ -13,7 +13,7 @@ Tiny random model, PP=2 through the deepspeed launcher, the parity reward:
 
 import torch
 
-from distributed_util import RESUME_VOLATILE, launch_train, stage_weights, tiny_args
+from distributed_util import RESUME_VOLATILE, launch_train, metric_diffs, stage_weights, tiny_args
 from distributed_util import PARITY_REWARD as REWARD
 from megatron_cegrpo.training.perf import WALL_CLOCK_PREFIXES
 
@@ -51,7 +51,7 @@ def test_a_dense_step_is_the_dense_codec(tmp_path):
         # probe keeps their compression-view gap, 0, out of its slope: docs/training_health.md)
         assert (a.pop("comm/dense_step"), b.pop("comm/dense_step")) == (1, 0)
         assert "probe/view_gap_slope" not in a and b.pop("probe/view_gap_slope", 0.0) == 0.0
-        assert a == b, {k: (a.get(k), b.get(k)) for k in set(a) | set(b) if a.get(k) != b.get(k)}
+        assert not metric_diffs(a, b), metric_diffs(a, b)
         # every pass at full width, billed as such (no codec error to persist)
         assert a["comm/fwd_bytes"] + a["comm/bwd_bytes"] == a["comm/dense_equiv_bytes"] > 0
         assert a["comm/bytes_ratio"] == a["comm/avg_boundary_ratio"] == 1.0

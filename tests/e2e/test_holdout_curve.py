@@ -12,7 +12,7 @@ import json
 
 import torch
 
-from distributed_util import PARITY_REWARD, launch_train, stage_weights, tiny_args
+from distributed_util import PARITY_REWARD, launch_train, metric_diffs, stage_weights, tiny_args
 from megatron_cegrpo.training.perf import WALL_CLOCK_PREFIXES
 
 ARGS = tiny_args(anchor_ranks=0, train_iters=2, num_holdout=8, save_interval=2)
@@ -33,7 +33,7 @@ def test_the_curve_scores_the_held_out_rows_between_iterations_and_changes_no_tr
     assert "val/holdout/acc" not in plain[1]
     assert curve[1]["val/holdout/num_rows"] == 8 and 0.0 <= curve[1]["val/holdout/acc"] <= 1.0
     for t in (1, 2):
-        assert _training(plain[t]) == _training(curve[t]), t
+        assert not metric_diffs(_training(plain[t]), _training(curve[t])), t
     for t in (0, 2):  # before and after training: the same evaluation in both runs
         assert plain[t]["val/holdout/acc"] == curve[t]["val/holdout/acc"]
     rows = sorted(p.name for p in (tmp_path / "curve" / "eval_rows").iterdir())

@@ -22,7 +22,7 @@ import os
 import pytest
 import torch
 
-from distributed_util import PARITY_REWARD, REPO, STEP_TOTALS, run_ranks
+from distributed_util import PARITY_REWARD, REPO, STEP_TOTALS, metric_diffs, run_ranks
 from megatron_cegrpo.training.perf import WALL_CLOCK_PREFIXES
 
 WORKER = os.path.join(REPO, "tests", "e2e", "tied_sync_worker.py")
@@ -59,7 +59,7 @@ def _same_training(a, b):
     for t in ma:
         x = {k: v for k, v in ma[t].items() if k not in BYTE_KEYS}
         y = {k: v for k, v in mb[t].items() if k not in BYTE_KEYS}
-        assert x == y, (t, {k: (x.get(k), y.get(k)) for k in set(x) | set(y) if x.get(k) != y.get(k)})
+        assert not metric_diffs(x, y), (t, metric_diffs(x, y))
     for r, (sa, sb) in enumerate(zip(ra, rb)):
         assert sa["params"].keys() == sb["params"].keys()
         for k in sa["params"]:
