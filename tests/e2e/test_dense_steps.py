@@ -15,7 +15,7 @@ import torch
 
 from distributed_util import RESUME_VOLATILE, launch_train, metric_diffs, stage_weights, tiny_args
 from distributed_util import PARITY_REWARD as REWARD
-from megatron_cegrpo.training.perf import WALL_CLOCK_PREFIXES
+from megatron_cegrpo.training.perf import without_wall_clock
 
 ARGS = tiny_args()
 NO_ANCHOR = ["--anchor-ranks", "0"]
@@ -34,7 +34,7 @@ def _same_weights(wa, wb):
 
 
 def _timeless(m):
-    return {k: v for k, v in m.items() if not k.startswith(WALL_CLOCK_PREFIXES + ("perf/",))}
+    return without_wall_clock(m, ("perf/",))
 
 
 def test_a_dense_step_is_the_dense_codec(tmp_path):

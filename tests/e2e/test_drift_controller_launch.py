@@ -22,7 +22,7 @@ import torch
 
 from distributed_util import RESUME_VOLATILE, launch_train, metric_diffs, stage_weights, tiny_args
 from distributed_util import PARITY_REWARD as REWARD
-from megatron_cegrpo.training.perf import WALL_CLOCK_PREFIXES
+from megatron_cegrpo.training.perf import without_wall_clock
 
 R = 0.42
 ARGS = tiny_args(kl_coef=0, anchor_ranks=0, boundary_codec="mask", save_interval=2)
@@ -38,7 +38,7 @@ def _run(tmp, name, *extra, iters=4, drift=True):
 
 
 def _timeless(m):
-    return {k: v for k, v in m.items() if not k.startswith(WALL_CLOCK_PREFIXES + ("perf/",))}
+    return without_wall_clock(m, ("perf/",))
 
 
 @pytest.fixture(scope="module")
