@@ -234,7 +234,8 @@ class ParallelConfig:
                                         "so the boundary carries each prompt once per group (issue 32; "
                                         "docs/shared_prefix.md); --micro-batch-size must be a multiple of "
                                         "--num-generations")
-    num_threads: Optional[int] = option(None, "torch intra-op threads per rank (default: cores / local ranks)")
+    num_threads: Optional[int] = option(
+        None, "torch intra-op threads per rank (default: the cores of the process's CPU affinity / local ranks)")
     distributed_timeout_minutes: float = option(
         10.0, "timeout in minutes of the trainer's collectives and pipeline transfers (Megatron); the anchor's "
               "link and the stages' waits for the driver's rollouts are not bound by it")

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_cegrpo.compat import apply_cpu_compat
-from megatron_cegrpo.compat.placement import process_group_backend
+from megatron_cegrpo.compat.placement import process_group_backend, trainer_threads
 from megatron_cegrpo.errors import ConfigError
 from megatron_cegrpo.layout import Layout
 
@@ -155,8 +155,7 @@ def initialize_distributed(pipeline_model_parallel_size: int, seed: int,
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     if not cpu:
         torch.cuda.set_device(local_rank)
-    cores = os.cpu_count() or 1
-    torch.set_num_threads(num_threads or max(1, cores // max(1, local_world)))
+    torch.set_num_threads(num_threads or trainer_threads(local_world))
 
     from megatron.core import parallel_state
     from megatron.core.process_groups_config import ProcessGroupCollection

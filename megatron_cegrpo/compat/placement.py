@@ -29,11 +29,31 @@ what ran on an H200 and what has not: ``docs/gpu.md``). Rule 2 across ranks has 
 
 from __future__ import annotations
 
+import os
 from typing import Any, Dict, Mapping, Optional
 
 import torch
 
-__all__ = ["compute_device", "process_group_backend", "place_batch", "like", "cuda_available"]
+__all__ = ["compute_device", "process_group_backend", "place_batch", "like", "cuda_available", "usable_cores",
+           "trainer_threads"]
+
+
+def usable_cores() -> int:
+    """Cores this process may run on: its CPU affinity (``taskset``, a container's cpuset, a
+    launcher's core binding) where the OS reports one, else ``os.cpu_count()``; at least 1. A cpuset
+    of 2 on a 64-core host gives 2, not 64 threads that would share 2 cores. Used for the trainer
+    ranks' threads (``initialize.py``: this count over the host's ranks) and the driver's
+    generation and evaluation threads (``training/driver.py``)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # no affinity call (macOS, Windows)
+        return os.cpu_count() or 1
+
+
+def trainer_threads(local_world_size: int) -> int:
+    """Threads of one trainer rank: the process's usable cores (:func:`usable_cores`) shared by the
+    ``local_world_size`` ranks of its host (``LOCAL_WORLD_SIZE``), at least 1."""
+    return max(1, usable_cores() // max(1, int(local_world_size)))
 
 
 def cuda_available() -> bool:

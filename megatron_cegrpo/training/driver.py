@@ -12,6 +12,7 @@ from typing import Dict, List, Optional
 
 import torch
 
+from megatron_cegrpo.compat.placement import usable_cores
 from megatron_cegrpo.data import PromptSampler, build_prompt, load_train_split, select_prompts
 from megatron_cegrpo.evaluation import evaluate_detailed, load_eval_datasets, parse_dataset_specs, write_eval_rows
 from megatron_cegrpo.grpo import core_algos as ca
@@ -26,7 +27,7 @@ from megatron_cegrpo.rewards.custom import load_custom_reward_function
 from megatron_cegrpo.rollout.base import RolloutOutput, get_rollout_engine
 from megatron_cegrpo.training.ledger import RunLedger
 
-__all__ = ["Driver", "all_cores", "log", "rollout_engine_options", "usable_cores"]
+__all__ = ["Driver", "all_cores", "log", "rollout_engine_options"]
 
 
 def log(msg: str) -> None:
@@ -49,16 +50,6 @@ def rollout_engine_options(cfg, hf_config) -> Dict:
     return dict(max_model_len=max_model_len(r.max_prompt_length, r.max_new_tokens, cfg.data.eval_max_new_tokens,
                                             int(getattr(hf_config, "max_position_embeddings", 0) or 0)),
                 kv_cache_mb=r.kv_cache_mb, compile=r.compile, seed=cfg.optim.seed)
-
-
-def usable_cores() -> int:
-    """Cores this process may run on: its CPU affinity (``taskset``, a container's cpuset, a
-    launcher's core binding) where the OS reports one, else ``os.cpu_count()``; at least 1. A cpuset
-    of 2 on a 64-core host gives 2, not 64 threads that would share 2 cores."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except (AttributeError, OSError):  # no affinity call (macOS, Windows)
-        return os.cpu_count() or 1
 
 
 class all_cores:
