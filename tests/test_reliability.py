@@ -14,7 +14,6 @@ Placeholders in messages: ``{tmp}`` the test's temporary folder, ``{data}`` the 
 ``{names}`` the short data set names; the doc shows them as ``<tmp>``, ``<data>``, ``<names>``.
 """
 
-import json
 import os
 import re
 import subprocess

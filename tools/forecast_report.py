@@ -30,9 +30,12 @@ import json
 import os
 import statistics
 import sys
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
+
+if TYPE_CHECKING:
+    import torch
 
 from megatron_cegrpo.bootstrap import bootstrap
 

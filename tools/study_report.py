@@ -106,7 +106,10 @@ import json
 import math
 import os
 import sys
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple
+
+if TYPE_CHECKING:
+    from megatron_cegrpo.evaluation import EvalRows
 
 from megatron_cegrpo.bootstrap import bootstrap
 

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import io
 from datetime import timedelta
-from typing import Any, List, Optional, Tuple
+from typing import Any, Optional, Tuple
 
 import torch
 import torch.distributed as dist

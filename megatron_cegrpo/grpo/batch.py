@@ -9,7 +9,7 @@ logits at position j score ``labels[j]``; ``loss_mask[j]`` is 1 exactly where
 
 from __future__ import annotations
 
-from typing import Dict, List, TypedDict
+from typing import List, TypedDict
 
 import torch
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 from functools import partial
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Tuple
 
 import torch
 from megatron.core.pipeline_parallel.schedules import (

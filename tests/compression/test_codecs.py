@@ -2,7 +2,6 @@
 mask.py): every codec is a BoundaryCodec of two halves from one registry (issue 34)."""
 
 import math
-import sys
 import threading
 from pathlib import Path
 

@@ -1,6 +1,5 @@
 """Tests for megatron_cegrpo.compression.meter.ByteMeter."""
 
-import sys
 from pathlib import Path
 
 import pytest

@@ -89,7 +89,7 @@ def test_round_trip_bytes_as_documented_and_both_ends_bit_identical(spec):
     ones are warm (they differ from warm=0's bits but code the data as well)."""
     cold_spec = spec.replace("/warm=1", "").replace("/warm=2", "")
     sender, receiver, cold = build_codec(spec, 0.25), build_codec(spec, 0.25), build_codec(cold_spec, 0.25)
-    e, warm_payloads = 4, 0
+    warm_payloads = 0
     for step in range(4):
         for ids in ((0, 1), (2, 3)):
             x, g = _data(10 * step + ids[0]), 1e-3 * _data(100 + step + ids[0], rank=5)

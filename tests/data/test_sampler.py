@@ -1,6 +1,5 @@
 """Tests for megatron_cegrpo.data.sampler.PromptSampler."""
 
-import sys
 from pathlib import Path
 
 import pytest

@@ -34,7 +34,7 @@ import torch
 from benchmarks.netns import Topology, kill_process_groups, netns_available
 from distributed_util import PARITY_REWARD, REPO, RESUME_VOLATILE, complete_metrics, stage_weights, supervised_worker
 from distributed_util import tiny_args
-from megatron_cegrpo.training.perf import WALL_CLOCK_PREFIXES
+from megatron_cegrpo.training.perf import without_wall_clock
 
 ITERS = 12
 BOUND_MIN = 0.25
@@ -134,7 +134,7 @@ def _inject(run, step, fault, rank):
 
 def _comparable(records):
     drop = RESUME_VOLATILE + ("recovery/",)
-    return {r["step"]: {k: v for k, v in r.items() if not k.startswith(WALL_CLOCK_PREFIXES + drop)} for r in records}
+    return {r["step"]: without_wall_clock(r, drop) for r in records}
 
 
 def test_three_faults_and_two_link_drops_end_bit_identical(tmp_path):

@@ -27,7 +27,7 @@ import torch
 
 from distributed_util import (MISMATCH_ATOL, MISMATCH_KEYS, PARITY_REWARD, REPO, RESUME_VOLATILE, STEP_TOTALS,
                               plan_of, run_ranks)
-from megatron_cegrpo.training.perf import WALL_CLOCK_PREFIXES
+from megatron_cegrpo.training.perf import without_wall_clock
 from megatron_cegrpo.arguments import build_config, parse_args
 from megatron_cegrpo.errors import ConfigError
 from megatron_cegrpo.grpo.batch import replica_rows
@@ -53,7 +53,7 @@ def runs(tmp_path_factory):
 
 def _load(d, run, ranks):
     lines = [json.loads(x) for x in (d / run / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    metrics = {m["step"]: {k: v for k, v in m.items() if not k.startswith(WALL_CLOCK_PREFIXES)} for m in lines}
+    metrics = {m["step"]: without_wall_clock(m) for m in lines}
     return metrics, [torch.load(d / run / f"rank{r}.pt") for r in ranks]
 
 

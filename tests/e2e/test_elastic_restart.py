@@ -22,9 +22,9 @@ import time
 import pytest
 import torch
 
-from distributed_util import PARITY_REWARD, REPO, RESUME_VOLATILE, complete_metrics, free_port, stage_weights
+from distributed_util import PARITY_REWARD, REPO, RESUME_VOLATILE, complete_metrics, stage_weights
 from distributed_util import supervised_worker, tiny_args
-from megatron_cegrpo.training.perf import WALL_CLOCK_PREFIXES
+from megatron_cegrpo.training.perf import without_wall_clock
 
 ARGS = tiny_args(temperature=None, anchor_ranks=0, train_iters=6, save_interval=2)
 ANCHOR = ["--anchor-ranks", "1", "--anchor-interval", "2", "--anchor-delay", "2"]
@@ -50,7 +50,7 @@ def _comparable(records):
     """{step: record} without what differs between like runs (wall clock, the restart's own keys
     and those a resume legitimately changes)."""
     drop = RESUME_VOLATILE + ("recovery/",)
-    return {r["step"]: {k: v for k, v in r.items() if not k.startswith(WALL_CLOCK_PREFIXES + drop)} for r in records}
+    return {r["step"]: without_wall_clock(r, drop) for r in records}
 
 
 def _killed_run(tmp_path, victim):

@@ -13,13 +13,13 @@ import json
 import torch
 
 from distributed_util import PARITY_REWARD, launch_train, metric_diffs, stage_weights, tiny_args
-from megatron_cegrpo.training.perf import WALL_CLOCK_PREFIXES
+from megatron_cegrpo.training.perf import without_wall_clock
 
 ARGS = tiny_args(anchor_ranks=0, train_iters=2, num_holdout=8, save_interval=2)
 
 
 def _training(m):
-    return {k: v for k, v in m.items() if not k.startswith(WALL_CLOCK_PREFIXES + ("perf/", "val/holdout/"))}
+    return without_wall_clock(m, ("perf/", "val/holdout/"))
 
 
 def test_the_curve_scores_the_held_out_rows_between_iterations_and_changes_no_training(tmp_path):

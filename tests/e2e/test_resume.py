@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 
 from distributed_util import REPO, RESUME_VOLATILE, STEP_TOTALS, free_port, tiny_args
 from distributed_util import PARITY_REWARD as REWARD, launcher as _launcher
-from megatron_cegrpo.training.perf import WALL_CLOCK_PREFIXES
+from megatron_cegrpo.training.perf import without_wall_clock
 
 ARGS = tiny_args(boundary_codec="mask", save_interval=3)
 ANCHOR = {0: ["--anchor-ranks", "0"], 1: ["--anchor-ranks", "1", "--anchor-interval", "2", "--anchor-delay", "2"]}
@@ -41,7 +41,7 @@ def _metrics(path):
     out = {}
     for line in open(path):
         m = json.loads(line)
-        out[m["step"]] = {k: v for k, v in m.items() if not k.startswith(WALL_CLOCK_PREFIXES)}
+        out[m["step"]] = without_wall_clock(m)
     return out
 
 

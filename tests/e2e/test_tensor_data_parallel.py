@@ -32,7 +32,6 @@ driver's sends to TP rank 0 of the 3 other (stage, replica) positions (a stage's
 """
 
 import json
-import math
 import os
 import sys
 

@@ -36,7 +36,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # distributed_util (pytest's rootdir conftest does the same)
 
 from distributed_util import PARITY_REWARD, plan_of, run_ranks  # noqa: E402
-from megatron_cegrpo.training.perf import WALL_CLOCK_PREFIXES  # noqa: E402
+from megatron_cegrpo.training.perf import without_wall_clock  # noqa: E402
 
 WORKER = os.path.join(HERE, "tp_train_worker.py")
 REFERENCE = os.path.join(HERE, "reference", "tp_train_tp1_pp2.json")
@@ -92,7 +92,7 @@ def load_metrics(out_dir, run: str):
     path = os.path.join(out_dir, run, "metrics.jsonl")
     with open(path) as f:
         lines = [json.loads(x) for x in f if x.strip()]
-    return {m["step"]: {k: v for k, v in m.items() if not k.startswith(WALL_CLOCK_PREFIXES)} for m in lines if "step" in m
+    return {m["step"]: without_wall_clock(m) for m in lines if "step" in m
             and any(k.startswith("actor/") for k in m)}
 
 

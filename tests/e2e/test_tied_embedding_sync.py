@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from distributed_util import PARITY_REWARD, REPO, STEP_TOTALS, metric_diffs, run_ranks
-from megatron_cegrpo.training.perf import WALL_CLOCK_PREFIXES
+from megatron_cegrpo.training.perf import without_wall_clock
 
 WORKER = os.path.join(REPO, "tests", "e2e", "tied_sync_worker.py")
 DS_WD = {"gradient_clipping": 1.0,
@@ -49,7 +49,7 @@ def _launch(tmp_path, pp, anchors, resume, *extra):
 
 def _load(run_dir, pp):
     metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    metrics = {m["step"]: {k: v for k, v in m.items() if not k.startswith(WALL_CLOCK_PREFIXES)} for m in metrics}
+    metrics = {m["step"]: without_wall_clock(m) for m in metrics}
     return metrics, [torch.load(run_dir / f"rank{r}.pt") for r in range(pp)]
 
 

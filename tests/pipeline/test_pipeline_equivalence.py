@@ -10,7 +10,6 @@
 
 import os
 
-import pytest
 import torch
 
 from distributed_util import run_ranks, run_single

@@ -3,7 +3,6 @@ report scores the anchor's own secant forecast on it at the fires and checkpoint
 (closed form on a synthetic quadratic trajectory)."""
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest

@@ -4,7 +4,7 @@ import pickle
 
 import pytest
 
-from distributed_util import REPO, run_ranks
+from distributed_util import run_ranks
 from megatron_cegrpo.pipeline.broadcast import broadcast_nbytes
 from megatron_cegrpo.training.ledger import RunLedger, whole_step_ledger
 
