@@ -183,11 +183,14 @@ class Driver:
                 penalty = ca.overlong_penalty(lengths, self.cfg.rollout.max_new_tokens, g.overlong_buffer_len,
                                               g.overlong_penalty_factor)
                 rewards = scores + penalty
+                G = g.num_generations
+                length_only = ca.tied_groups(scores, G) & ~ca.tied_groups(rewards, G)
                 self._reward_metrics = {
                     "critic/rewards/mean": float(rewards.mean()), "critic/rewards/max": float(rewards.max()),
                     "critic/rewards/min": float(rewards.min()),
                     "response_length/overlong_penalty": float(penalty.mean()),
-                    "response_length/overlong_frac": float((penalty < 0).float().mean())}
+                    "response_length/overlong_frac": float((penalty < 0).float().mean()),
+                    "response_length/length_only_groups": int(length_only.sum())}
             adv = ca.compute_grpo_outcome_advantage(rewards, g.num_generations, norm_adv_by_std=g.norm_adv_by_std)
         batch = pack_rollouts(out.prompt_ids, out.response_ids, out.response_logprobs, scores, adv,
                               pad_token_id=self.rollout.pad_token_id,
@@ -201,8 +204,9 @@ class Driver:
         mixed scores), ``batch/filled_with_tied`` (tied groups of the batch: the bound was hit),
         ``batch/tied_groups_dropped``, ``batch/mixed_groups_unused`` (drawn, left out); and with
         ``--overlong-buffer-len`` verl's ``critic/rewards/{mean,max,min}`` (score + length penalty),
-        ``response_length/overlong_penalty`` (its mean) and ``response_length/overlong_frac`` (the
-        share of responses it touched)."""
+        ``response_length/overlong_penalty`` (its mean), ``response_length/overlong_frac`` (the
+        share of responses it touched) and ``response_length/length_only_groups`` (groups whose
+        scores tie and whose rewards do not: their advantages come from the penalty alone)."""
         return {**self._rollout_metrics, **self._reward_metrics}
 
     @staticmethod

@@ -41,12 +41,11 @@ class LengthEngine:
                              [str(i % 4 % 2) for i in range(n)], torch.ones(n, dtype=torch.bool))
 
 
-def _driver(*flags):
+def _driver(*flags, verifier=lambda response, gt: float(response == gt)):
     cfg = build_config(parse_args(["--rollout-batch-size", "2", "--num-generations", "4", "--max-new-tokens", "64",
                                    *flags])).validate()
     records = [SimpleNamespace(question=f"q{i}", ground_truth="1", verifier="fake") for i in range(4)]
-    return bare_driver(cfg, LengthEngine(), records, lambda response, gt: float(response == gt),
-                       max_position_embeddings=256)
+    return bare_driver(cfg, LengthEngine(), records, verifier, max_position_embeddings=256)
 
 
 def test_advantages_come_from_score_plus_penalty_and_scores_stay_the_verifiers():
@@ -65,6 +64,24 @@ def test_advantages_come_from_score_plus_penalty_and_scores_stay_the_verifiers()
     assert m["critic/rewards/min"] == pytest.approx(-10 / 32)
     assert m["response_length/overlong_penalty"] == pytest.approx(-40 / 32 / 4)
     assert m["response_length/overlong_frac"] == 0.5
+    assert m["response_length/length_only_groups"] == 0  # both groups have mixed scores
+
+
+def test_groups_tied_on_the_score_train_on_length_alone():
+    """Every answer wrong: the verifier ties both groups, the penalty unties them (lengths 42 and 62
+    past 32 free tokens), and the std division makes the length spread unit-sized advantages."""
+    d = _driver("--overlong-buffer-len", "32", verifier=lambda response, gt: 0.0)
+    batch = d.generate_and_score(1, PhaseTimers())
+    assert d.rollout_metrics()["response_length/length_only_groups"] == 2
+    seq_adv = batch["advantages"].sum(1) / batch["loss_mask"].sum(1)
+    penalty = torch.tensor([0.0, 0.0, -10 / 64, -30 / 64] * 2)  # factor 0.5
+    torch.testing.assert_close(seq_adv, ca.compute_grpo_outcome_advantage(penalty, 4))
+    assert float(seq_adv.abs().max()) > 1.0  # a spread of 0.47 in reward, advantages past 1
+    # every answer inside the free length: the groups stay tied, no advantage at all
+    d = _driver("--overlong-buffer-len", "2", verifier=lambda response, gt: 0.0)  # free up to 62 tokens
+    batch = d.generate_and_score(1, PhaseTimers())
+    assert d.rollout_metrics()["response_length/length_only_groups"] == 0
+    assert batch["advantages"].abs().sum() == 0
 
 
 def test_default_factor_is_half_a_correct_answer():
