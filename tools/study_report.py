@@ -177,7 +177,8 @@ def _num(v) -> Optional[float]:
 
 
 def _identity(run_dir: str) -> Dict:
-    """arm, seed, codec, anchor, commit of a run folder (study_arm.json, else config.json + folder name)."""
+    """arm, seed, codec, anchor (and its c and K), commit of a run folder (study_arm.json, else
+    config.json + folder name)."""
     info = {}
     p = os.path.join(run_dir, "study_arm.json")
     if os.path.isfile(p):
@@ -193,6 +194,9 @@ def _identity(run_dir: str) -> Dict:
         "seed": info.get("seed", cfg.get("optim", {}).get("seed")),
         "codec": info.get("codec", cfg.get("codec", {}).get("boundary_codec")),
         "anchor": bool(info.get("anchor", cfg.get("anchor", {}).get("anchor_ranks", 0))),
+        # the anchor's cadence c (--anchor-interval) and delay K (--anchor-delay), iterations
+        "anchor_interval": cfg.get("anchor", {}).get("anchor_interval"),
+        "anchor_delay": cfg.get("anchor", {}).get("anchor_delay"),
         "commit": info.get("commit"),  # the checkout study_cpu.sh ran (None for older folders)
         "host": info.get("host"),  # the CPU it ran on (lscpu's model name; None for older folders)
     }
@@ -579,7 +583,11 @@ def _anchor_cell(arm: Dict) -> str:
     if not arm["anchor"]:
         return "no"
     lost = arm.get("anchor_lost_step")
-    return "yes" if lost is None else f"**lost at step {lost}**"
+    c, k = arm.get("anchor_interval"), arm.get("anchor_delay")
+    cad = None if c is None else (f"c = K = {c}" if c == k else f"c = {c}, K = {k}")
+    if lost is None:
+        return cad or "yes"
+    return f"**lost at step {lost}**" if cad is None else f"{cad}, **lost at step {lost}**"
 
 
 def table(arms: Sequence[Dict]) -> str:

@@ -584,3 +584,29 @@ def test_a_seed_whose_anchor_was_lost_is_left_out_of_the_fraction(paired_study):
     assert (frac["seeds"], frac["left_out"]) == ([1], [2])
     assert frac["mean_gain"] == pytest.approx(0.1) and frac["fraction"] == pytest.approx(0.1 / 0.3)
     assert "| mask_anchor | 1 (2 left out: anchor lost) | +0.100 |" in mod.fraction_table([frac])
+
+
+def test_the_anchor_cell_states_c_and_k(tmp_path):
+    """Issue 33 item 4 ("state c = K for each"): the anchor column shows the cadence and delay of
+    the run's config.json, with a lost anchor after them; without a config it says yes."""
+    mod = _tool()
+    root = tmp_path / "runs"
+    recs = [_holdout(0, 0.30, 0.02, 41.0), _step(1, 0.1, 30, 70, 2000, 70.0), _holdout(1, 0.25, 0.02, 41.0)]
+    lost = [_holdout(0, 0.30, 0.02, 41.0), _step(1, 0.1, 30, 70, 2000, 70.0, **{"anchor/alive": 0}),
+            _holdout(1, 0.25, 0.02, 41.0)]
+    cfg = lambda c, k: {"optim": {"seed": 1}, "codec": {"boundary_codec": "mask"},  # noqa: E731
+                        "anchor": {"anchor_ranks": 1, "anchor_interval": c, "anchor_delay": k}}
+    arm = lambda seed: {"arm": "mask_anchor", "seed": seed, "codec": "mask", "anchor": True}  # noqa: E731
+    _write_run(root / "mask_anchor-s1", recs, arm=arm(1), config=cfg(8, 8))
+    _write_run(root / "mask_anchor-s2", recs, arm=arm(2), config=cfg(8, 4))
+    _write_run(root / "mask_anchor-s3", lost, arm=arm(3), config=cfg(4, 4))
+    _write_run(root / "mask_anchor-s4", recs, arm=arm(4))
+    docs = tmp_path / "docs"
+    assert mod.main([str(root), "--docs", str(docs)]) == 0
+    md = (docs / "study.md").read_text()
+    assert "| mask_anchor | 1 | mask | c = K = 8 | 1 |" in md
+    assert "| mask_anchor | 2 | mask | c = 8, K = 4 | 1 |" in md
+    assert "| mask_anchor | 3 | mask | c = K = 4, **lost at step 1** | 1 |" in md
+    assert "| mask_anchor | 4 | mask | yes | 1 |" in md
+    summary = json.loads((docs / "study" / "summary.json").read_text())
+    assert [(a["anchor_interval"], a["anchor_delay"]) for a in summary["arms"]] == [(8, 8), (8, 4), (4, 4), (None, None)]
