@@ -119,8 +119,10 @@ def test_study_arm_suffixes_add_their_flags(tmp_path):
     assert "--overlong-buffer-len" not in dense16
     ctl = _flags(lines["mask_anchor_controller"])
     assert (ctl["--boundary-codec"], ctl["--anchor-ranks"], ctl["--drift-target-kl"],
-            ctl["--drift-max-boundary-ratio"]) == ("mask", "1", "0.17", "0.11")
+            ctl["--drift-max-boundary-ratio"]) == ("mask", "1", "0.05", "0.11")
     assert "--drift-controller" in lines["mask_anchor_controller"] and "--drift-controller" not in dense16
+    # the controller's input, the drift probe, every 4 iterations on its arms; every 8 (48 / 6) elsewhere
+    assert (ctl["--drift-probe-interval"], dense16["--drift-probe-interval"]) == ("4", "8")
     c2 = _flags(lines["mask_anchor_c2"])
     assert (c2["--anchor-ranks"], c2["--sign-fold"], c2["--sign-blend-beta"]) == ("1", "fire-only", "0.5")
     assert "--sign-fold" not in dense16
