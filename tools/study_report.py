@@ -195,8 +195,8 @@ def _identity(run_dir: str) -> Dict:
         "codec": info.get("codec", cfg.get("codec", {}).get("boundary_codec")),
         "anchor": bool(info.get("anchor", cfg.get("anchor", {}).get("anchor_ranks", 0))),
         # the anchor's cadence c (--anchor-interval) and delay K (--anchor-delay), iterations
-        "anchor_interval": cfg.get("anchor", {}).get("anchor_interval"),
-        "anchor_delay": cfg.get("anchor", {}).get("anchor_delay"),
+        "anchor_interval": info.get("anchor_interval", cfg.get("anchor", {}).get("anchor_interval")),
+        "anchor_delay": info.get("anchor_delay", cfg.get("anchor", {}).get("anchor_delay")),
         "commit": info.get("commit"),  # the checkout study_cpu.sh ran (None for older folders)
         "host": info.get("host"),  # the CPU it ran on (lscpu's model name; None for older folders)
     }
