@@ -14,6 +14,11 @@ Training curves, one line per run (legend: run folder name + boundary codec from
 * ``mismatch.png``    train-inference mismatch, ``mismatch/abs_logprob_diff_mean`` (nats/token)
 * ``training_curves.png``  the four panels together
 * ``val_acc.png``     ``val/<data set>/acc`` over steps, when a run logged any
+* ``error_persistence.png``  ``codec/error_persistence``, the cosine of successive iterations' mean
+                      forward boundary error (docs/codecs.md), when a run logged it: near 1 the codec
+                      throws away the same direction every step (the seeds' warning about a held basis)
+* ``grad_fidelity.png``  ``fidelity/cos``, the cosine of the codec's gradient to the dense-boundary
+                      gradient (``--grad-fidelity-interval``, docs/fidelity.md), when a run logged it
 * ``drift.png``       damage to the base model, when a run logged the drift probe's ``probe/kl_to_base``
                       (docs/training_health.md): the dense-view KL to the base model per probe, the drift
                       controller's band (``drift/target_low`` .. ``drift/target``) where a run had one, and
@@ -55,6 +60,14 @@ PANELS = [
     ("actor/kl_loss", "KL to the reference (trainer view)", "KL", "kl_to_ref", "probe/kl_to_ref"),
     ("mismatch/abs_logprob_diff_mean", "Train-inference mismatch |sampler - trainer log-prob|",
      "nats / token", "mismatch", "probe/abs_logprob_diff_mean"),
+]
+
+#: panels drawn only when some run logged their metric (compressed runs; the long-horizon figures of
+#: issue 33 item 5), same fields as PANELS
+CODEC_PANELS = [
+    ("codec/error_persistence", "Error persistence: cosine of successive iterations' mean boundary error",
+     "cosine", "error_persistence", None),
+    ("fidelity/cos", "Gradient fidelity: cos(G_codec, G_dense)", "cosine", "grad_fidelity", None),
 ]
 
 
@@ -202,6 +215,17 @@ def plot_training(run_dirs: Sequence[str], out_dir: str, labels: Optional[Sequen
     fig.savefig(path, dpi=110)
     plt.close(fig)
     written.append(path)
+
+    for key, title, ylabel, stem, probe in CODEC_PANELS:
+        if not any(s.get(key) for _, s in runs):
+            continue
+        fig, ax = plt.subplots(figsize=(7, 4.2))
+        _draw_panel(ax, runs, key, title, ylabel, probe)
+        fig.tight_layout()
+        path = os.path.join(out_dir, f"{stem}.png")
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        written.append(path)
 
     val_keys = sorted({k for _, s in runs for k in s if re.match(r"^val/.+/acc$", k)})
     if val_keys:

@@ -37,6 +37,11 @@ def _write_run(d: Path, codec: dict, steps: int, seed: int, mismatch: float, pro
                 rec["probe/abs_logprob_diff_mean"] = 0.0002
             if t % 10 == 0:
                 rec["val/mawps/acc"] = 0.3 + 0.01 * t
+            if codec["boundary_codec"] != "dense":  # as the trainer logs them: persistence from step 2
+                if t >= 2:
+                    rec["codec/error_persistence"] = 0.1 + 0.04 * t
+                if t % 5 == 0:
+                    rec["fidelity/cos"] = 0.3 + 0.01 * t
             f.write(json.dumps(rec) + "\n")
         f.write('{"step": 99, "critic/sco')  # a run killed mid-write
 
@@ -62,11 +67,18 @@ def test_training_curves_from_two_runs(tmp_path, capsys):
     assert math.isnan(dict(series["actor/kl_loss"])[7.0])
     assert 7.0 not in dict(series["actor/entropy"]) and len(series["actor/entropy"]) == 19
     assert len(series["probe/kl_to_ref"]) == 4
+    assert series["codec/error_persistence"][0] == (2.0, pytest.approx(0.18))
+    assert len(series["codec/error_persistence"]) == 19 and len(series["fidelity/cos"]) == 4
 
     out = tmp_path / "figs"
     assert tool.main([str(dense), str(mask), "--out", str(out)]) == 0
-    for stem in ["reward", "entropy", "kl_to_ref", "mismatch", "training_curves", "val_acc"]:
+    for stem in ["reward", "entropy", "kl_to_ref", "mismatch", "training_curves", "error_persistence",
+                 "grad_fidelity", "val_acc"]:
         _png_ok(out / f"{stem}.png")
+    # the codec panels only where some run logged them: a dense run alone has neither
+    dense_only = [Path(p).name for p in tool.plot_training([str(dense)], str(tmp_path / "dense_figs"))]
+    assert "error_persistence.png" not in dense_only and "grad_fidelity.png" not in dense_only
+    assert "val_acc.png" in dense_only
     assert "skipped 1 unreadable line" in capsys.readouterr().err
 
 
