@@ -18,8 +18,9 @@ import torch
 import torch.distributed as dist
 
 from megatron_cegrpo.anchor.basis import stage_boundaries
-from megatron_cegrpo.anchor.client import AnchorClient
+from megatron_cegrpo.anchor.client import ANCHOR_BATCH_KEYS, AnchorClient
 from megatron_cegrpo.anchor.relay import RelayFollower, build_relay, sign_deviation
+from megatron_cegrpo.anchor.replay import SHARED_PREFIX_KEYS
 from megatron_cegrpo.checkpointing import ANCHOR_DIR
 from megatron_cegrpo.optim.hooks import SignCorrectionHook
 
@@ -57,7 +58,9 @@ class AnchorCircuit:
         if self.relay.upstream is None:  # (replica 0, TP rank 0): the anchor's end of the relay
             self.client = AnchorClient(whole, stage.layer_offset, tied_copy, ctx.anchor_rank,
                                        ctx.is_driver, cfg.anchor, self.relay,
-                                       group=ctx.anchor_group, rank=ctx.rank, bases=_anchor_bases(cfg, ctx, stage))
+                                       group=ctx.anchor_group, rank=ctx.rank, bases=_anchor_bases(cfg, ctx, stage),
+                                       batch_keys=ANCHOR_BATCH_KEYS + (SHARED_PREFIX_KEYS if cfg.parallel.shared_prefix
+                                                                       else ()))
         else:
             self.client = RelayFollower(cfg.anchor, self.relay, rank=ctx.rank, writes_own_state=ctx.tp_rank > 0)
         self._dump = cfg.anchor.anchor_debug_dir

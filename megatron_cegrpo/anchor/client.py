@@ -59,11 +59,14 @@ class AnchorClient:
             ``(boundary, shape, dtype)`` of each basis the anchor sends this stage (ascending
             boundaries), ``sink(boundary, q, first_step)`` the codec's ``stage_basis``; a basis
             received during iteration t serves from t + 1 at both ends. None: no bases.
+        batch_keys: the rollout batch's keys sent to the anchor on a fire step (``ANCHOR_BATCH_KEYS``,
+            plus ``replay.SHARED_PREFIX_KEYS`` under ``--shared-prefix``).
     """
 
     def __init__(self, named_params, layer_offset: int, tied_output: bool, anchor_rank: int, is_driver: bool,
-                 anchor, correction, group=None, rank: int = 0, bases=None):
+                 anchor, correction, group=None, rank: int = 0, bases=None, batch_keys=ANCHOR_BATCH_KEYS):
         self.a = anchor
+        self.batch_keys = tuple(batch_keys)
         named_params = list(named_params)
         self.params = [p for _, p in named_params]
         self.shapes = [tuple(p.shape) for p in self.params]
@@ -188,7 +191,7 @@ class AnchorClient:
                 self._awaiting = t
 
     def _send_batch(self, t: int, batch) -> None:
-        keep, n = isend_object({k: batch[k] for k in ANCHOR_BATCH_KEYS}, self.anchor, TAG_BATCH, self.group)
+        keep, n = isend_object({k: batch[k] for k in self.batch_keys}, self.anchor, TAG_BATCH, self.group)
         self._pending.append(keep)
         self.bytes_in += n
         self._sent_batch_at = t

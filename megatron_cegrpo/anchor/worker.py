@@ -22,6 +22,7 @@ import torch.distributed as dist
 from megatron_cegrpo.anchor.basis import AnchorBasis
 from megatron_cegrpo.anchor.forecast import forecast_error, get_forecast
 from megatron_cegrpo.anchor.memory import AnchorMemory
+from megatron_cegrpo.anchor.replay import replay_backward
 from megatron_cegrpo.anchor.ring import CheckpointRing
 from megatron_cegrpo.anchor.shipment import HEADER_LEN, ShipmentDecoder, ShipmentRejected
 from megatron_cegrpo.anchor.signs import pack_bits
@@ -30,9 +31,6 @@ from megatron_cegrpo.anchor.transport import (
     TAG_SIGN_INFO, TAG_SIGNS, TAG_STATS,
     is_fire_step, is_ship_step, isend_object, recv_object, recv_tensor, unflatten,
 )
-from megatron_cegrpo.grpo import core_algos as ca
-from megatron_cegrpo.grpo.batch import microbatches
-from megatron_cegrpo.grpo.loss import grpo_token_loss
 from megatron_cegrpo.optim.mixed_precision import compute_precision
 
 __all__ = ["AnchorWorker", "global_param_name", "ring_capacity", "stage_flat", "put_flat", "sign_agreement_with",
@@ -359,27 +357,19 @@ class AnchorWorker:
             for n, p in self.params.items():
                 p.copy_(weights[n].to(p.dtype))
         self.model.zero_grad(set_to_none=True)
-        num_tokens = float(batch["loss_mask"].sum())
         temp = float(self.cfg.rollout.temperature)
         with compute_precision(self.model, self.ref_model):  # --bf16: bf16 replay, fp32 gradients
-            self._replay(batch, num_tokens, temp)
+            self._replay(batch, temp)
         self.num_replayed_sequences += int(batch["tokens"].shape[0])
         return {n: (p.grad.detach().float().clone() if p.grad is not None else torch.zeros_like(p, dtype=torch.float32))
                 for n, p in self.params.items()}
 
-    def _replay(self, batch: dict, num_tokens: float, temp: float) -> None:
-        """The forward + backward of :meth:`_dense_gradient`, micro-batch by micro-batch."""
-        for mb in microbatches(batch, self.cfg.parallel.micro_batch_size):
-            ref_lp = None
-            if self.ref_model is not None:
-                with torch.no_grad():
-                    ref_logits = self.ref_model(input_ids=mb["tokens"], position_ids=mb["position_ids"],
-                                                attention_mask=None)
-                    ref_lp = ca.logprobs_from_logits(ref_logits.float() / temp, mb["labels"])
-            logits = self.model(input_ids=mb["tokens"], position_ids=mb["position_ids"], attention_mask=None)
-            loss, _ = grpo_token_loss(logits, mb, self.cfg.grpo, temperature=temp, num_tokens=num_tokens,
-                                      num_seqs=float(batch["tokens"].shape[0]), ref_logprobs=ref_lp)
-            loss.backward()
+    def _replay(self, batch: dict, temp: float) -> None:
+        """The forward + backward of :meth:`_dense_gradient` (``anchor/replay.py``), each group's
+        prompt once under ``--shared-prefix``."""
+        group = self.cfg.grpo.num_generations if self.cfg.parallel.shared_prefix else 0
+        replay_backward(self.model, self.ref_model, batch, micro_batch_size=self.cfg.parallel.micro_batch_size,
+                        grpo=self.cfg.grpo, temperature=temp, shared_prefix_group=group)
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:
