@@ -59,8 +59,9 @@ class AnchorClient:
             ``(boundary, shape, dtype)`` of each basis the anchor sends this stage (ascending
             boundaries), ``sink(boundary, q, first_step)`` the codec's ``stage_basis``; a basis
             received during iteration t serves from t + 1 at both ends. None: no bases.
-        batch_keys: the rollout batch's keys sent to the anchor on a fire step (``ANCHOR_BATCH_KEYS``,
-            plus ``replay.SHARED_PREFIX_KEYS`` under ``--shared-prefix``).
+        batch_keys: the rollout batch's keys sent to the anchor (with a shipment, or on a fire step
+            that had none; ``ANCHOR_BATCH_KEYS``, plus ``replay.SHARED_PREFIX_KEYS`` under
+            ``--shared-prefix``).
     """
 
     def __init__(self, named_params, layer_offset: int, tied_output: bool, anchor_rank: int, is_driver: bool,

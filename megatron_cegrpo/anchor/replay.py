@@ -44,8 +44,9 @@ def replay_backward(model: torch.nn.Module, ref_model: Optional[torch.nn.Module]
     """Accumulate the GRPO objective's gradient over ``batch`` into ``model``'s ``.grad``.
 
     The loss is ``grpo_token_loss`` with the ratio against the replica's own detached log-probs
-    (the clipped term's gradient is ``-A grad log pi``), the k3 KL to ``ref_model`` when given,
-    token-mean over the whole batch (``num_tokens`` = the batch's ``loss_mask`` sum).
+    (the clipped term's gradient is ``-A grad log pi``), the KL term to ``ref_model`` when given,
+    aggregated over the whole batch by ``grpo.loss_agg_mode`` (``num_tokens`` = the batch's
+    ``loss_mask`` sum, ``num_seqs`` its rows).
 
     Args:
         model: the PP = 1 policy replica (a GPTModel), in whatever compute precision the caller set.

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from megatron_cegrpo.anchor.basis import AnchorBasis
 from megatron_cegrpo.anchor.forecast import forecast_error, get_forecast
 from megatron_cegrpo.anchor.memory import AnchorMemory
-from megatron_cegrpo.anchor.replay import replay_backward
+from megatron_cegrpo.anchor.replay import SHARED_PREFIX_KEYS, replay_backward
 from megatron_cegrpo.anchor.ring import CheckpointRing
 from megatron_cegrpo.anchor.shipment import HEADER_LEN, ShipmentDecoder, ShipmentRejected
 from megatron_cegrpo.anchor.signs import pack_bits
@@ -366,8 +366,11 @@ class AnchorWorker:
 
     def _replay(self, batch: dict, temp: float) -> None:
         """The forward + backward of :meth:`_dense_gradient` (``anchor/replay.py``), each group's
-        prompt once under ``--shared-prefix``."""
-        group = self.cfg.grpo.num_generations if self.cfg.parallel.shared_prefix else 0
+        prompt once under ``--shared-prefix``. A batch received before a resume that switched
+        ``--shared-prefix`` on (checkpointed without the lengths) replays unshared: the same
+        gradient within fp32 reduction order."""
+        shared = self.cfg.parallel.shared_prefix and all(k in batch for k in SHARED_PREFIX_KEYS)
+        group = self.cfg.grpo.num_generations if shared else 0
         replay_backward(self.model, self.ref_model, batch, micro_batch_size=self.cfg.parallel.micro_batch_size,
                         grpo=self.cfg.grpo, temperature=temp, shared_prefix_group=group)
 

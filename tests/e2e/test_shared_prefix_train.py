@@ -62,6 +62,8 @@ def test_shared_prefix_anchor_replay_in_a_launch(tmp_path):
     assert [r["step"] for r in fires_s] == [r["step"] for r in fires_p] and fires_p, plain
     first_p, first_s = fires_p[0], fires_s[0]
     assert first_s["anchor/num_replayed_sequences"] == first_p["anchor/num_replayed_sequences"] > 0
+    # the lengths went with the batch: 2 x 8 bytes a row more, everything else the same
+    assert first_s["anchor/received_bytes_total"] > first_p["anchor/received_bytes_total"]
     assert first_p["anchor/m_norm"] > 0
     assert math.isclose(first_s["anchor/m_norm"], first_p["anchor/m_norm"], rel_tol=REL, abs_tol=ABS), (
         first_s["anchor/m_norm"], first_p["anchor/m_norm"])
