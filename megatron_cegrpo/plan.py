@@ -111,8 +111,10 @@ def boundary_messages(cfg) -> tuple:
 def check_codec_budget(cfg, codec, hidden_size: int) -> None:
     """``--boundary-codec``'s documented bytes within the ``--boundary-keep-ratio`` budget it
     claims, per direction, over one iteration's messages (:func:`boundary_messages`) at the longest
-    micro-batch (``compression.check_codec_budget``); nothing to check at PP = 1. Raises ConfigError
-    naming both flags."""
+    micro-batch (``compression.check_codec_budget``): ``[max prompt + max new tokens, mbs, d]``, or
+    under ``--shared-prefix`` the longest packed one, ``[max prompt + G x max new tokens (rounded up
+    to 8), mbs / G, d]`` (``grpo/shared_prefix.py``: a per-step basis is then amortised over fewer
+    tokens). Nothing to check at PP = 1. Raises ConfigError naming both flags."""
     from megatron_cegrpo.compression import check_codec_budget as check
 
     c, r = cfg.codec, cfg.rollout
@@ -120,13 +122,20 @@ def check_codec_budget(cfg, codec, hidden_size: int) -> None:
         return
     fwd, bwd = boundary_messages(cfg)
     shape = (r.max_prompt_length + r.max_new_tokens, cfg.parallel.micro_batch_size, int(hidden_size))
+    if cfg.parallel.shared_prefix:  # packed groups [prompt, r_1..r_G]: fewer tokens a message
+        from megatron_cegrpo.grpo.shared_prefix import PAD_TO_MULTIPLE as pad
+
+        g = cfg.grpo.num_generations
+        longest = -(-(r.max_prompt_length + g * r.max_new_tokens) // pad) * pad
+        shape = (longest, cfg.parallel.micro_batch_size // g, int(hidden_size))
     elem = 2 if cfg.model.precision != "fp32" else 4  # the boundary tensors' dtype (models.stage.PRECISIONS)
     try:
         check(codec, c.boundary_keep_ratio, shape, fwd, elem=elem, bwd_messages=bwd)
     except ValueError as e:
         raise ConfigError(f"--boundary-codec {c.boundary_codec} exceeds --boundary-keep-ratio "
                           f"{c.boundary_keep_ratio:g}: {one_line(e)}; fix: lower the halves' rank/share "
-                          "parameters or raise --boundary-keep-ratio") from None
+                          "parameters or raise --boundary-keep-ratio"
+                          + (" or drop --shared-prefix" if cfg.parallel.shared_prefix else "")) from None
 
 
 def plan_for(cfg, ctx, hf_config, plan: Optional[RunPlan]) -> RunPlan:

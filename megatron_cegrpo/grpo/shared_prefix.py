@@ -23,7 +23,10 @@ from typing import Dict
 
 import torch
 
-__all__ = ["SharedPrefixLayout", "pack_shared_prefix", "rows_from_packed", "packed_microbatch"]
+__all__ = ["PAD_TO_MULTIPLE", "SharedPrefixLayout", "pack_shared_prefix", "rows_from_packed", "packed_microbatch"]
+
+#: the packed length L is rounded up to a multiple of this (``pack_shared_prefix``; ``plan.py``'s budget check)
+PAD_TO_MULTIPLE = 8
 
 
 @dataclass
@@ -58,7 +61,7 @@ class SharedPrefixLayout:
 
 
 def pack_shared_prefix(tokens: torch.Tensor, prompt_lengths: torch.Tensor, response_lengths: torch.Tensor,
-                       group_size: int, *, pad_to_multiple: int = 8, filler_token: int | None = None
+                       group_size: int, *, pad_to_multiple: int = PAD_TO_MULTIPLE, filler_token: int | None = None
                        ) -> SharedPrefixLayout:
     """Pack every group of ``group_size`` consecutive rows into one shared-prefix sequence.
 
