@@ -229,8 +229,9 @@ class ParallelConfig:
         None, "transformer layers of the last stage for an uneven split (Megatron; default: an even split)")
     micro_batch_size: int = option(4, "sequences per pipeline micro-batch (Megatron)")
     shared_prefix: bool = option(False, "compute each prompt once per group: every pipeline pass (old log-probs, "
-                                        "reference, update, the probes, the anchor's replay) runs a group as one sequence [prompt, r_1, "
-                                        "..., r_G] whose responses attend to the prompt and their own tokens only, "
+                                        "reference, update, the probes, the anchor's replay) runs a group as one "
+                                        "sequence [prompt, r_1, ..., r_G] whose responses attend to the prompt and "
+                                        "their own tokens only, "
                                         "so the boundary carries each prompt once per group (issue 32; "
                                         "docs/shared_prefix.md); --micro-batch-size must be a multiple of "
                                         "--num-generations")
