@@ -186,6 +186,19 @@ def _draw_panel(ax, runs, key, title, ylabel, probe_key):
     return drew
 
 
+def _panel_png(plt, runs, panel, out_dir: str) -> str:
+    """One ``PANELS``-style panel (metric, title, y label, file stem, probe metric) as
+    ``<out_dir>/<stem>.png``; returns its path."""
+    key, title, ylabel, stem, probe = panel
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    _draw_panel(ax, runs, key, title, ylabel, probe)
+    fig.tight_layout()
+    path = os.path.join(out_dir, f"{stem}.png")
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def plot_training(run_dirs: Sequence[str], out_dir: str, labels: Optional[Sequence[str]] = None) -> List[str]:
     """Write the training-curve PNGs for ``run_dirs`` into ``out_dir``; returns their paths."""
     plt = _plt()
@@ -197,15 +210,7 @@ def plot_training(run_dirs: Sequence[str], out_dir: str, labels: Optional[Sequen
         if bad:
             print(f"[plot_runs] {d}: skipped {bad} unreadable line(s) of metrics.jsonl", file=sys.stderr)
         runs.append((lab, series))
-    written = []
-    for key, title, ylabel, stem, probe in PANELS:
-        fig, ax = plt.subplots(figsize=(7, 4.2))
-        _draw_panel(ax, runs, key, title, ylabel, probe)
-        fig.tight_layout()
-        path = os.path.join(out_dir, f"{stem}.png")
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
-        written.append(path)
+    written = [_panel_png(plt, runs, panel, out_dir) for panel in PANELS]
     fig, axes = plt.subplots(2, 2, figsize=(13, 8))
     for ax, (key, title, ylabel, _, probe) in zip(axes.ravel(), PANELS):
         _draw_panel(ax, runs, key, title, ylabel, probe)
@@ -216,16 +221,8 @@ def plot_training(run_dirs: Sequence[str], out_dir: str, labels: Optional[Sequen
     plt.close(fig)
     written.append(path)
 
-    for key, title, ylabel, stem, probe in CODEC_PANELS:
-        if not any(s.get(key) for _, s in runs):
-            continue
-        fig, ax = plt.subplots(figsize=(7, 4.2))
-        _draw_panel(ax, runs, key, title, ylabel, probe)
-        fig.tight_layout()
-        path = os.path.join(out_dir, f"{stem}.png")
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
-        written.append(path)
+    written += [_panel_png(plt, runs, panel, out_dir) for panel in CODEC_PANELS
+                if any(s.get(panel[0]) for _, s in runs)]
 
     val_keys = sorted({k for _, s in runs for k in s if re.match(r"^val/.+/acc$", k)})
     if val_keys:
