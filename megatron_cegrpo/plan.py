@@ -123,11 +123,11 @@ def check_codec_budget(cfg, codec, hidden_size: int) -> None:
     fwd, bwd = boundary_messages(cfg)
     shape = (r.max_prompt_length + r.max_new_tokens, cfg.parallel.micro_batch_size, int(hidden_size))
     if cfg.parallel.shared_prefix:  # packed groups [prompt, r_1..r_G]: fewer tokens a message
-        from megatron_cegrpo.grpo.shared_prefix import PAD_TO_MULTIPLE as pad
+        from megatron_cegrpo.grpo.shared_prefix import packed_length
 
         g = cfg.grpo.num_generations
-        longest = -(-(r.max_prompt_length + g * r.max_new_tokens) // pad) * pad
-        shape = (longest, cfg.parallel.micro_batch_size // g, int(hidden_size))
+        shape = (packed_length(r.max_prompt_length + g * r.max_new_tokens), cfg.parallel.micro_batch_size // g,
+                 int(hidden_size))
     elem = 2 if cfg.model.precision != "fp32" else 4  # the boundary tensors' dtype (models.stage.PRECISIONS)
     try:
         check(codec, c.boundary_keep_ratio, shape, fwd, elem=elem, bwd_messages=bwd)

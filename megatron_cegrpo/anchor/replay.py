@@ -21,7 +21,7 @@ from megatron_cegrpo.grpo import core_algos as ca
 from megatron_cegrpo.grpo.batch import microbatches
 from megatron_cegrpo.grpo.loss import grpo_token_loss
 from megatron_cegrpo.grpo.shared_prefix import pack_shared_prefix, packed_microbatch, rows_from_packed
-from megatron_cegrpo.pipeline.schedule import rope_at_positions
+from megatron_cegrpo.pipeline.schedule import packed_forward
 
 __all__ = ["SHARED_PREFIX_KEYS", "replay_backward"]
 
@@ -33,10 +33,7 @@ def _forward(model: torch.nn.Module, mb: dict, packed: Optional[dict], group: in
     """Logits [mbs, S, V] of the rows ``mb``, unshared or gathered from the packed groups."""
     if packed is None:
         return model(input_ids=mb["tokens"], position_ids=mb["position_ids"], attention_mask=None)
-    with rope_at_positions(model, packed["position_ids"]):
-        logits = model(input_ids=packed["tokens"], position_ids=packed["position_ids"],
-                       attention_mask=packed["attention_mask"])
-    return rows_from_packed(logits, packed["logit_index"], group)
+    return rows_from_packed(packed_forward(model, packed), packed["logit_index"], group)
 
 
 def replay_backward(model: torch.nn.Module, ref_model: Optional[torch.nn.Module], batch: dict, *,

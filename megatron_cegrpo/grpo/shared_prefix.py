@@ -23,10 +23,16 @@ from typing import Dict
 
 import torch
 
-__all__ = ["PAD_TO_MULTIPLE", "SharedPrefixLayout", "pack_shared_prefix", "rows_from_packed", "packed_microbatch"]
+__all__ = ["PAD_TO_MULTIPLE", "SharedPrefixLayout", "pack_shared_prefix", "packed_length", "rows_from_packed",
+           "packed_microbatch"]
 
 #: the packed length L is rounded up to a multiple of this (``pack_shared_prefix``; ``plan.py``'s budget check)
 PAD_TO_MULTIPLE = 8
+
+
+def packed_length(tokens: int, pad_to_multiple: int = PAD_TO_MULTIPLE) -> int:
+    """L for a longest group of ``tokens`` = P + sum R_i tokens: rounded up to ``pad_to_multiple``."""
+    return -(-int(tokens) // pad_to_multiple) * pad_to_multiple
 
 
 @dataclass
@@ -90,7 +96,7 @@ def pack_shared_prefix(tokens: torch.Tensor, prompt_lengths: torch.Tensor, respo
         if any(p_len[i] != p or not torch.equal(tokens[i, :p], tokens[k * g, :p]) for i in rows):
             raise ValueError(f"shared prefix: rows {k * g}..{(k + 1) * g - 1} (group {k}) do not share one prompt")
         lengths.append(p + sum(r_len[i] for i in rows))
-    length = -(-max(lengths) // pad_to_multiple) * pad_to_multiple
+    length = packed_length(max(lengths), pad_to_multiple)
     fill = int(tokens[0, -1]) if filler_token is None else int(filler_token)
     dev = tokens.device
     out_tok = torch.full((ng, length), fill, dtype=torch.long, device=dev)

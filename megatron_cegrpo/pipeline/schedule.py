@@ -112,10 +112,7 @@ class PipelineRunner:
                 out = stage(input_ids=mb["tokens"], position_ids=mb["position_ids"], attention_mask=None)
                 return out, partial(loss_fn, mb)
             mb, pk = next(data_iterator)
-            with rope_at_positions(stage, pk["position_ids"]):
-                out = stage(input_ids=pk["tokens"], position_ids=pk["position_ids"],
-                            attention_mask=pk["attention_mask"])
-            return out, partial(_rows_loss, loss_fn, mb, pk["logit_index"], group)
+            return packed_forward(stage, pk), partial(_rows_loss, loss_fn, mb, pk["logit_index"], group)
 
         common = dict(forward_step_func=forward_step, data_iterator=iter(items), model=[model],
                       num_microbatches=len(items), seq_length=seq_length,
@@ -136,6 +133,16 @@ def _rows_loss(loss_fn: LossFn, mb: Dict[str, torch.Tensor], logit_index: torch.
     gathered to [mbs, S, V] (``rows_from_packed``; the positions where ``logit_index`` is -1 hold
     the group's position-0 logits, outside every loss mask)."""
     return loss_fn(mb, rows_from_packed(logits, logit_index, group))
+
+
+def packed_forward(stage: torch.nn.Module, packed: Dict[str, torch.Tensor]) -> torch.Tensor:
+    """``stage``'s forward over packed shared-prefix groups (``packed_microbatch``: ``tokens``,
+    ``position_ids`` long [mbs / G, L], ``attention_mask`` bool [mbs / G, 1, L, L]), RoPE at each
+    token's own position (:func:`rope_at_positions`). Returns what the stage returns: its output
+    activations, or on the last stage the packed logits [mbs / G, L, V]."""
+    with rope_at_positions(stage, packed["position_ids"]):
+        return stage(input_ids=packed["tokens"], position_ids=packed["position_ids"],
+                     attention_mask=packed["attention_mask"])
 
 
 @contextlib.contextmanager
