@@ -252,8 +252,9 @@ class ParallelConfig:
                   "gradient every step; kept for comparison)", choices=TIED_EMBEDDING_SYNC_MODES)
 
     # the split is checked by checkpointing.check_compatible; the rest only rounds, except the tied
-    # embedding's owner: a sparse checkpoint holds no optimizer state for the first stage's copy
-    RESUME = ("tied_embedding_sync",)
+    # embedding's owner (a sparse checkpoint holds no optimizer state for the first stage's copy) and
+    # --shared-prefix (a mask codec keys its masks per group with it, per row without it)
+    RESUME = ("tied_embedding_sync", "shared_prefix")
 
     def validate(self) -> None:
         """Sizes >= 1; the uneven split needs PP >= 2 (the split against the model's layer

@@ -3,6 +3,8 @@
 import argparse
 import dataclasses
 import json
+import os
+import re
 
 import pytest
 
@@ -151,6 +153,28 @@ def test_resume_options_record_the_drift_controller_when_on():
     # the base model: a stage keeps it for a KL term or for the probe
     assert cfg("--kl-coef", "0").keeps_base_model is False
     assert cfg("--kl-coef", "0", "--drift-probe-interval", "2").keeps_base_model is True
+
+
+def test_reliability_doc_lists_every_resume_option():
+    """docs/reliability.md's list of the recorded options names every key resume_options() can hold
+    (every option on, so that the ones recorded only with another appear): the anchor's flags as
+    "every anchor flag", the drift controller's band and budget as "the controller's band, byte
+    budget", the optimizer's two betas and the two clip ratios in the doc's a/b shorthand."""
+    from megatron_cegrpo.arguments import AnchorConfig, flag_name
+    doc = open(os.path.join(os.path.dirname(__file__), "..", "docs", "reliability.md")).read()
+    listed = doc[doc.index("Every checkpoint records in `meta.json`"):doc.index("Intended overrides:")]
+    everything = cfg("--lr-decay-style", "cosine", "--kl-coef", "0.1", "--filter-groups", "--overlong-buffer-len", "4",
+                     "--drift-controller", "--drift-target-kl", "0.1", "--drift-probe-interval", "2",
+                     "--anchor-ranks", "1").resume_options()
+    anchor = {flag_name(AnchorConfig, n) for n in AnchorConfig.RESUME} - {"--anchor-ranks"}
+    band = {"--drift-target-kl", "--drift-target-kl-low", "--drift-max-boundary-ratio"}
+    shorthand = {"--adam-beta2": "--adam-beta1/2", "--adam-beta1": "--adam-beta1/2",
+                 "--clip-ratio-low": "--clip-ratio-low/high", "--clip-ratio-high": "--clip-ratio-low/high",
+                 "optimizer.type in --deepspeed_config": "the DeepSpeed optimizer type"}
+    assert "every anchor flag" in listed and "the controller's band, byte budget" in listed
+    missing = [k for k in set(everything) - anchor - band
+               if not re.search(re.escape(shorthand.get(k, k)) + r"(?![\w-])", listed)]
+    assert not missing, f"docs/reliability.md does not list the resume options {sorted(missing)}"
 
 
 def test_world_size_must_match_pipeline_plus_anchor():

@@ -179,8 +179,9 @@ def _fmt_option(value) -> str:
 
 
 def _option_fix(flag: str, value) -> str:
-    """How to pass ``flag`` with ``value`` on the command line."""
-    if flag.startswith("--no-") and isinstance(value, bool):
+    """How to pass ``flag`` with ``value`` on the command line (a boolean is a switch, recorded as
+    whether it is given: ``--shared-prefix``, ``--no-norm-adv-by-std``)."""
+    if isinstance(value, bool) and flag.startswith("--"):
         return f"{'add' if value else 'drop'} {flag}"
     if value is None:
         return f"drop {flag}"

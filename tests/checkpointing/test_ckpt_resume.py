@@ -75,6 +75,23 @@ def test_options_are_recorded_and_a_change_is_refused_naming_both_values(tmp_pat
     assert "\n" not in msg
 
 
+def test_a_switched_shared_prefix_is_refused_with_the_switch_to_add_or_drop(tmp_path):
+    """--shared-prefix changes a mask codec's keys (per group with it, per row without), so a resume
+    may not switch it; the fix names the switch, not a value (the same for every store_true flag)."""
+    on = _options("--shared-prefix", "--micro-batch-size", "8", "--num-generations", "8")
+    assert on["--shared-prefix"] is True and _options()["--shared-prefix"] is False
+    meta = _save(tmp_path / "run", options=on)
+    assert ck.check_resume(meta, on, train_iters=10) == []
+    with pytest.raises(CheckpointError, match=r"--shared-prefix True -> False; fix: resume with the checkpoint's "
+                                              r"settings \(add --shared-prefix\)"):
+        ck.check_resume(meta, _options("--micro-batch-size", "8", "--num-generations", "8"), train_iters=10)
+    meta = _save(tmp_path / "off", options=_options("--drift-probe-interval", "2"))
+    with pytest.raises(CheckpointError, match=r"--drift-controller False -> True.*; fix: resume with the "
+                                              r"checkpoint's settings \(drop --drift-controller\)"):
+        ck.check_resume(meta, _options("--drift-controller", "--drift-target-kl", "0.01",
+                                       "--drift-probe-interval", "2"), train_iters=10)
+
+
 def test_train_iters_may_grow_only_with_a_constant_schedule(tmp_path):
     const = _options("--train-iters", "6")
     meta = _save(tmp_path / "const", options=const)
