@@ -32,7 +32,11 @@ summary field                source in metrics.jsonl
                              is usually smaller, so this z is conservative)
 ``boundary_bytes_ratio``     sum over steps of ``comm/fwd_bytes + comm/bwd_bytes`` / sum of
                              ``comm/dense_equiv_bytes`` (the run's cumulative
-                             ``comm/bytes_ratio``, stage boundaries only)
+                             ``comm/bytes_ratio``, stage boundaries only): over the run's OWN
+                             dense equivalent, which a ``--shared-prefix`` run computes for its
+                             packed (shared) messages
+``boundary_mb``              sum over steps of ``comm/fwd_bytes + comm/bwd_bytes``, in 1e6 bytes:
+                             what the arms compare in absolute terms
 ``truncated_before``,        ``val/holdout/response_length/clip_ratio`` at step 0 and at step
 ``truncated_after``          ``iterations``: the held-out greedy answers cut at
                              ``--eval-max-new-tokens`` (an answer cut before "The answer is N."
@@ -71,8 +75,8 @@ summary field                source
                              arm's after-evaluation against dense's at the same seed, per row
                              d = arm - dense (:func:`compare_with_dense`); None for dense
 ``fraction_of_dense``        (top level, one entry per arm) mean gain over the arm's seeds /
-                             mean gain over dense's seeds, with a percentile bootstrap
-                             interval over the rows (:func:`fractions_of_dense`,
+                             mean gain of dense at the same seeds, with a two-level percentile
+                             bootstrap interval, seeds then rows (:func:`fractions_of_dense`,
                              :func:`bootstrap_fraction`; ``bootstrap`` says how it was drawn)
 ============================ ================================================================
 
@@ -266,32 +270,40 @@ def paired_diff(a: Dict[int, float], b: Dict[int, float]) -> Dict:
 
 def bootstrap_fraction(arm_gains: Sequence[Sequence[float]], dense_gains: Sequence[Sequence[float]],
                        resamples: int = BOOTSTRAP_RESAMPLES, seed: int = BOOTSTRAP_SEED) -> Dict:
-    """An arm's mean held-out gain as a fraction of dense's, with a percentile bootstrap interval.
+    """An arm's mean held-out gain as a fraction of dense's at the same seeds, with a two-level
+    percentile bootstrap interval (seeds, then rows).
 
     ``arm_gains``: one list per seed of the arm, each row's gain (after - before, in [-1, 1]);
-    ``dense_gains`` the same for dense's seeds; every list covers the same n rows in the same
-    order. Fraction = (mean over the arm's seeds of its mean gain) / (the same for dense).
+    ``dense_gains`` the same for dense at the SAME seeds, in the same order (list i of both is
+    seed i); every list covers the same n rows in the same order. Fraction = (mean over the seeds
+    of the arm's mean gain) / (the same for dense).
     Interval: the percentile bootstrap (Efron and Tibshirani, *An Introduction to the
-    Bootstrap*, 1993, ch. 13): ``resamples`` times, n row indices are drawn with replacement
-    (``numpy.random.default_rng(seed)``), the same indices for every run, and the fraction is
-    recomputed; the interval is the 2.5 % and 97.5 % order statistics of the sorted fractions
-    (with 2000 resamples the 51st and the 1950th). It reflects the sampling of rows only: the
-    seeds are not resampled. A resample where dense's mean gain is <= 0 has no fraction and
-    counts as +inf (or -inf when the arm's gain is negative); their number is ``dense_nonpositive``.
+    Bootstrap*, 1993, ch. 13), two-level as for clustered data (Davison and Hinkley, *Bootstrap
+    Methods and their Application*, 1997, section 3.8): ``resamples`` times, S seed indices are
+    drawn with replacement and then n row indices (``numpy.random.default_rng(seed)``), the same
+    draw for the arm and for dense (the seed's pair stays a pair), and the fraction is recomputed;
+    the interval is the 2.5 % and 97.5 % order statistics of the sorted fractions (with 2000
+    resamples the 51st and the 1950th). With one seed it reflects the rows only; with three the
+    seed draw has 10 distinct outcomes, a coarse but honest view of the seed-to-seed spread. A
+    resample where dense's mean gain is <= 0 has no fraction and counts as +inf (or -inf when the
+    arm's gain is negative); their number is ``dense_nonpositive``.
 
     Returns ``{"fraction", "low", "high", "resamples", "seed", "dense_nonpositive"}``;
     ``fraction`` None when dense's mean gain is <= 0. Raises ValueError when a list is empty or
-    the lists differ in length."""
+    the two differ in seeds or rows."""
     import numpy as np
 
     arm, dense = np.asarray(arm_gains, dtype=float), np.asarray(dense_gains, dtype=float)
-    if arm.ndim != 2 or dense.ndim != 2 or 0 in arm.shape or 0 in dense.shape or arm.shape[1] != dense.shape[1]:
-        raise ValueError(f"bootstrap_fraction needs per-seed lists of the same rows, got shapes {arm.shape} "
-                         f"and {dense.shape}")
+    if arm.ndim != 2 or 0 in arm.shape or arm.shape != dense.shape:
+        raise ValueError(f"bootstrap_fraction needs per-seed lists of the same rows at the same seeds, got "
+                         f"shapes {arm.shape} and {dense.shape}")
     num_all, den_all = float(arm.mean()), float(dense.mean())
-    idx = np.random.default_rng(seed).integers(0, arm.shape[1], size=(resamples, arm.shape[1]))
-    num = arm[:, idx].mean(axis=2).mean(axis=0)
-    den = dense[:, idx].mean(axis=2).mean(axis=0)
+    rng = np.random.default_rng(seed)
+    rows = rng.integers(0, arm.shape[1], size=(resamples, arm.shape[1]))  # first: one seed draws as before
+    seeds = rng.integers(0, arm.shape[0], size=(resamples, arm.shape[0]))
+    pick = np.arange(resamples)[:, None]
+    num = arm[:, rows][seeds, pick].mean(axis=2).mean(axis=1)   # arm[:, rows]: [S, R, n]; [seeds, pick]: [R, S, n]
+    den = dense[:, rows][seeds, pick].mean(axis=2).mean(axis=1)
     with np.errstate(divide="ignore", invalid="ignore"):
         frac = np.where(den > 0, num / np.where(den > 0, den, 1.0), np.where(num < 0, -np.inf, np.inf))
     frac.sort()
@@ -380,7 +392,7 @@ def summarize_run(run_dir: str, rows_out: Optional[Dict] = None) -> Dict:
     out.update(iterations=iterations, wall_s=wall,
                acc_before=b[0] if b else None, acc_after=a[0] if a else None,
                acc_stderr=a[1] if a else None, heldout_rows=(a or b)[2] if (a or b) else None,
-               boundary_bytes_ratio=wire / dense if dense else None,
+               boundary_bytes_ratio=wire / dense if dense else None, boundary_mb=wire / 1e6 if train else None,
                acc_before_stderr=b[1] if b else None)
     if b and a:
         out["gain"], out["gain_z"] = gain_z(b[0], b[1], a[0], a[1])
@@ -511,28 +523,35 @@ def compare_with_dense(arms: Sequence[Dict], rows: Dict) -> None:
 def fractions_of_dense(arms: Sequence[Dict], rows: Dict, resamples: int = BOOTSTRAP_RESAMPLES,
                        seed: int = BOOTSTRAP_SEED) -> List[Dict]:
     """For every arm other than dense with a finished seed: its mean held-out gain over its
-    finished seeds as a fraction of dense's mean gain over dense's finished seeds (carried arms
+    finished seeds as a fraction of dense's mean gain over THE SAME seeds (dense's carried arms
     included), ``{"arm", "seeds", "mean_gain", "dense_seeds", "dense_mean_gain", "fraction",
-    "low", "high", "resamples", "bootstrap_seed", "dense_nonpositive", "left_out"}``. A seed whose
-    anchor was lost during the run (``anchor_lost_step``) does not measure the arm and is left out
-    (``left_out``: those seeds). ``fraction`` None
-    without a dense mean gain > 0; the interval (:func:`bootstrap_fraction`) only with a
+    "low", "high", "resamples", "bootstrap_seed", "dense_nonpositive", "left_out", "no_dense"}``.
+    Matching the seeds keeps the comparison paired: dense's gain varies from seed to seed as much
+    as the arms differ (+0.013 to +0.097 on the AMX host), so a one-seed arm over dense's mean of
+    three would rank the seed, not the arm. A seed whose anchor was lost during the run
+    (``anchor_lost_step``) does not measure the arm and is left out (``left_out``: those seeds), as
+    is a seed dense has not finished (``no_dense``). ``fraction`` None without a dense mean gain
+    > 0 at those seeds; the interval (:func:`bootstrap_fraction`: seeds, then rows) only with a
     fraction and when every one of those runs kept its held-out per-row files (``rows`` as in
     :func:`compare_with_dense`), else ``low``, ``high`` ... None. Raises EvalRowsError when the
     runs' rows differ."""
-    dense = [a for a in arms if a["arm"] == DENSE_ARM and a.get("gain") is not None]
-    dense_gain = sum(a["gain"] for a in dense) / len(dense) if dense else None
+    dense_at = {a["seed"]: a for a in arms if a["arm"] == DENSE_ARM and a.get("gain") is not None}
     out = []
     for name in sorted({a["arm"] for a in arms if a["arm"] != DENSE_ARM}):
         finished = [a for a in arms if a["arm"] == name and a.get("gain") is not None]
-        runs = [a for a in finished if a.get("anchor_lost_step") is None]
+        kept = [a for a in finished if a.get("anchor_lost_step") is None]
         left_out = [a["seed"] for a in finished if a.get("anchor_lost_step") is not None]
+        runs = [a for a in kept if a["seed"] in dense_at]
+        no_dense = [a["seed"] for a in kept if a["seed"] not in dense_at]
         if not runs:
             continue
+        dense = [dense_at[a["seed"]] for a in runs]
+        dense_gain = sum(a["gain"] for a in dense) / len(dense)
         mean = sum(a["gain"] for a in runs) / len(runs)
-        e = {"arm": name, "seeds": [a["seed"] for a in runs], "left_out": left_out, "mean_gain": mean,
+        e = {"arm": name, "seeds": [a["seed"] for a in runs], "left_out": left_out, "no_dense": no_dense,
+             "mean_gain": mean,
              "dense_seeds": [a["seed"] for a in dense], "dense_mean_gain": dense_gain,
-             "fraction": mean / dense_gain if dense_gain is not None and dense_gain > 0 else None,
+             "fraction": mean / dense_gain if dense_gain > 0 else None,
              "low": None, "high": None, "resamples": None, "bootstrap_seed": None, "dense_nonpositive": None}
         got = [rows.get((a["arm"], a["seed"]), {}).get("holdout") for a in runs + dense]
         if e["fraction"] is not None and all(g is not None for g in got):
@@ -593,7 +612,7 @@ def _anchor_cell(arm: Dict) -> str:
 def table(arms: Sequence[Dict]) -> str:
     """The markdown table of ``arms``."""
     head = ("| arm | seed | codec | anchor | iters | wall (min) | held-out before | after | gain (z) | rows | "
-            "boundary bytes | truncated |")
+            "boundary bytes (of its dense) | boundary MB | truncated |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for a in arms:
         lines.append(
@@ -601,7 +620,8 @@ def table(arms: Sequence[Dict]) -> str:
             f"{a['wall_s'] / 60:.1f} | {_fmt(a['acc_before'])} ± {_fmt(a['acc_before_stderr'])} | "
             f"{_fmt(a['acc_after'])} ± {_fmt(a['acc_stderr'])} | {_fmt(a['gain'], '{:+.3f}')} "
             f"({_fmt(a['gain_z'], '{:+.1f}')}) | {_fmt(a['heldout_rows'], '{:d}')} | "
-            f"{_fmt(a['boundary_bytes_ratio'], '{:.4f}')} | {_truncated_cell(a)} |")
+            f"{_fmt(a['boundary_bytes_ratio'], '{:.4f}')} | {_fmt(a.get('boundary_mb'), '{:.3g}')} | "
+            f"{_truncated_cell(a)} |")
     return "\n".join(lines)
 
 
@@ -724,14 +744,17 @@ def damage_table(arms: Sequence[Dict]) -> str:
 
 def fraction_table(fractions: Sequence[Dict]) -> str:
     """The markdown table of :func:`fractions_of_dense`: each arm's mean gain over its seeds as a
-    fraction of dense's, with the bootstrap interval ("n/a" where a run kept no per-row files); the
-    seeds left out because their anchor was lost are named."""
-    head = "| arm | seeds | mean gain | dense's mean gain (seeds) | fraction of dense's gain | 95 % interval |"
+    fraction of dense's at the same seeds, with the bootstrap interval ("n/a" where a run kept no
+    per-row files); the seeds left out (anchor lost, no dense run) are named."""
+    head = ("| arm | seeds | mean gain | dense's mean gain (same seeds) | fraction of dense's gain | "
+            "95 % interval |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for e in fractions:
         seeds = ", ".join(str(x) for x in e["seeds"])
         if e.get("left_out"):
             seeds += f" ({', '.join(str(x) for x in e['left_out'])} left out: anchor lost)"
+        if e.get("no_dense"):
+            seeds += f" ({', '.join(str(x) for x in e['no_dense'])} left out: no dense run)"
         dense = (f"{_fmt(e['dense_mean_gain'], '{:+.3f}')} ({', '.join(str(x) for x in e['dense_seeds'])})"
                  if e["dense_seeds"] else "-")
         ci = "-" if e["fraction"] is None else NA if e["low"] is None else f"{e['low']:.2f} to {e['high']:.2f}"
@@ -766,14 +789,17 @@ def method_lines() -> List[str]:
         "base weights, greedy) disagree on some rows, so they ran with other arithmetic (bf16 kernels differ "
         "between CPUs: AMX vs AVX512-BF16) and their after-accuracies are not paired; no test is made.",
         "- **fraction of dense's gain**: the arm's mean gain over its finished seeds divided by dense's mean "
-        "gain over dense's finished seeds (seeds whose logs were lost included, from their summary rows); "
-        "\"-\" when dense's mean gain is not above 0. "
-        "**95 % interval**: percentile "
-        f"bootstrap, {BOOTSTRAP_RESAMPLES} resamples of the held-out rows drawn with replacement "
+        "gain at the same seeds (dense runs whose logs were lost included, from their summary rows); a seed "
+        "dense has not run is left out and named. \"-\" when dense's mean gain at those seeds is not above 0. "
+        "With one seed the fraction is that seed's ratio and swings with dense's gain there (where dense "
+        "barely gained, any arm's fraction at that seed is large and its interval open). "
+        "**95 % interval**: two-level percentile "
+        f"bootstrap, {BOOTSTRAP_RESAMPLES} resamples: the seeds drawn with replacement (the arm's and dense's "
+        "run at a seed drawn together), then the held-out rows "
         f"(`numpy.random.default_rng({BOOTSTRAP_SEED})`), one draw shared by every run of the comparison; the "
         "2.5 % and 97.5 % points of the resampled fractions (a resample in which dense did not gain counts "
-        "as an infinite fraction). It covers the sampling of rows, not the seed-to-seed spread; n/a unless "
-        "every one of those runs kept per-row files.",
+        "as an infinite fraction). With three seeds it covers the seed-to-seed spread coarsely (10 distinct "
+        "seed draws) as well as the rows; n/a unless every one of those runs kept per-row files.",
         "- Other data sets: their lines add the paired SE and z of the gain where the run kept per-row files.",
         "",
     ]
@@ -856,7 +882,10 @@ def _report_lines(arms: Sequence[Dict], fractions: Sequence[Dict], figs: Sequenc
              "Written by `tools/study_report.py` from the arms' `metrics.jsonl`, archived in "
              f"`{archive}/` (runs of `examples/study_cpu.sh`). Held-out accuracy is "
              "greedy pass@1 on rows held out of the training file; ± is one standard error; the gain's z is "
-             "unpaired (conservative).", "", table(arms), ""]
+             "unpaired (conservative). *boundary bytes (of its dense)*: the run's boundary bytes over the "
+             "dense equivalent of its own messages (a `--shared-prefix` run's are the packed ones, so the "
+             "ratio hides the sharing); *boundary MB*: the same bytes, forward + backward over the run, "
+             "the column to compare across arms.", "", table(arms), ""]
     dead = [f"{a['arm']} seed {a['seed']} (step {a['anchor_lost_step']})" for a in arms
             if a.get("anchor_lost_step") is not None]
     if dead:

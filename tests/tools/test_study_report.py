@@ -101,8 +101,9 @@ def test_summary_values(study, tmp_path):
 
     md = (docs / "study.md").read_text()
     assert ("| dense | 1 | dense | no | 2 | 4.9 | 0.300 ± 0.020 | 0.400 ± 0.030 | +0.100 (+2.8) | 300 | 1.0000 | "
-            "0.33 -> 0.87 |") in md
-    assert "| 0.0500 | - |" in md  # mask_anchor: no truncation logged
+            "0.004 | 0.33 -> 0.87 |") in md  # 2 steps of 1000 + 1000 bytes: 0.004 MB
+    assert "| 0.0500 | 0.0001 | - |" in md  # mask_anchor: 30 + 70 bytes; no truncation logged
+    assert (dense["boundary_mb"], mask["boundary_mb"]) == (0.004, 1e-4)
     assert "| dense | 1 | 2.00e-03 | 1 | 3.00e-04 | 0.250 -> 0.300 |" in md  # damage to the base model
     assert "| mask_anchor-s1 | 1 | - | - | - | - |" in md
     assert f"{mod.NOTES_BEGIN}\nThe dense arm learns.\n{mod.NOTES_END}" in md and "old" not in md.splitlines()
@@ -307,9 +308,15 @@ def test_paired_diff_is_the_hand_computed_paired_standard_error():
 
 def test_bootstrap_fraction_values():
     mod = _tool()
-    # the arm's two seeds fix complementary rows: every resample's mean over seeds is 0.5, dense's 1
-    b = mod.bootstrap_fraction([[1, 0, 1, 0], [0, 1, 0, 1]], [[1, 1, 1, 1]])
-    assert b == {"fraction": 0.5, "low": 0.5, "high": 0.5, "resamples": 2000, "seed": 0, "dense_nonpositive": 0}
+    # dense gains on every row at both seeds, the arm on every row at one seed and none at the other:
+    # rows do not matter; a resample's fraction is the share of its two seed draws that hit the
+    # learning seed, 0, 0.5 or 1 (probabilities 1/4, 1/2, 1/4): the seeds are resampled
+    b = mod.bootstrap_fraction([[1, 1, 1, 1], [0, 0, 0, 0]], [[1, 1, 1, 1], [1, 1, 1, 1]])
+    assert (b["fraction"], b["low"], b["high"], b["dense_nonpositive"]) == (0.5, 0.0, 1.0, 0)
+    # ... and a seed's pair stays a pair: both gain 1 at one seed and 0.5 at the other, so every
+    # resample is 1 (drawn apart, the arm's seed against dense's other one would give 2 or 0.5)
+    b = mod.bootstrap_fraction([[1, 1, 1, 1], [.5, .5, .5, .5]], [[1, 1, 1, 1], [.5, .5, .5, .5]])
+    assert b == {"fraction": 1.0, "low": 1.0, "high": 1.0, "resamples": 2000, "seed": 0, "dense_nonpositive": 0}
     # two rows: a resample's fraction is 0, 0.5 or 1 (probabilities 1/4, 1/2, 1/4): the 2.5 % and 97.5 % points
     b = mod.bootstrap_fraction([[1, 0]], [[1, 1]], resamples=2000, seed=3)
     assert (b["fraction"], b["low"], b["high"], b["seed"]) == (0.5, 0.0, 1.0, 3)
@@ -318,8 +325,10 @@ def test_bootstrap_fraction_values():
     assert b["fraction"] == 2.0 and b["low"] == 1.0 and b["high"] == math.inf
     assert 400 < b["dense_nonpositive"] < 600
     assert mod.bootstrap_fraction([[1, 1]], [[1, 0]]) == b  # fixed seed: the same interval every time
-    with pytest.raises(ValueError, match="per-seed lists of the same rows"):
+    with pytest.raises(ValueError, match="per-seed lists of the same rows at the same seeds"):
         mod.bootstrap_fraction([[1, 0, 1]], [[1, 1]])
+    with pytest.raises(ValueError, match="at the same seeds, got shapes \\(2, 2\\) and \\(1, 2\\)"):
+        mod.bootstrap_fraction([[1, 0], [0, 1]], [[1, 1]])
 
 
 #: Ten held-out rows (line numbers of the training file) and their 0/1 correctness.
@@ -416,8 +425,8 @@ def test_report_with_per_row_files(paired_study, tmp_path):
             "0 / 3 |") in md
     assert "| lowrank | 1 | +0.000 | n/a | n/a | +0.0 | n/a | n/a | n/a | n/a | n/a |" in md
     assert f"| mask_anchor | 1, 2 | +0.100 | +0.300 (1, 2) | 0.33 | {fa['low']:.2f} to {fa['high']:.2f} |" in md
-    assert "| lowrank | 1 | +0.000 | +0.300 (1, 2) | 0.00 | n/a |" in md
-    assert "## Method" in md and "2000 resamples of the held-out rows" in md
+    assert "| lowrank | 1 | +0.000 | +0.400 (1) | 0.00 | n/a |" in md  # dense at lowrank's seed only
+    assert "## Method" in md and "2000 resamples: the seeds drawn with replacement" in md
 
     archived = docs / "study" / "runs" / "mask_anchor-s1" / "eval_rows"
     assert sorted(p.name for p in archived.iterdir()) == ["holdout-step0.jsonl", "holdout-step2.jsonl"]
@@ -502,10 +511,13 @@ def test_the_committed_archive_without_per_row_files_still_builds(tmp_path):
     assert [{k: a[k] for k in mod.FIELDS} for a in s["arms"]] == [{k: a[k] for k in mod.FIELDS}
                                                                    for a in committed["arms"]]
     assert all(a["per_row"] is False and a["gain_se_paired"] is None and a["vs_dense"] is None for a in s["arms"])
-    assert all(e["low"] is None and e["dense_seeds"] == [1234, 4321] for e in s["fraction_of_dense"])
+    assert all(e["low"] is None and e["dense_seeds"] == e["seeds"] for e in s["fraction_of_dense"])
     dense_gain = sum(a["gain"] for a in committed["arms"] if a["arm"] == "dense") / 2
     ma = next(e for e in s["fraction_of_dense"] if e["arm"] == "mask_anchor")
     assert ma["fraction"] == pytest.approx(ma["mean_gain"] / dense_gain) and ma["seeds"] == [1234, 4321]
+    one = next(e for e in s["fraction_of_dense"] if e["arm"] == "mask")  # one seed: dense at that seed
+    dense_1234 = next(a["gain"] for a in committed["arms"] if (a["arm"], a["seed"]) == ("dense", 1234))
+    assert one["seeds"] == [1234] and one["fraction"] == pytest.approx(one["mean_gain"] / dense_1234)
     md = (docs / "study.md").read_text()
     assert mod.table(s["arms"]) in md and mod.table(committed["arms"]) in md
     assert "| mask_anchor | 4321 | +0.047 | n/a | n/a | +1.9 | n/a | n/a | n/a | n/a | n/a |" in md
@@ -567,8 +579,8 @@ def test_an_arm_run_with_other_numerics_is_not_paired_with_dense(paired_study, t
 
 def test_a_seed_whose_anchor_was_lost_is_left_out_of_the_fraction(paired_study):
     """mask + anchor seed 2 lost its anchor (``anchor/alive`` 0 from step 2): it does not measure
-    the arm, so the fraction of dense's gain is seed 1's alone (0.1 / 0.3), and the table names the
-    seed it left out."""
+    the arm, so the fraction of dense's gain is seed 1's alone against dense's at seed 1 (0.1 / 0.4),
+    and the table names the seed it left out."""
     mod = _tool()
     run = paired_study / "mask_anchor-s2"
     recs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
@@ -582,7 +594,8 @@ def test_a_seed_whose_anchor_was_lost_is_left_out_of_the_fraction(paired_study):
     assert [a["anchor_lost_step"] for a in arms if a["arm"] == "mask_anchor"] == [None, 2]
     frac = {e["arm"]: e for e in mod.fractions_of_dense(arms, rows)}["mask_anchor"]
     assert (frac["seeds"], frac["left_out"]) == ([1], [2])
-    assert frac["mean_gain"] == pytest.approx(0.1) and frac["fraction"] == pytest.approx(0.1 / 0.3)
+    assert frac["mean_gain"] == pytest.approx(0.1) and frac["fraction"] == pytest.approx(0.1 / 0.4)
+    assert frac["dense_seeds"] == [1] and frac["dense_mean_gain"] == pytest.approx(0.4)
     assert "| mask_anchor | 1 (2 left out: anchor lost) | +0.100 |" in mod.fraction_table([frac])
 
 
