@@ -62,11 +62,12 @@ def test_different_base_weights_get_a_keyframe(tmp_path):
 
     # the fire at step 2 replays theta(0): the converted (scaled) weights, bit for bit
     fired = torch.load(dump / "anchor_fire_00002.pt", weights_only=True)["weights"]
-    checked = 0
+    checked = set()
     for r, meta in enumerate(metas):
         converted = load_file(str(ckpt / "iter_0000000" / f"stage_{r:02d}" / "model.safetensors"))
         for name, _ in meta["params"]:
             gname = global_param_name(name, meta["layer_offset"], meta["tied_output"])
-            assert torch.equal(fired[gname], converted[name].float()), name
-            checked += 1
-    assert checked == sum(len(m["params"]) for m in metas)  # (x 1.5: not the anchor's own base model)
+            assert torch.equal(fired[gname], converted[name].float()), name  # (x 1.5: not the anchor's own base)
+            checked.add(gname)
+    # every weight the anchor replayed is one of the stages' (and each of theirs was replayed)
+    assert checked == set(fired), sorted(set(fired) ^ checked)[:5]

@@ -11,7 +11,8 @@ and update passes (forward and the update's backward, both ends of the boundary)
   ``lowrank`` Q hash the same on both ranks;
 - the split bytes: the two pieces sum to the payload's bytes plus at most one padding element, the
   payload's bytes are the documented ones (``BoundaryCodec.bytes_per_message``; ``lowrank``: s b r
-  elements a message and d r for the basis once per iteration), and the all-gather of the pieces
+  elements a message and d r for the basis once per iteration; ``rpq``: a first crossing or a
+  repeat, ``RepeatPcaHalf.nbytes``), and the all-gather of the pieces
   rebuilds the payload bit for bit.
 """
 
@@ -88,6 +89,13 @@ def test_the_split_pieces_sum_to_the_documented_payload_bytes(ranks, spec):
             fwd_total += m["bytes"]
         if spec in ("lowrank", "mask"):
             assert m["bytes"] == _documented(spec, m), (spec, m)
+        elif spec.startswith("rpq") and m["dir"] == "fwd":
+            # rpq: a micro-batch's first crossing of the step (the old-logprob pass) is coded whole, with
+            # a basis (own=1: every first crossing; own=0: the step's first); the reference and update
+            # passes' crossings of it are repeats, coded against it at the small repeat budget
+            repeat = m["pass"] != "old"
+            first = not repeat and (codec.fwd.own == 1 or m["mb"] == 0)
+            assert m["bytes"] == codec.fwd.nbytes((S, B, D), elem, first, repeat=repeat), (spec, m)
         elif m["dir"] == "bwd":
             # lrq: a basis in every message; pcaq: in the step's first backward message only
             assert m["bytes"] == codec.bytes_per_message("bwd", (S, B, D), elem, m["mb"] == 0), (spec, m)
@@ -95,6 +103,8 @@ def test_the_split_pieces_sum_to_the_documented_payload_bytes(ranks, spec):
             assert spec == "lowrank" and m["pass"] == "old" and m["mb"] == 0
             assert m["basis"]["bytes"] == D * codec.fwd.rank(D) * elem and all(p["basis"]["rejoined"] for p in pair)
             assert sum(p["basis"]["piece_bytes"] for p in pair) == m["basis"]["bytes"]  # d r divides by 2: no padding
+    if spec.startswith("rpq"):  # not vacuous: a repeat is far smaller than a first crossing
+        assert codec.fwd.nbytes((S, B, D), 4, False, repeat=True) < codec.fwd.nbytes((S, B, D), 4, False) / 4
     if spec.startswith("pcaq"):  # per step: the first message carries the basis, the rest do not
         first = codec.bytes_per_message("fwd", (S, B, D), 4, True)
         later = codec.bytes_per_message("fwd", (S, B, D), 4, False)

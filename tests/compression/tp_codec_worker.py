@@ -67,9 +67,6 @@ def run_codec(spec: str, keep: float, rank: int, world: int) -> list:
                 first = recv.wire_shape("fwd", x.shape, ctx, x.dtype, "recv")
                 payload = send.encode_forward(x, ctx)
                 msg.update(record(payload, rank, world), wire_shape=list(first))
-                if hasattr(send, "bytes_per_message"):
-                    msg["documented"] = None  # filled by the test from the shapes (first_of_step below)
-                    msg["first_of_step"] = bool(mb == 0 and pas == "old")
                 basis = send.basis_to_send(ctx)
                 buf = recv.basis_to_receive(ctx, x.shape, x.dtype)
                 assert (basis is None) == (buf is None), spec
