@@ -543,15 +543,15 @@ def fractions_of_dense(arms: Sequence[Dict], rows: Dict, resamples: int = BOOTST
         left_out = [a["seed"] for a in finished if a.get("anchor_lost_step") is not None]
         runs = [a for a in kept if a["seed"] in dense_at]
         no_dense = [a["seed"] for a in kept if a["seed"] not in dense_at]
-        if not runs:
+        if not kept:
             continue
         dense = [dense_at[a["seed"]] for a in runs]
-        dense_gain = sum(a["gain"] for a in dense) / len(dense)
-        mean = sum(a["gain"] for a in runs) / len(runs)
+        dense_gain = sum(a["gain"] for a in dense) / len(dense) if dense else None
+        mean = sum(a["gain"] for a in runs) / len(runs) if runs else None
         e = {"arm": name, "seeds": [a["seed"] for a in runs], "left_out": left_out, "no_dense": no_dense,
              "mean_gain": mean,
              "dense_seeds": [a["seed"] for a in dense], "dense_mean_gain": dense_gain,
-             "fraction": mean / dense_gain if dense_gain > 0 else None,
+             "fraction": mean / dense_gain if dense_gain is not None and dense_gain > 0 else None,
              "low": None, "high": None, "resamples": None, "bootstrap_seed": None, "dense_nonpositive": None}
         got = [rows.get((a["arm"], a["seed"]), {}).get("holdout") for a in runs + dense]
         if e["fraction"] is not None and all(g is not None for g in got):
@@ -755,6 +755,7 @@ def fraction_table(fractions: Sequence[Dict]) -> str:
             seeds += f" ({', '.join(str(x) for x in e['left_out'])} left out: anchor lost)"
         if e.get("no_dense"):
             seeds += f" ({', '.join(str(x) for x in e['no_dense'])} left out: no dense run)"
+        seeds = seeds.strip()
         dense = (f"{_fmt(e['dense_mean_gain'], '{:+.3f}')} ({', '.join(str(x) for x in e['dense_seeds'])})"
                  if e["dense_seeds"] else "-")
         ci = "-" if e["fraction"] is None else NA if e["low"] is None else f"{e['low']:.2f} to {e['high']:.2f}"

@@ -577,6 +577,23 @@ def test_an_arm_run_with_other_numerics_is_not_paired_with_dense(paired_study, t
     assert "| other numerics (2 rows differ before training) | - | - | - |" in md
 
 
+def test_the_fraction_pairs_seeds_and_names_a_seed_dense_lacks():
+    """An arm run at seeds 2 and 3 against dense at 1 and 2: the fraction is the arm's seed-2 gain over
+    dense's seed-2 gain (not over dense's mean of 1 and 2), seed 3 is named, and without per-row files
+    there is no interval."""
+    mod = _tool()
+    arms = [{"arm": "dense", "seed": 1, "gain": 0.4}, {"arm": "dense", "seed": 2, "gain": 0.2},
+            {"arm": "x", "seed": 2, "gain": 0.05}, {"arm": "x", "seed": 3, "gain": 0.3}]
+    (e,) = mod.fractions_of_dense(arms, {})
+    assert (e["seeds"], e["no_dense"], e["dense_seeds"]) == ([2], [3], [2])
+    assert e["fraction"] == pytest.approx(0.25) and e["low"] is None
+    assert "| x | 2 (3 left out: no dense run) | +0.050 | +0.200 (2) | 0.25 | n/a |" in mod.fraction_table([e])
+    # no seed in common: a row that says so, with nothing to divide
+    (e,) = mod.fractions_of_dense([{"arm": "dense", "seed": 1, "gain": 0.4}, {"arm": "x", "seed": 3, "gain": 0.1}], {})
+    assert (e["seeds"], e["no_dense"], e["mean_gain"], e["fraction"]) == ([], [3], None, None)
+    assert "| x | (3 left out: no dense run) | - | - | - | - |" in mod.fraction_table([e])
+
+
 def test_a_seed_whose_anchor_was_lost_is_left_out_of_the_fraction(paired_study):
     """mask + anchor seed 2 lost its anchor (``anchor/alive`` 0 from step 2): it does not measure
     the arm, so the fraction of dense's gain is seed 1's alone against dense's at seed 1 (0.1 / 0.4),
