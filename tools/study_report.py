@@ -19,6 +19,11 @@ summary field                source in metrics.jsonl
                              ``timing_s/eval`` over all records (an evaluation at a step is
                              timed apart from the step; seconds inside the run: model
                              loading and process start-up are not counted)
+``train_s``, ``gen_s``       sums of ``timing_s/step`` and ``timing_s/gen`` over training
+                             records: training time without the evaluations, and its
+                             generation (every round of ``--filter-groups``)
+``gen_rounds_mean``          mean ``batch/num_gen_batches`` over training records (generation
+                             rounds an iteration, ``--filter-groups``); None without it
 ``acc_before``               ``val/holdout/acc`` of the step-0 record (before training)
 ``acc_after``                ``val/holdout/acc`` of the last record holding it at step
                              ``iterations`` > 0 (after training); None while unfinished (a run
@@ -74,6 +79,9 @@ summary field                source
 ``vs_dense``                 ``{dense_seed, diff, se, z, rows, arm_only, dense_only}``: the
                              arm's after-evaluation against dense's at the same seed, per row
                              d = arm - dense (:func:`compare_with_dense`); None for dense
+``variants``                 (top level) each arm against the arm it varies at the same seed,
+                             e.g. ``dense_filter`` against ``dense``: gains, training time, gain
+                             per hour, the paired after-difference (:func:`compare_with_base`)
 ``fraction_of_dense``        (top level, one entry per arm) mean gain over the arm's seeds /
                              mean gain of dense at the same seeds, with a two-level percentile
                              bootstrap interval, seeds then rows (:func:`fractions_of_dense`,
@@ -389,6 +397,10 @@ def summarize_run(run_dir: str, rows_out: Optional[Dict] = None) -> Dict:
     out = dict(_identity(run_dir))
     out.update(truncated_before=truncated(0), truncated_after=truncated(iterations) if iterations > 0 else None)
     b, a = before_after("holdout")
+    rounds = [_num(r.get("batch/num_gen_batches")) for r in train if _num(r.get("batch/num_gen_batches")) is not None]
+    out.update(train_s=sum(_num(r["timing_s/step"]) for r in train),
+               gen_s=sum(_num(r.get("timing_s/gen")) or 0.0 for r in train),
+               gen_rounds_mean=sum(rounds) / len(rounds) if rounds else None)
     out.update(iterations=iterations, wall_s=wall,
                acc_before=b[0] if b else None, acc_after=a[0] if a else None,
                acc_stderr=a[1] if a else None, heldout_rows=(a or b)[2] if (a or b) else None,
@@ -491,6 +503,78 @@ def _same_rows(x, ref) -> None:
                             "the archive")
 
 
+def _after_against(a: Dict, other: str, rows: Dict) -> Optional[Dict]:
+    """Arm ``a``'s held-out evaluation after training against arm ``other``'s at the same seed, on
+    the same rows: :func:`paired_diff` (``diff`` = a - other, ``se``, ``z``, ``rows``, ``a_only``,
+    ``b_only``); ``{"numerics_differ": n}`` when the two evaluations BEFORE training (the same base
+    weights, greedy) disagree on n rows (other arithmetic: not paired measurements of one model);
+    None where either run kept no per-row files. Raises EvalRowsError when their rows differ."""
+    mine = rows.get((a["arm"], a["seed"]), {}).get("holdout")
+    theirs = rows.get((other, a["seed"]), {}).get("holdout")
+    if mine is None or theirs is None:
+        return None
+    _same_rows(mine[1], theirs[1])
+    before_a, before_o = mine[0].by_id(), theirs[0].by_id()
+    differ = sum(before_a[i] != before_o[i] for i in before_o)
+    if differ:
+        return {"numerics_differ": differ}
+    return paired_diff(mine[1].by_id(), theirs[1].by_id())
+
+
+def base_arm(name: str, names) -> Optional[str]:
+    """The arm that arm ``name`` varies by suffixes (``examples/study_cpu.sh``'s naming: ``<arm>_filter``,
+    ``<arm>_dense16``, ``<arm>_controller``, ``<codec>_anchor``, ...): the longest prefix of ``name``
+    ending before a ``_`` that is itself in ``names``; None when there is none (dense, a codec alone).
+    ``dense_filter`` -> ``dense``, ``mask_anchor_dense16`` -> ``mask_anchor``, ``mask_anchor`` ->
+    ``mask``, ``pcaq/every=2:lrq_anchor`` -> ``pcaq/every=2:lrq`` (where those arms exist)."""
+    parts = str(name).split("_")
+    for i in range(len(parts) - 1, 0, -1):
+        cand = "_".join(parts[:i])
+        if cand in names:
+            return cand
+    return None
+
+
+def compare_with_base(arms: Sequence[Dict], rows: Dict) -> List[Dict]:
+    """Each variant against the arm it varies (:func:`base_arm`) at the same seed: what a feature
+    (``--filter-groups``, dense steps, the controller, the anchor, ...) buys at the same seed, on the
+    same rows, and at what cost in training time (issue 33 item 2: dynamic sampling's effect on the
+    held-out gain per wall-minute). One entry per (variant, seed) whose base finished at that seed:
+    ``{"arm", "seed", "base", "gain", "base_gain", "train_s", "base_train_s", "gain_per_hour",
+    "base_gain_per_hour", "gen_rounds_mean", "diff", "se", "z", "rows", "arm_only", "base_only",
+    "numerics_differ"}``: gains in accuracy (after - before), ``train_s`` the sum of ``timing_s/step``
+    (training only: the evaluations, the same in both, are left out), gain per hour of it,
+    ``gen_rounds_mean`` the variant's mean ``batch/num_gen_batches`` (None without dynamic sampling),
+    the paired fields as :func:`_after_against` (None without per-row files; ``numerics_differ`` n
+    and the paired fields None when the two ran with other arithmetic). ``rows``: as in
+    :func:`compare_with_dense`. Raises EvalRowsError when the two runs' rows differ."""
+    finished = {(a["arm"], a["seed"]): a for a in arms if a.get("gain") is not None}
+    names = {a["arm"] for a in arms}
+    out = []
+    for (name, seed), a in sorted(finished.items(), key=lambda kv: (str(kv[0][0]), str(kv[0][1]))):
+        base = base_arm(name, names)
+        b = finished.get((base, seed)) if base else None
+        if b is None:
+            continue
+
+        def per_hour(x):
+            return x["gain"] / (x["train_s"] / 3600.0) if x.get("train_s") else None
+
+        e = {"arm": name, "seed": seed, "base": base, "gain": a["gain"], "base_gain": b["gain"],
+             "train_s": a.get("train_s"), "base_train_s": b.get("train_s"), "gain_per_hour": per_hour(a),
+             "base_gain_per_hour": per_hour(b), "gen_rounds_mean": a.get("gen_rounds_mean"),
+             "diff": None, "se": None, "z": None, "rows": None, "arm_only": None, "base_only": None,
+             "numerics_differ": None}
+        p = None if a.get("logs_lost") or b.get("logs_lost") else _after_against(a, base, rows)
+        if p and p.get("numerics_differ"):
+            e["numerics_differ"] = p["numerics_differ"]
+        elif p:
+            e.update(diff=p["diff"], se=p["se"], z=p["z"], rows=p["rows"], arm_only=p["a_only"],
+                     base_only=p["b_only"])
+        out.append(e)
+    return out
+
+
 def compare_with_dense(arms: Sequence[Dict], rows: Dict) -> None:
     """Set every arm's ``vs_dense``: its held-out accuracy after training against dense's at the
     same seed, on the same rows (:func:`paired_diff` of the two after-evaluations: ``diff`` =
@@ -505,17 +589,12 @@ def compare_with_dense(arms: Sequence[Dict], rows: Dict) -> None:
         if a.get("logs_lost"):
             continue  # its row is kept as the earlier summary had it
         a["vs_dense"] = None
-        mine = rows.get((a["arm"], a["seed"]), {}).get("holdout")
-        theirs = rows.get((DENSE_ARM, a["seed"]), {}).get("holdout")
-        if a["arm"] == DENSE_ARM or mine is None or theirs is None:
+        p = None if a["arm"] == DENSE_ARM else _after_against(a, DENSE_ARM, rows)
+        if p is None:
             continue
-        _same_rows(mine[1], theirs[1])
-        before_a, before_d = mine[0].by_id(), theirs[0].by_id()
-        differ = sum(before_a[i] != before_d[i] for i in before_d)
-        if differ:
-            a["vs_dense"] = {"dense_seed": a["seed"], "numerics_differ": differ}
+        if p.get("numerics_differ"):
+            a["vs_dense"] = {"dense_seed": a["seed"], "numerics_differ": p["numerics_differ"]}
             continue
-        p = paired_diff(mine[1].by_id(), theirs[1].by_id())
         a["vs_dense"] = {"dense_seed": a["seed"], "diff": p["diff"], "se": p["se"], "z": p["z"], "rows": p["rows"],
                          "arm_only": p["a_only"], "dense_only": p["b_only"]}
 
@@ -742,6 +821,31 @@ def damage_table(arms: Sequence[Dict]) -> str:
     return "\n".join(lines)
 
 
+def variant_table(variants: Sequence[Dict]) -> str:
+    """The markdown table of :func:`compare_with_base`: each variant against its base arm at the same
+    seed ("n/a": a run kept no per-row files)."""
+    head = ("| arm | seed | against | gain: arm / against | training min: arm / against | "
+            "gain per training hour: arm / against | generation rounds / iteration | "
+            "after - against's after | paired SE | z | rows right in arm only / against only |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for e in variants:
+        mins = [None if x is None else x / 60 for x in (e["train_s"], e["base_train_s"])]
+        if e.get("numerics_differ"):
+            paired = [f"other numerics ({e['numerics_differ']} rows differ before training)", "-", "-", "-"]
+        elif e["rows"] is None:
+            paired = [NA] * 4
+        else:
+            paired = [_fmt(e["diff"], "{:+.3f}"), _fmt(e["se"]), _fmt(e["z"], "{:+.1f}"),
+                      f"{_fmt(e['arm_only'], '{:d}')} / {_fmt(e['base_only'], '{:d}')}"]
+        cells = [str(e["arm"]), str(e["seed"]), str(e["base"]),
+                 f"{_fmt(e['gain'], '{:+.3f}')} / {_fmt(e['base_gain'], '{:+.3f}')}",
+                 f"{_fmt(mins[0], '{:.1f}')} / {_fmt(mins[1], '{:.1f}')}",
+                 f"{_fmt(e['gain_per_hour'], '{:+.3f}')} / {_fmt(e['base_gain_per_hour'], '{:+.3f}')}",
+                 _fmt(e["gen_rounds_mean"], "{:.2f}")] + paired
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def fraction_table(fractions: Sequence[Dict]) -> str:
     """The markdown table of :func:`fractions_of_dense`: each arm's mean gain over its seeds as a
     fraction of dense's at the same seeds, with the bootstrap interval ("n/a" where a run kept no
@@ -854,9 +958,11 @@ def write_report(study_dir: Optional[str], docs_dir: str, name: str = DEFAULT_NA
         raise FileNotFoundError(f"{study_dir}: no arm folder with a metrics.jsonl (and nothing archived in {archive})")
     compare_with_dense(arms, rows)
     fractions = fractions_of_dense(arms, rows)
+    variants = compare_with_base(arms, rows)
     os.makedirs(out_dir, exist_ok=True)
     summary = {"study_dir": os.path.abspath(study_dir) if live else None, "archive": os.path.relpath(archive, root),
                "fields": list(FIELDS), "arms": arms, "fraction_of_dense": fractions,
+               "variants": variants,
                "bootstrap": {"resamples": BOOTSTRAP_RESAMPLES, "seed": BOOTSTRAP_SEED,
                              "interval": "percentile, 2.5 % and 97.5 %", "resampled": "held-out rows"}}
     with open(os.path.join(out_dir, "summary.json"), "w", encoding="utf-8") as f:
@@ -868,15 +974,18 @@ def write_report(study_dir: Optional[str], docs_dir: str, name: str = DEFAULT_NA
     acc = plot_accuracy(arms, out_dir)
     figs += [acc] if acc else []
     md = os.path.join(docs_dir, f"{name}.md")
-    lines = _report_lines(arms, fractions, figs, os.path.relpath(archive, docs_dir), _kept_notes(md), name, title)
+    lines = _report_lines(arms, fractions, figs, os.path.relpath(archive, docs_dir), _kept_notes(md), name, title,
+                          variants)
     with open(md, "w", encoding="utf-8") as f:
         f.write("\n".join(lines))
     return dict(summary, unfinished=unfinished)
 
 
 def _report_lines(arms: Sequence[Dict], fractions: Sequence[Dict], figs: Sequence[str], archive: str,
-                  notes: str, name: str = DEFAULT_NAME, title: str = DEFAULT_TITLE) -> List[str]:
-    """The lines of ``<name>.md`` (``archive``: the archive folder relative to the docs folder)."""
+                  notes: str, name: str = DEFAULT_NAME, title: str = DEFAULT_TITLE,
+                  variants: Sequence[Dict] = ()) -> List[str]:
+    """The lines of ``<name>.md`` (``archive``: the archive folder relative to the docs folder;
+    ``variants``: :func:`compare_with_base`'s entries, a section of their own when there are any)."""
     others = sorted({n for a in arms for n in a["other"]})
     lost = [f"{a['arm']} seed {a['seed']}" for a in arms if a["logs_lost"]]
     lines = [f"# {title}", "",
@@ -910,6 +1019,14 @@ def _report_lines(arms: Sequence[Dict], fractions: Sequence[Dict], figs: Sequenc
               "The same held-out rows before and after training, and against dense at the same seed "
               "(how each column is computed: Method, below).", "", paired_table(arms), "",
               "Each arm's mean gain as a fraction of dense's mean gain:", "", fraction_table(fractions), ""]
+    if variants:
+        lines += ["## Each variant against the arm it varies", "",
+                  "An arm named `<arm>_<suffix>` (`_filter`, `_dense16`, `_controller`, ...; `<codec>_anchor` "
+                  "against the codec alone) against `<arm>` at the same seed: what the feature adds to the held-out "
+                  "gain, on the same rows, and what it costs in training time (the sum of `timing_s/step`, "
+                  "evaluations left out; wall time on a shared machine varies, so read it beside the run's "
+                  "`timing_s/*`). *generation rounds*: `batch/num_gen_batches` (`--filter-groups`).", "",
+                  variant_table(variants), ""]
     lines += ["## Damage to the base model", "",
               "KL(pi || pi_base) per response token on a training batch through dense boundaries "
               "(`probe/kl_to_base`, the drift probe of `--drift-probe-interval`), the weights' relative movement "

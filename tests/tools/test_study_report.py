@@ -640,3 +640,49 @@ def test_the_anchor_cell_states_c_and_k(tmp_path):
     assert "| mask_anchor | 4 | mask | yes | 1 |" in md
     summary = json.loads((docs / "study" / "summary.json").read_text())
     assert [(a["anchor_interval"], a["anchor_delay"]) for a in summary["arms"]] == [(8, 8), (8, 4), (4, 4), (None, None)]
+
+
+def test_base_arm_is_the_longest_named_prefix():
+    mod = _tool()
+    names = {"dense", "dense_filter", "mask", "mask_anchor", "mask_anchor_dense16", "pcaq/every=2:lrq",
+             "pcaq/every=2:lrq_anchor", "lowrank_anchorq"}
+    assert mod.base_arm("dense_filter", names) == "dense"
+    assert mod.base_arm("mask_anchor_dense16", names) == "mask_anchor"
+    assert mod.base_arm("mask_anchor_dense16_filter", names) == "mask_anchor_dense16"
+    assert mod.base_arm("mask_anchor", names) == "mask"
+    assert mod.base_arm("pcaq/every=2:lrq_anchor", names) == "pcaq/every=2:lrq"
+    assert mod.base_arm("lowrank_anchorq", names) is None  # no "lowrank" arm
+    assert mod.base_arm("dense", names) is None
+
+
+def test_a_variant_is_paired_with_the_arm_it_varies(paired_study, tmp_path):
+    """dense_filter at seed 1 (dynamic sampling: 2.5 generation rounds an iteration, 30 s of training
+    where dense took 20) against dense at seed 1: both gains, gain per training hour, and the paired
+    difference of the after-evaluations on the same rows; a variant whose base did not run at its seed
+    gets no row."""
+    mod = _tool()
+    after = [1, 1, 1, 1, 1, 0, 0, 0, 1, 1]  # dense s1's after plus row 20
+    recs = [{"step": 0, "val/holdout/acc": 0.2, "val/holdout/acc_stderr": _se(_BEFORE),
+             "val/holdout/num_rows": 10, "timing_s/eval": 1.0},
+            _step(1, 0.5, 30, 70, 2000, 12.0, **{"batch/num_gen_batches": 2, "timing_s/gen": 8.0}),
+            _step(2, 0.5, 30, 70, 2000, 18.0, **{"batch/num_gen_batches": 3, "timing_s/gen": 12.0}),
+            {"step": 2, "val/holdout/acc": 0.7, "val/holdout/acc_stderr": _se(after),
+             "val/holdout/num_rows": 10, "timing_s/eval": 1.0}]
+    for seed in (1, 3):  # seed 3: dense did not run there
+        run = paired_study / f"dense_filter-s{seed}"
+        _write_run(run, recs, arm={"arm": "dense_filter", "seed": seed, "codec": "dense", "anchor": False})
+        _rows_file(run, "holdout", 0, _BEFORE)
+        _rows_file(run, "holdout", 2, after)
+    s = mod.write_report(str(paired_study), str(tmp_path / "docs"))
+    v = {(e["arm"], e["seed"]): e for e in s["variants"]}
+    assert set(v) == {("dense_filter", 1)}  # seed 3 has no dense; mask_anchor's base, mask, did not run
+    e = v[("dense_filter", 1)]
+    assert (e["base"], e["train_s"], e["base_train_s"], e["gen_rounds_mean"]) == ("dense", 30.0, 20.0, 2.5)
+    assert e["gain"] == pytest.approx(0.5) and e["base_gain"] == pytest.approx(0.4)
+    assert e["gain_per_hour"] == pytest.approx(0.5 / (30 / 3600)) and e["base_gain_per_hour"] == pytest.approx(72.0)
+    # after - dense's after = [0, 0, 0, 0, 1, 0, 0, 0, 0, 0]: mean 0.1, sample variance 0.9 / 9
+    assert (e["diff"], e["rows"], e["arm_only"], e["base_only"]) == (pytest.approx(0.1), 10, 1, 0)
+    assert e["se"] == pytest.approx(math.sqrt(0.1 / 10), rel=1e-12) and e["z"] == pytest.approx(0.1 / math.sqrt(0.01))
+    md = (tmp_path / "docs" / "study.md").read_text()
+    assert ("| dense_filter | 1 | dense | +0.500 / +0.400 | 0.5 / 0.3 | +60.000 / +72.000 | 2.50 | +0.100 | 0.100 | "
+            "+1.0 | 1 / 0 |") in md
