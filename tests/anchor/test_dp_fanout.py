@@ -19,6 +19,7 @@ def test_followers_hold_the_leaders_signs_and_the_deviation_sees_a_flip(tmp_path
     keep, new, cleared, partial = lead["consts"]
     assert follow["codes"] == [(True, new), (True, keep), (True, partial), (False, cleared)]
     got = follow["received"]
+    assert len(got[0]) == len(lead["signs"]) > 0
     assert all(torch.equal(a, b) and a.dtype == torch.float32 for a, b in zip(got[0], lead["signs"]))
     assert got[1] is None and got[3] is None
     # no sign for the tensor whose M is all 0: the follower holds None there too (zero-M issue)

@@ -143,6 +143,9 @@ def test_mask_wire_roundtrip_bit_equals_forward_map_two_ends(dtype):
     y = receiver.decode_forward(payload, ctx, (s, b, d))
     assert torch.equal(y, sender.forward_map(x, ctx))
     assert torch.equal(y, MaskCodec(0.05).forward_map(x, ctx))
+    # the values, from the PRF's indices and the d/k scale directly (not through the codec)
+    idx = exact_k_indices(ctx.seed, ctx.boundary, ctx.step, ctx.sample_ids, s, d, 29)
+    assert torch.equal(y, torch.zeros_like(x).scatter(-1, idx, x.gather(-1, idx) * (d / 29)))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -158,6 +161,9 @@ def test_mask_backward_is_exact_chain_rule(dtype):
     got = sender.decode_backward(payload, ctx, (s, b, d))
     assert got.dtype == dtype
     assert torch.equal(got, want)
+    # f(x) = (d/k) m * x, so df/dx^T g = (d/k) m * g: built from the PRF's indices, not the codec
+    idx = exact_k_indices(ctx.seed, ctx.boundary, ctx.step, ctx.sample_ids, s, d, 29)
+    assert torch.equal(got, torch.zeros_like(g).scatter(-1, idx, g.gather(-1, idx) * (d / 29)))
 
 
 def test_mask_unbiased_over_steps():

@@ -70,11 +70,13 @@ def test_state_dict_roundtrip():
     m.add("bwd", 3, torch.zeros(7, dtype=torch.float32), 70)
     state = m.state_dict()
     assert state["comm/total_wire_bytes"] == 28
+    assert state["comm/total_dense_equiv_bytes"] == 280  # 70 fp32 elements
     m2 = ByteMeter()
     m2.load_state_dict(state)
     m2.add("fwd", 0, torch.zeros(2, dtype=torch.float32), 20)
     assert m2.state_dict()["comm/total_wire_bytes"] == 36
-    assert m2.snapshot_and_reset()["comm/total_wire_bytes"] == 36
+    snap = m2.snapshot_and_reset()
+    assert snap["comm/total_wire_bytes"] == 36 and snap["comm/total_dense_equiv_bytes"] == 360
     with pytest.raises(ValueError, match="total_wire_bytes"):
         m2.load_state_dict({})
 

@@ -213,6 +213,12 @@ def test_token_mean_over_microbatches_equals_minibatch():
     sm = ca.agg_loss(loss, mask, "seq-mean-token-mean")
     hand = torch.stack([(loss[i] * mask[i]).sum() / mask[i].sum() for i in range(4)]).mean()
     torch.testing.assert_close(sm, hand)
+    # seq-mean-token-sum by hand: each sequence's token sum, averaged over sequences (verl)
+    torch.testing.assert_close(ca.agg_loss(loss, mask, "seq-mean-token-sum"), (loss * mask).sum(1).mean())
+    # the seq-* modes over micro-batches of one sequence, given the mini-batch's sequence count
+    for mode in ("seq-mean-token-sum", "seq-mean-token-mean"):
+        parts = sum(ca.agg_loss(loss[i : i + 1], mask[i : i + 1], mode, global_num_seqs=4) for i in range(4))
+        torch.testing.assert_close(parts, ca.agg_loss(loss, mask, mode))
     with pytest.raises(ValueError, match="token-mean"):
         ca.agg_loss(loss, mask, "bogus")
 
@@ -293,7 +299,12 @@ def _reference_loss(old, new, ref, adv, mask, kind, mode):
         kl = (lp - rf).abs()
     else:
         kl = 0.5 * (lp - rf) ** 2
-    return ca.agg_loss(pg + 0.01 * kl, mask, mode)
+    per_token = (pg + 0.01 * kl) * mask
+    if mode == "token-mean":
+        return per_token.sum() / mask.sum()
+    if mode == "seq-mean-token-sum":
+        return per_token.sum(-1).mean()
+    return (per_token.sum(-1) / mask.sum(-1)).mean()  # seq-mean-token-mean
 
 
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"])

@@ -28,6 +28,9 @@ def test_gradient_sums_match_a_direct_computation():
     nz = d != 0
     assert s["sign_total"] == float(nz.sum()) == c.numel() - 1
     assert s["sign_agree"] == float(((c > 0) == (d > 0))[nz & (c != 0)].sum())  # sign(0)=0 never agrees
+    # a zero codec coordinate against a negative dense one does not agree either (0 is not negative)
+    assert gradient_sums([(torch.zeros(1), -torch.ones(1))])["sign_agree"] == 0.0
+    assert gradient_sums([(-torch.ones(1), -torch.ones(1))])["sign_agree"] == 1.0
     # None gradients count as zeros
     s2 = gradient_sums([(None, gd[0]), (gc[1], None)])
     assert s2["dot"] == 0.0 and math.isclose(s2["sq_dense"], float(gd[0].double().square().sum()))
@@ -46,8 +49,11 @@ def test_metrics_over_stages_and_steps():
         d = torch.cat([x.flatten() for i in shapes for x in gd[i]]).double()
         c0 = torch.cat([x.flatten() for x in gc[0]]).double()
         d0 = torch.cat([x.flatten() for x in gd[0]]).double()
+        c1 = torch.cat([x.flatten() for x in gc[1]]).double()
+        d1 = torch.cat([x.flatten() for x in gd[1]]).double()
         steps.append({"fidelity/cos": float(torch.nn.functional.cosine_similarity(c, d, dim=0)),
                       "fidelity/cos/stage_0": float(torch.nn.functional.cosine_similarity(c0, d0, dim=0)),
+                      "fidelity/cos/stage_1": float(torch.nn.functional.cosine_similarity(c1, d1, dim=0)),
                       "fidelity/norm_ratio": float(c.norm() / d.norm()),
                       "fidelity/sign_agreement": float((c.sign() == d.sign()).double().mean())})
     red = StageMetricsReducer()
@@ -57,7 +63,7 @@ def test_metrics_over_stages_and_steps():
     assert not any(k.startswith("_") for k in out)
     for k in steps[0]:
         assert math.isclose(out[k], (steps[0][k] + steps[1][k]) / 2, rel_tol=1e-9), k
-    assert "fidelity/cos/stage_1" in out
+    assert out["fidelity/cos/stage_0"] != out["fidelity/cos/stage_1"]  # each stage its own
     # an iteration without the probe reports nothing
     assert red.reduce([{}, {}]) == {}
 

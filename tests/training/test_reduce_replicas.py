@@ -15,9 +15,10 @@ def test_replicas_merge_by_the_declared_rule():
     r = _reducer()
     merged = r.merge_replicas([
         {"comm/fwd_bytes": 100, "anchor/alive": 1, "anchor/fire": 1, "_weight/diff_sq": 2.5, "anchor/sign_dev": 0.0},
-        {"comm/fwd_bytes": 60, "anchor/alive": 0, "anchor/fire": 1, "_weight/diff_sq": 2.5, "anchor/sign_dev": 0.5},
+        {"comm/fwd_bytes": 60, "anchor/alive": 0, "anchor/fire": 0, "_weight/diff_sq": 9.9, "anchor/sign_dev": 0.5},
     ])
-    # bytes add up; alive only if every replica is; a shared value (the weights) is replica 0's
+    # bytes add up; alive only if every replica is; a shared value (the weights, the fire flag) is
+    # replica 0's (the replicas are given different values so that "first" is told from min and max)
     assert merged == {"comm/fwd_bytes": 160, "anchor/alive": 0, "anchor/fire": 1, "_weight/diff_sq": 2.5,
                       "anchor/sign_dev": 0.5}
     # then the stages reduce as before: "stages" keeps one value per stage, "max" the largest
@@ -39,10 +40,11 @@ def test_tp_ranks_merge_by_adding_their_shard_sums():
     merged = r.merge_tp_ranks([
         {"comm/fwd_bytes": 100, "anchor/alive": 1, "anchor/fire": 1, "_weight/diff_sq": 2.5,
          "_fidelity/dot": [1.0, 2.0], "anchor/sign_dev": 0.0},
-        {"comm/fwd_bytes": 100, "anchor/alive": 1, "anchor/fire": 1, "_weight/diff_sq": 0.5,
-         "_fidelity/dot": [0.25, 0.5], "anchor/sign_dev": 0.0},
+        {"comm/fwd_bytes": 100, "anchor/alive": 0, "anchor/fire": 0, "_weight/diff_sq": 0.5,
+         "_fidelity/dot": [0.25, 0.5], "anchor/sign_dev": 0.5},
     ])
-    assert merged == {"comm/fwd_bytes": 200, "anchor/alive": 1, "anchor/fire": 1, "_weight/diff_sq": 3.0,
-                      "_fidelity/dot": [1.25, 2.5], "anchor/sign_dev": 0.0}
+    # min, first and max told apart: the ranks differ in alive, fire and sign_dev
+    assert merged == {"comm/fwd_bytes": 200, "anchor/alive": 0, "anchor/fire": 1, "_weight/diff_sq": 3.0,
+                      "_fidelity/dot": [1.25, 2.5], "anchor/sign_dev": 0.5}
     with pytest.raises(KeyError):
         r.merge_tp_ranks([{"actor/loss": 1.0}])
