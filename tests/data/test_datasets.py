@@ -140,7 +140,8 @@ def test_mawps_and_gsm8k_records():
     test = load_dataset("gsm8k/test")
     assert test[2].ground_truth == "70000"  # "#### 70000"
     # thousands separators are removed from the "#### N" value
-    assert all("," not in r.ground_truth and int(r.ground_truth) == int(r.ground_truth) for r in test)
+    assert all("," not in r.ground_truth and int(r.ground_truth) == float(r.ground_truth) for r in test)
+    assert test[146].ground_truth == "2125"  # line 147: "#### 2,125"
 
 
 @needs_data

@@ -7,6 +7,7 @@ import pytest
 
 from megatron_cegrpo.data import (
     DatasetError,
+    PromptRecord,
     check_eval_data,
     check_train_data,
     default_data_root,
@@ -94,6 +95,13 @@ def test_select_prompts_keeps_what_fits_and_names_the_shortest(tmp_path):
     assert str(e.value) == ("--train-data rows.jsonl: every one of the 4 training prompts is longer than "
                             f"--max-prompt-length=3 tokens (the shortest has {min(lengths)}); "
                             f"fix: pass --max-prompt-length {min(lengths)} or more")
+    # prompts of other lengths (the file's four are equally long): the too-long are counted, and the
+    # error names the shortest, not the first or the longest
+    recs = [PromptRecord(q, "1", "numeric", "t", i + 1) for i, q in enumerate(["aaaa", "aa", "aaa"])]
+    kept, ids, too_long = select_prompts(recs, list, 3)
+    assert [r.row for r in kept] == [2, 3] and too_long == 1 and [len(x) for x in ids] == [2, 3]
+    with pytest.raises(ConfigError, match=r"\(the shortest has 2\); fix: pass --max-prompt-length 2 or more"):
+        select_prompts(recs, list, 1)
 
 
 @needs_data

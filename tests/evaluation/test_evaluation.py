@@ -14,6 +14,7 @@ import torch
 from megatron_cegrpo.data import DatasetError, PromptRecord, load_dataset
 from megatron_cegrpo.evaluation import (
     DEFAULT_SUITE,
+    DatasetResult,
     EvalMode,
     evaluate,
     evaluate_detailed,
@@ -24,6 +25,7 @@ from megatron_cegrpo.evaluation import (
     resolve_modes,
     write_summary,
 )
+from megatron_cegrpo.rewards import get_verifier
 from megatron_cegrpo.rollout.base import RolloutOutput
 
 
@@ -109,6 +111,9 @@ def test_greedy_accuracy_is_the_hand_count():
     # 3 chunks of sizes 2,2,1: one unfinished response each -> 3 of 5 truncated; length 3
     assert m["val/mawps/response_length/clip_ratio"] == pytest.approx(3 / 5)
     assert m["val/mawps/response_length/mean"] == 3.0
+    # the mean, not the largest or the first: two rows of 2 and 6 tokens
+    r = DatasetResult("x", EvalMode(), recs[:2], [[1.0], [0.0]], [["a"], ["b"]], [[2], [6]], [[False], [True]], 0.0)
+    assert r.metrics()["val/x/response_length/mean"] == 4.0
     assert m["timing_s/eval"] >= m["timing_s/eval/mawps"] >= 0
 
 
@@ -165,13 +170,16 @@ def test_several_datasets_default_modes_and_progress_bar(capsys):
 
 
 def _right_answer(r: PromptRecord) -> str:
+    """A right answer in the form ``r``'s verifier reads. The numeric and gsm8k ones end in another
+    number, which the boxed verifier takes for the answer (it scores them 0), so that a row scored
+    by the boxed verifier instead of its own would fail."""
     if r.verifier == "olympiad_list":
         answers = [a.strip().strip("$") for a in json.loads(r.ground_truth)]
         return "Therefore the answer is " + ", ".join(f"\\boxed{{{a}}}" for a in answers) + "."
     if r.verifier == "gsm8k":
-        return f"Step by step we get the total.\n#### {r.ground_truth}"
+        return f"Step by step the total is found. The answer is {r.ground_truth}. Then 3 + 4 = 7."
     if r.verifier == "numeric":
-        return f"Adding up gives the result. The answer is {float(r.ground_truth):g}."
+        return f"Adding up gives the result. The answer is {float(r.ground_truth):g}. Then 3 + 4 = 7."
     return f"Putting it together, the final answer is $\\boxed{{{r.ground_truth}}}$."
 
 
@@ -187,6 +195,8 @@ def test_each_dataset_uses_its_verifier_on_real_rows(name, verifier):
     kw = dict(modes={name: "greedy"}, max_new_tokens=8, template="boxed", progress=False)
     assert evaluate(good, TOK, {name: recs}, **kw)[f"val/{name}/acc"] == 1.0
     assert evaluate(bad, TOK, {name: recs}, **kw)[f"val/{name}/acc"] == 0.0
+    if verifier in ("numeric", "gsm8k"):  # scored by the boxed verifier, these right answers score 0
+        assert [get_verifier("boxed")(_right_answer(r), r.ground_truth) for r in recs] == [0.0] * 3
 
 
 def test_near_miss_answers_score_zero():

@@ -27,11 +27,16 @@ def _const(*values):
 
 
 def test_verifiers_per_record_values_dtype_shape():
-    recs = [_rec(gt="72"), _rec(gt="72"), _rec(gt="\\frac{1}{2}", verifier="boxed"), _rec(gt="3", verifier="gsm8k")]
-    texts = ["\\boxed{72}", "The answer is 71.", "\\boxed{0.5}", "#### 3"]
+    # each row by its own verifier: the olympiad_list row's JSON ground truth is no number (the
+    # numeric verifier would refuse it), and "The answer is 5. Then 3 + 4 = 7." is right for numeric
+    # and wrong for boxed (which reads the last number)
+    recs = [_rec(gt="72"), _rec(gt="72"), _rec(gt="\\frac{1}{2}", verifier="boxed"), _rec(gt="3", verifier="gsm8k"),
+            _rec(gt='["$69$,$84$"]', verifier="olympiad_list"), _rec(gt="5"), _rec(gt="5", verifier="boxed")]
+    texts = ["\\boxed{72}", "The answer is 71.", "\\boxed{0.5}", "#### 3", "\\boxed{84, 69}",
+             "The answer is 5. Then 3 + 4 = 7.", "The answer is 5. Then 3 + 4 = 7."]
     scores = score_responses(get_verifier, None, recs, texts)
-    assert scores.dtype == torch.float32 and scores.shape == (4,)
-    assert scores.tolist() == [1.0, 0.0, 1.0, 1.0]
+    assert scores.dtype == torch.float32 and scores.shape == (7,)
+    assert scores.tolist() == [1.0, 0.0, 1.0, 1.0, 1.0, 1.0, 0.0]
 
 
 @pytest.mark.parametrize(

@@ -95,3 +95,22 @@ def test_bf16_weights_in_fp32_compute_are_the_same_values_and_the_same_tokens():
     assert all(torch.equal(own[k], moved[k].float()) for k in moved)
     with pytest.raises(ValueError, match="--rollout-compute-dtype bf16 needs --rollout-dtype bf16"):
         HFRolloutEngine(cfg, sd, tok, dtype="fp32", compute_dtype="bf16")
+
+
+def test_a_response_stops_at_its_eos_and_is_marked_finished(engine):
+    """The random tiny model never emits its own EOS (id 2), so the stop is tested with a token it
+    does emit: greedy, prompt 0's first new token is made the EOS, so that response is that one token,
+    finished, with one log-prob; prompt 1 (which does not emit it) runs to the limit, unfinished."""
+    eng, sd = engine
+    prompts = [torch.tensor([1, 5, 9, 33]), torch.tensor([7, 8])]
+    plain = eng.generate(prompts, max_new_tokens=6, temperature=1.0, greedy=True)
+    stop = int(plain.response_ids[0][0])
+    assert stop not in plain.response_ids[1].tolist()  # else pick other prompts
+    src = resolve_model("tiny-llama")
+    cfg, _ = load_hf_state_dict(src)
+    stopping = HFRolloutEngine(cfg, sd, load_tokenizer(src), eos_token_ids=[stop])
+    out = stopping.generate(prompts, max_new_tokens=6, temperature=1.0, greedy=True)
+    assert out.response_ids[0].tolist() == [stop] and out.finished.tolist() == [True, False]
+    assert [x.numel() for x in out.response_logprobs] == [1, 6]
+    assert torch.equal(out.response_ids[1], plain.response_ids[1])
+    assert plain.finished.tolist() == [False, False]
