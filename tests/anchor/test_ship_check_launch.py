@@ -23,8 +23,9 @@ def test_ship_sign_agreement_on_every_fire_and_after_a_resume(tmp_path):
     agree = {t: m["anchor/ship_sign_agreement"] for t, m in straight.items() if m.get("anchor/fire")}
     assert sorted(agree) == [2, 4, 6]
     assert agree[2] == 1.0
-    for t in (4, 6):
-        assert 0.5 < agree[t] <= 1.0, (t, agree[t])
+    for t in (4, 6):  # measured 0.99949 and 0.99959 (2026-12-06): a forecast over int4-coded weights is
+        # not the one over exact weights; 1.0 would mean the check compared the shipment with itself
+        assert 0.5 < agree[t] < 1.0, (t, agree[t])
     # the exact copies ride beside each shipment, metered apart from the ledger
     fp32 = straight[1]["anchor/bytes_ship_fp32"]  # theta(0), theta(2), theta(4) at 1, 3, 5
     assert fp32 > 0
