@@ -66,7 +66,8 @@ def test_each_kind_of_host_compares_against_its_own_record(tmp_path, monkeypatch
     ref = tmp_path / "reference"
     ref.mkdir()
     here = er.environment()
-    for stem, env in (("x", dict(here, amx=not here["amx"])), ("x.avx2", dict(here, cpu_capability="AVX2")),
+    other = "AVX512" if here["cpu_capability"] == "AVX2" else "AVX2"  # a capability this host lacks
+    for stem, env in (("x", dict(here, amx=not here["amx"])), ("x.other", dict(here, cpu_capability=other)),
                       ("x.mine", here)):
         (ref / f"{stem}.jsonl").write_text("{}\n")
         (ref / f"{stem}.env.json").write_text(json.dumps(env))
