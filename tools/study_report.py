@@ -535,6 +535,11 @@ def base_arm(name: str, names) -> Optional[str]:
     return None
 
 
+def _gain_per_hour(arm: Dict) -> Optional[float]:
+    """Held-out gain per hour of training steps (``train_s``); None without a training time."""
+    return arm["gain"] / (arm["train_s"] / 3600.0) if arm.get("train_s") else None
+
+
 def compare_with_base(arms: Sequence[Dict], rows: Dict) -> List[Dict]:
     """Each variant against the arm it varies (:func:`base_arm`) at the same seed: what a feature
     (``--filter-groups``, dense steps, the controller, the anchor, ...) buys at the same seed, on the
@@ -556,13 +561,9 @@ def compare_with_base(arms: Sequence[Dict], rows: Dict) -> List[Dict]:
         b = finished.get((base, seed)) if base else None
         if b is None:
             continue
-
-        def per_hour(x):
-            return x["gain"] / (x["train_s"] / 3600.0) if x.get("train_s") else None
-
         e = {"arm": name, "seed": seed, "base": base, "gain": a["gain"], "base_gain": b["gain"],
-             "train_s": a.get("train_s"), "base_train_s": b.get("train_s"), "gain_per_hour": per_hour(a),
-             "base_gain_per_hour": per_hour(b), "gen_rounds_mean": a.get("gen_rounds_mean"),
+             "train_s": a.get("train_s"), "base_train_s": b.get("train_s"), "gain_per_hour": _gain_per_hour(a),
+             "base_gain_per_hour": _gain_per_hour(b), "gen_rounds_mean": a.get("gen_rounds_mean"),
              "diff": None, "se": None, "z": None, "rows": None, "arm_only": None, "base_only": None,
              "numerics_differ": None}
         p = None if a.get("logs_lost") or b.get("logs_lost") else _after_against(a, base, rows)
