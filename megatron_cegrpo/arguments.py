@@ -373,9 +373,13 @@ class GRPOConfig:
     filter_groups: bool = option(False, "DAPO's dynamic sampling (verl filter_groups): drop the groups whose scores "
                                         "are all equal and draw more prompts until --rollout-batch-size groups "
                                         "with mixed scores are drawn, at most --max-num-gen-batches rounds")
-    max_num_gen_batches: int = option(4, "--filter-groups: generation rounds of --rollout-batch-size prompts an "
+    max_num_gen_batches: int = option(4, "--filter-groups: generation rounds of --gen-batch-size prompts an "
                                          "iteration may draw (verl); short of mixed groups then, the newest tied "
                                          "groups fill the batch")
+    gen_batch_size: Optional[int] = option(None, "--filter-groups: prompts per generation round (verl "
+                                                 "data.gen_batch_size), at least --rollout-batch-size; default "
+                                                 "--rollout-batch-size. A larger round draws more mixed groups per "
+                                                 "sampler call; its surplus is dropped (batch/mixed_groups_unused)")
 
     overlong_buffer_len: int = option(0, "DAPO's soft overlong punishment (verl reward_model.overlong_buffer.len): "
                                          "a response longer than --max-new-tokens minus this many tokens loses "
@@ -386,7 +390,7 @@ class GRPOConfig:
 
     RESUME = ("rollout_batch_size", "num_generations", "global_batch_size", "ppo_epochs", "clip_ratio_low",
               "clip_ratio_high", "kl_coef", "kl_loss_type", "loss_agg_mode", "norm_adv_by_std", "filter_groups",
-              "max_num_gen_batches", "overlong_buffer_len", "overlong_penalty_factor")
+              "max_num_gen_batches", "gen_batch_size", "overlong_buffer_len", "overlong_penalty_factor")
     #: the largest --max-num-gen-batches (grpo/dynamic_sampling.py: the round's generation seed)
     MAX_GEN_BATCHES = 64
 
@@ -394,10 +398,16 @@ class GRPOConfig:
     def sequences_per_iteration(self) -> int:
         return self.rollout_batch_size * self.num_generations
 
+    @property
+    def prompts_per_round(self) -> int:
+        """Prompts of one generation round: ``--gen-batch-size``, default ``--rollout-batch-size``."""
+        return self.rollout_batch_size if self.gen_batch_size is None else int(self.gen_batch_size)
+
     def validate(self) -> None:
         """Batch sizes >= 1, clip ratios, a finite KL coefficient >= 0, a KL estimator and loss
         aggregation mode registered in ``grpo/core_algos.py``, ``--max-num-gen-batches`` in
-        [1, MAX_GEN_BATCHES] and ``--filter-groups`` only with groups of 2 or more. Raises ConfigError."""
+        [1, MAX_GEN_BATCHES], ``--gen-batch-size`` at least ``--rollout-batch-size`` (and above it only
+        with ``--filter-groups``) and ``--filter-groups`` only with groups of 2 or more. Raises ConfigError."""
         from megatron_cegrpo.grpo import core_algos as ca
 
         _check_int("--rollout-batch-size", self.rollout_batch_size, 1, "e.g. --rollout-batch-size 4 (prompts per iteration)")
@@ -422,6 +432,14 @@ class GRPOConfig:
         _check_int("--max-num-gen-batches", self.max_num_gen_batches, 1,
                    "e.g. --max-num-gen-batches 4 (generation rounds per iteration; unbounded is not offered)",
                    maximum=self.MAX_GEN_BATCHES)
+        if self.gen_batch_size is not None:
+            _check_int("--gen-batch-size", self.gen_batch_size, self.rollout_batch_size,
+                       f"pass at least --rollout-batch-size ({self.rollout_batch_size}) prompts per round, "
+                       "or leave it out")
+            if not self.filter_groups and self.gen_batch_size != self.rollout_batch_size:
+                raise ConfigError(f"--gen-batch-size {self.gen_batch_size} without --filter-groups: only dynamic "
+                                  "sampling draws more prompts than the batch trains on; fix: add --filter-groups "
+                                  "or drop --gen-batch-size")
         _check_int("--overlong-buffer-len", self.overlong_buffer_len, 0,
                    "e.g. --overlong-buffer-len 16 (tokens before --max-new-tokens; 0: off)")
         _check_float("--overlong-penalty-factor", self.overlong_penalty_factor, "e.g. --overlong-penalty-factor 1.0",
@@ -945,7 +963,8 @@ class TrainConfig:
         no effect: ``--min-lr`` and ``--train-iters`` with ``--lr-decay-style constant`` (so a
         constant-LR run may be resumed with a larger ``--train-iters`` to train longer),
         ``--kl-loss-type`` with ``--kl-coef 0``, ``--max-num-gen-batches`` without
-        ``--filter-groups``, ``--overlong-penalty-factor`` without ``--overlong-buffer-len``,
+        ``--filter-groups`` (and ``--gen-batch-size``, recorded as its effective value),
+        ``--overlong-penalty-factor`` without ``--overlong-buffer-len``,
         the anchor settings with ``--anchor-ranks 0`` and the drift
         controller's band and budget without ``--drift-controller`` (with it,
         ``--drift-probe-interval``, its cadence, is recorded too). ``--global-batch-size``,
@@ -958,7 +977,7 @@ class TrainConfig:
         if self.grpo.kl_coef == 0:
             skip.add(("grpo", "kl_loss_type"))
         if not self.grpo.filter_groups:
-            skip.add(("grpo", "max_num_gen_batches"))
+            skip |= {("grpo", "max_num_gen_batches"), ("grpo", "gen_batch_size")}
         if not self.grpo.overlong_buffer_len:
             skip.add(("grpo", "overlong_penalty_factor"))
         if self.anchor.anchor_ranks == 0:
@@ -975,6 +994,8 @@ class TrainConfig:
                     value = self.global_batch_size
                 elif (sname, name) == ("data", "holdout_seed"):
                     value = self.holdout_split_seed
+                elif (sname, name) == ("grpo", "gen_batch_size"):
+                    value = self.grpo.prompts_per_round
                 elif (sname, name) == ("grpo", "norm_adv_by_std"):
                     value = not value
                 elif (sname, name) == ("codec", "drift_target_kl_low") and value is None:

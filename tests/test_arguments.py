@@ -134,6 +134,12 @@ def test_resume_options_leave_out_what_has_no_effect():
     assert plain["--overlong-buffer-len"] == 0 and "--overlong-penalty-factor" not in plain
     shaped = cfg("--overlong-buffer-len", "16", "--overlong-penalty-factor", "0.5").resume_options()
     assert (shaped["--overlong-buffer-len"], shaped["--overlong-penalty-factor"]) == (16, 0.5)
+    # dynamic sampling's bound and round size count only with it; the round size as used (default: the batch)
+    assert "--max-num-gen-batches" not in plain and "--gen-batch-size" not in plain
+    rounds = cfg("--filter-groups", "--rollout-batch-size", "3").resume_options()
+    assert (rounds["--max-num-gen-batches"], rounds["--gen-batch-size"]) == (4, 3)
+    assert cfg("--filter-groups", "--rollout-batch-size", "3", "--gen-batch-size", "9").resume_options()[
+        "--gen-batch-size"] == 9
     # the held-out split's seed is recorded as used: --seed unless --holdout-seed fixes it
     assert plain["--holdout-seed"] == 1234
     fixed = cfg("--seed", "7", "--holdout-seed", "1234")

@@ -503,6 +503,13 @@ CASES = [
     Case("overlong-buffer-too-long", "flag", ["--max-new-tokens", "16", "--overlong-buffer-len", "17"],
          "--overlong-buffer-len 17 exceeds --max-new-tokens 16 (the penalty starts that many tokens before the limit); "
          "fix: pass --overlong-buffer-len 4 or another value up to 16, or 0 (off)"),
+    Case("gen-batch-size-below-batch", "flag", ["--filter-groups", "--rollout-batch-size", "2", "--gen-batch-size",
+                                                "1"],
+         "--gen-batch-size must be an integer >= 2, got 1; fix: pass at least --rollout-batch-size (2) prompts per "
+         "round, or leave it out"),
+    Case("gen-batch-size-without-filter", "flag", ["--rollout-batch-size", "2", "--gen-batch-size", "4"],
+         "--gen-batch-size 4 without --filter-groups: only dynamic sampling draws more prompts than the batch trains "
+         "on; fix: add --filter-groups or drop --gen-batch-size"),
 ]
 
 

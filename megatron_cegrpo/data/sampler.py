@@ -39,12 +39,16 @@ class PromptSampler:
             self._perm_epoch = self.epoch
         return self._perm  # type: ignore[return-value]
 
-    def next_batch(self) -> List[int]:
-        """The next ``batch_size`` indices (crossing into the next epoch if needed)."""
+    def next_batch(self, size: Optional[int] = None) -> List[int]:
+        """The next ``size`` indices (default ``batch_size``), crossing into the next epoch if needed.
+        Raises ValueError for ``size`` < 1."""
+        want = self.batch_size if size is None else int(size)
+        if want <= 0:
+            raise ValueError(f"size must be > 0, got {size}")
         out: List[int] = []
-        while len(out) < self.batch_size:
+        while len(out) < want:
             perm = self._permutation()
-            take = min(self.batch_size - len(out), self.num_records - self.position)
+            take = min(want - len(out), self.num_records - self.position)
             out.extend(perm[self.position : self.position + take])
             self.position += take
             if self.position == self.num_records:

@@ -57,8 +57,8 @@ class GroupSelection:
     rounds: int
 
     def metrics(self) -> dict:
-        """verl-style ``batch/*`` metrics of the selection; rounds x B = kept + filled_with_tied +
-        tied_groups_dropped + mixed_groups_unused."""
+        """verl-style ``batch/*`` metrics of the selection; rounds x prompts per round (B, or
+        ``--gen-batch-size``) = kept + filled_with_tied + tied_groups_dropped + mixed_groups_unused."""
         return {"batch/num_gen_batches": self.rounds, "batch/kept_groups": self.kept,
                 "batch/tied_groups_dropped": self.tied_dropped, "batch/filled_with_tied": self.filled_with_tied,
                 "batch/mixed_groups_unused": self.mixed_unused}

@@ -25,7 +25,7 @@ from megatron.core.pipeline_parallel.schedules import (
 )
 
 from megatron_cegrpo.grpo.batch import RolloutBatch, microbatches
-from megatron_cegrpo.grpo.shared_prefix import pack_shared_prefix, packed_microbatch, rows_from_packed
+from megatron_cegrpo.grpo.shared_prefix import pack_shared_prefix, packed_length, packed_microbatch, rows_from_packed
 from megatron_cegrpo.optim.mixed_precision import compute_precision
 
 __all__ = ["PipelineRunner", "LossFn", "rope_at_positions"]
@@ -72,6 +72,17 @@ class PipelineRunner:
         m = self.micro_batch_size
         items = [(mb, packed_microbatch(layout, i * m, (i + 1) * m)) for i, mb in enumerate(mbs)]
         return items, layout.seq_length, m // self.group, [mb["sample_ids"][::self.group] for mb in mbs]
+
+    def pass_shape(self, batch: RolloutBatch) -> Tuple[int, int]:
+        """(sequences, positions per sequence) one pass over ``batch`` computes: ``(N, S)`` unshared,
+        ``(N / G, L)`` with shared prefixes (every packed row has the batch's packed length L).
+        What ``training/perf.py``'s FLOP count of the update pass multiplies."""
+        n = int(batch["tokens"].shape[0])
+        if not self.group:
+            return n, int(batch["tokens"].shape[1])
+        lengths = batch["prompt_lengths"].long()[::self.group] + batch["response_lengths"].long().view(
+            -1, self.group).sum(dim=1)
+        return n // self.group, packed_length(int(lengths.max()))
 
     def prefetch(self, batch: RolloutBatch, *, step: int) -> int:
         """Queue the codec's work for every micro-batch of ``batch`` at iteration ``step``

@@ -131,8 +131,9 @@ class Driver:
         group-normalise the advantages and pack the batch (``grpo/batch.py``).
 
         With ``--filter-groups`` (DAPO's dynamic sampling, ``grpo/dynamic_sampling.py``): rounds
-        of B more prompts until B groups with mixed scores are drawn or ``--max-num-gen-batches``
-        rounds were; the batch is B of the groups drawn (:meth:`rollout_metrics` says which)."""
+        of ``--gen-batch-size`` more prompts (default B) until B groups with mixed scores are drawn
+        or ``--max-num-gen-batches`` rounds were; the batch is B of the groups drawn
+        (:meth:`rollout_metrics` says which)."""
         if not self.cfg.grpo.filter_groups:
             idx = self.sampler.next_batch()
             out, scores = self._generate_round(idx, t, 0, timers)
@@ -140,7 +141,8 @@ class Driver:
         B, G = self.cfg.grpo.rollout_batch_size, self.cfg.grpo.num_generations
         rounds, tied = [], []
         while not enough_mixed(tied, B) and len(rounds) < self.cfg.grpo.max_num_gen_batches:
-            out, scores = self._generate_round(self.sampler.next_batch(), t, len(rounds), timers)
+            out, scores = self._generate_round(self.sampler.next_batch(self.cfg.grpo.prompts_per_round), t,
+                                               len(rounds), timers)
             rounds.append((out, scores))
             tied.append(ca.tied_groups(scores, G))
         sel = select_groups(tied, B)

@@ -1,7 +1,9 @@
 """Model FLOPs of the update pass and its utilisation (verl's ``perf/mfu/actor``).
 
 A stage's update pass runs forward and backward over every position of its mini-batches
-(``N`` sequences of ``S`` positions, padding included: the pass computes them). Its model FLOPs,
+(``N`` sequences of ``S`` positions, padding included: the pass computes them; with
+``--shared-prefix`` the ``N / G`` packed sequences of ``L`` positions it computes instead,
+``PipelineRunner.pass_shape``). Its model FLOPs,
 the usual accounting (Kaplan et al. 2020, "6ND"; Narayanan et al. 2021, eq. 2, for attention):
 
     3 x forward,   forward = 2 P N S + 4 N S^2 h L

@@ -221,7 +221,11 @@ class StageWorker:
         self.model.train()
         for _ in range(cfg.grpo.ppo_epochs):
             for start in range(0, n, gbs):
-                outs = self.accumulate_gradients(slice_batch(batch, start, start + gbs), start, t, probe)
+                part = slice_batch(batch, start, start + gbs)
+                outs = self.accumulate_gradients(part, start, t, probe)
+                # the pass's model FLOPs at the shape it computed (packed with --shared-prefix)
+                self.update_flops += perf.update_pass_flops(self.model, self.tf_config, self.num_layers,
+                                                            *self.runner.pass_shape(part))
                 for o in outs:
                     for k in sums:
                         if k in o:
@@ -230,8 +234,6 @@ class StageWorker:
                 norms.append(self._step(t))
                 self.tied.after_step()
         self.scheduler.step()
-        self.update_flops += cfg.grpo.ppo_epochs * perf.update_pass_flops(
-            self.model, self.tf_config, self.num_layers, n, int(batch["tokens"].shape[1]))
         out = {"actor/grad_norm": float(sum(norms) / len(norms)), "actor/lr": self.optimizer.param_groups[0]["lr"],
                "actor/num_optimizer_steps": len(norms), "actor/skipped_steps": self.clip.num_skipped}
         if cfg.old_log_prob_from_update:

@@ -82,3 +82,15 @@ def test_resume_after_extra_draws_continues_the_same_prompt_order():
         s = PromptSampler(num_records=9, batch_size=4, seed=7)
         s.load_state_dict(state)
     assert got == expected
+
+
+def test_next_batch_of_another_size_continues_the_same_order():
+    """``next_batch(size)`` (``--gen-batch-size`` rounds) takes the next ``size`` indices of the same
+    epoch order, across an epoch boundary, and the default size continues after them."""
+    ref = PromptSampler(7, 3, seed=5)
+    flat = [i for _ in range(4) for i in ref.next_batch()]  # 12 indices: epoch 0 then 5 of epoch 1
+    s = PromptSampler(7, 3, seed=5)
+    assert s.next_batch(5) + s.next_batch(4) + s.next_batch() == flat
+    assert (s.epoch, s.position) == (1, 5)
+    with pytest.raises(ValueError, match="size must be > 0, got 0"):
+        s.next_batch(0)

@@ -1,9 +1,9 @@
 """``--shared-prefix`` in a real training launch (2 ranks, PP = 2, dense codec, a KL term so the
 reference pass runs too, 2 iterations): every logged metric equals the unshared run's within the
 fp32 tolerance of the passes (relative 1e-4, absolute 1e-6: the mismatch means, sampler minus trainer
-log-probs averaged over the tokens, sit near 0 and differed by 1.1e-7 nats at step 2; the timers
-and boundary bytes aside), and the
-boundary bytes of each iteration are smaller (each prompt crosses once per group of 4).
+log-probs averaged over the tokens, sit near 0 and differed by 1.1e-7 nats at step 2; the timers,
+boundary bytes and update FLOPs aside), and the boundary bytes and update FLOPs of each iteration
+are smaller (each prompt crosses, and is computed, once per group of 4).
 
 With an anchor rank (3 ranks, c = K = 1) the anchor's dense replay (a PP = 1 replica,
 ``anchor/replay.py``) runs shared too: the rollout batch it receives carries the prompt and
@@ -40,8 +40,10 @@ def test_shared_prefix_launch_equals_unshared(tmp_path):
     shared = _run(tmp_path, "shared", "--shared-prefix")
     assert [r["step"] for r in plain] == [r["step"] for r in shared] == [1, 2]
     for a, b in zip(shared, plain):
-        keys = set(without_wall_clock(b, ("comm/",)))
-        assert keys == set(without_wall_clock(a, ("comm/",)))
+        keys = set(without_wall_clock(b, ("comm/", "perf/update_flops")))
+        assert keys == set(without_wall_clock(a, ("comm/", "perf/update_flops")))
+        # the update pass's FLOPs at the packed shape it computed (tests/pipeline/test_shared_prefix_pp1.py)
+        assert 0 < a["perf/update_flops"] < b["perf/update_flops"]
         assert b["actor/kl_loss"] != 0.0 or b["step"] == 1
         off = [(k, a[k], b[k]) for k in sorted(keys) if not (
             math.isclose(a[k], b[k], rel_tol=REL, abs_tol=ABS) if isinstance(b[k], (int, float)) else a[k] == b[k])]

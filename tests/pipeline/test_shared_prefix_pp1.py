@@ -74,3 +74,35 @@ def test_shared_prefix_runner_refuses_a_group_that_does_not_divide_the_micro_bat
 
     with pytest.raises(ValueError, match="group size 4 does not divide the micro-batch size 6"):
         PipelineRunner(None, None, 6, 1, shared_prefix_group=4)
+
+
+@pytest.mark.parametrize("group", [0, 4])
+def test_update_flops_count_the_shape_the_pass_computes(megatron_single_process, group):
+    """``perf/update_flops`` (training/perf.py) at the runner's ``pass_shape``: with shared prefixes
+    the N / G packed rows of length L, not the N rows of S; torch's FLOP counter over a real update
+    pass (forward and backward, every matmul and bmm) agrees exactly."""
+    from functools import partial
+
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from megatron_cegrpo.pipeline.schedule import PipelineRunner
+    from megatron_cegrpo.training.perf import update_pass_flops
+
+    hf_config, model = _tiny_stage()
+    batch = make_batch(hf_config.vocab_size, 4, 4, seed=7)
+    with torch.no_grad():
+        lp = torch.cat([o["logprobs"] for o in PipelineRunner(None, None, 8, 1).run(
+            model, batch, step=3, forward_only=True, loss_fn=logprob_fn)])
+    add_policies(batch, lp, seed=7)
+    runner = PipelineRunner(None, None, 8, 1, shared_prefix_group=group)
+    n, s = batch["tokens"].shape
+    lengths = [int(batch["prompt_lengths"][k * 4]) + int(batch["response_lengths"][k * 4:(k + 1) * 4].sum())
+               for k in range(4)]
+    packed = -(-max(lengths) // 8) * 8  # L: the longest group, rounded up to 8
+    assert runner.pass_shape(batch) == ((n, s) if not group else (n // 4, packed))
+    assert not group or packed < 4 * s  # the packed rows are shorter than the G rows they replace
+    with FlopCounterMode(display=False) as counter:
+        runner.run(model, batch, step=3, forward_only=False,
+                   loss_fn=partial(loss_fn, float(batch["loss_mask"].sum()), float(n)))
+    tf = model.config
+    assert counter.get_total_flops() == update_pass_flops(model, tf, tf.num_layers, *runner.pass_shape(batch))

@@ -86,3 +86,23 @@ def test_without_the_flag_one_round_and_no_metrics():
     batch = d.generate_and_score(2, PhaseTimers())
     assert _prompts_of(batch) == order[0]
     assert d.rollout.seeds == [3 * 1_000_003 + 2] and d.rollout_metrics() == {}
+
+
+def test_gen_batch_size_draws_larger_rounds():
+    """``--gen-batch-size 4`` (2 B): rounds of 4 prompts; the first two mixed groups in draw order
+    make the batch, the surplus mixed group and the tied ones are dropped, the sampler continues
+    after the 2 rounds' 8 prompts."""
+    flat = [i for b in _order(8) for i in b]
+    mixed = set(flat[3:6])  # round 0: tied, tied, tied, mixed; round 1: mixed, mixed, tied, tied
+    d = _driver(lambda i: i in mixed, "--filter-groups", "--max-num-gen-batches", "4", "--gen-batch-size", "4")
+    sizes = []
+    generate = d.rollout.generate
+    d.rollout.generate = lambda prompts, **kw: sizes.append(len(prompts)) or generate(prompts, **kw)
+    batch = d.generate_and_score(5, PhaseTimers())
+    assert sizes == [4 * G, 4 * G]
+    assert _prompts_of(batch) == flat[3:5] and batch["tokens"].shape[0] == B * G
+    assert d.rollout.seeds == [round_seed(3, 5, 0), round_seed(3, 5, 1)]
+    assert d.rollout_metrics() == {"batch/num_gen_batches": 2, "batch/kept_groups": 2,
+                                   "batch/tied_groups_dropped": 5, "batch/filled_with_tied": 0,
+                                   "batch/mixed_groups_unused": 1}
+    assert d.sampler.state_dict()["position"] == 8
