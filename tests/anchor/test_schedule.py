@@ -55,12 +55,19 @@ def test_every_fire_after_warm_up_forecasts(forecast, c, K):
     fc = get_forecast(forecast, **({"n_points": a.anchor_forecast_points} if forecast == "lsq" else {}))
     need = 2 if forecast == "secant" else a.anchor_forecast_points
     branches = {}
-    for t in range(1, K + (need + 4) * c + 1):
+    end = K + (need + 4) * c
+    for t in range(1, end + 1):
         if is_ship_step(t, c):
             ring.put(t - 1, {"w": torch.full((2,), float(t - 1))})
         if is_fire_step(t, c):
             res = fc(ring, t, K, c)
-            branches[t] = (res.branch, t - max(res.source_steps)) if res is not None else None
+            branches[t] = (res.branch, res.source_steps) if res is not None else None
     first = K + (need - 1) * c  # theta(0 .. (need-1)c) all readable at t - K
-    assert all(branches[t] == ("forecast", K) for t in branches if t >= first), branches
+    # every fire, exactly: c, 2c, ... (a schedule that never fired passed the check of the forecasting
+    # fires alone); nothing readable before K; then the newest readable checkpoint, theta(t - K), alone;
+    # from `first` on the forecast over theta(t - K - (need - 1) c), ..., theta(t - K): staleness K
+    want = {t: None if t < K else ("fallback", [t - K]) if t < first
+            else ("forecast", [t - K - (need - 1 - i) * c for i in range(need)]) for t in range(c, end + 1, c)}
+    assert branches == want
+    assert sum(t >= first for t in branches) == 6
     assert ring.num_no_peek_violations == 0

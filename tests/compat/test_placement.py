@@ -32,7 +32,10 @@ def test_place_batch_moves_tensors_and_keeps_everything_else():
 def test_like_takes_the_reference_device_and_dtype():
     s = torch.tensor([1.0, -1.0])
     ref = torch.zeros(2, dtype=torch.bfloat16)
-    assert placement.like(s, ref).dtype == torch.bfloat16
+    got = placement.like(s, ref)
+    assert got.dtype == torch.bfloat16 and got.tolist() == [1.0, -1.0]  # the values, converted
+    wide = placement.like(torch.tensor([1, -1, 1], dtype=torch.int8), torch.zeros(3))  # an int8 sign tensor
+    assert wide.dtype == torch.float32 and wide.tolist() == [1.0, -1.0, 1.0]
     assert placement.like(s, ref, dtype=torch.float32) is s  # nothing to change: the tensor itself
 
 

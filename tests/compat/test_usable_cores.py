@@ -12,13 +12,19 @@ from megatron_cegrpo.training import driver
 
 
 def test_all_cores_follows_the_affinity_and_restores_the_thread_count(monkeypatch):
-    prev = torch.get_num_threads()
+    outer = torch.get_num_threads()
     monkeypatch.setattr(os, "cpu_count", lambda: 64)  # a big host ...
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0}, raising=False)  # ... this process on one core
-    assert placement.usable_cores() == 1
-    with driver.all_cores():
-        assert torch.get_num_threads() == 1
-    assert torch.get_num_threads() == prev
+    # ... this process on three of its cores; the count before differs from both 3 and 64 (the suite
+    # runs at one thread: with 1 before and a 1-core affinity, an all_cores that set nothing passed)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 5, 9}, raising=False)
+    assert placement.usable_cores() == 3
+    torch.set_num_threads(2)
+    try:
+        with driver.all_cores():
+            assert torch.get_num_threads() == 3
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(outer)
 
 
 def test_trainer_threads_share_the_affinity_between_the_host_ranks(monkeypatch):

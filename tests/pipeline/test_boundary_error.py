@@ -32,10 +32,19 @@ def test_error_persistence_equals_the_cosine_of_successive_mean_errors():
         for b, tr in enumerate(trackers):
             xs = [torch.randn(6, 2, 16, generator=g) + 0.5 for _ in range(3)]  # a shared offset: persistent
             means.append(_iteration(tr, codec, step, xs, b))
-        out = red.reduce([trackers[0].end_iteration(), trackers[1].end_iteration(), {}])
+        sums = [tr.end_iteration() for tr in trackers]
+        out = red.reduce(sums + [{}])
         if prev is None:
-            assert out == {}  # undefined on the first iteration
+            assert out == {} and sums == [{}, {}]  # undefined on the first iteration
         else:
+            # the raw sums are of the mean errors (a tracker that kept the token sums gave the same
+            # cosines: every boundary sends as many tokens)
+            for b in (0, 1):
+                raw = {k.rsplit("/", 1)[1]: v for k, v in sums[b].items()}
+                want = {"dot": means[b] @ prev[b], "sq_cur": means[b] @ means[b], "sq_prev": prev[b] @ prev[b]}
+                assert raw.keys() == want.keys()
+                for k in want:
+                    assert math.isclose(raw[k], float(want[k]), rel_tol=1e-9), (b, k)
             for b in (0, 1):
                 direct = float(torch.nn.functional.cosine_similarity(means[b], prev[b], dim=0))
                 assert math.isclose(out[f"codec/error_persistence/boundary_{b}"], direct, rel_tol=1e-9)

@@ -140,14 +140,30 @@ def _summary(path: Path, label: str, accs: dict):
     write_summary(str(path), report, {"label": label})
 
 
-def test_eval_bar_chart_from_two_summaries(tmp_path):
+def test_eval_bar_chart_from_two_summaries(tmp_path, monkeypatch):
     _summary(tmp_path / "dense.json", "dense", {"gsm8k/test": (0.6, 1), "mawps": (0.8, 1), "amc23": (0.3, 8)})
     _summary(tmp_path / "mask.json", "mask 5%", {"gsm8k/test": (0.5, 1), "mawps": (0.8, 1), "amc23": (0.35, 8),
                                                    "aime24": (0.1, 8)})
     out = tmp_path / "figs"
     tool = _tool()
+    plt = tool._plt()
+    figs, close = [], plt.close
+    monkeypatch.setattr(plt, "close", lambda fig=None: (figs.append(fig), close(fig))[1])
     assert tool.main(["--eval", str(tmp_path / "dense.json"), str(tmp_path / "mask.json"), "--out", str(out)]) == 0
     _png_ok(out / "eval_accuracy.png")
+    # what the bars show: each summary's accuracy per benchmark (a PNG check alone passed any bar heights)
+    from matplotlib.container import BarContainer
+
+    (ax,) = figs[-1].axes
+    names = [t.get_text().split("\n")[0] for t in ax.get_xticklabels()]
+    bars = {c.get_label(): {names[round(b.get_x() + b.get_width() / 2)]: b.get_height() for b in c}
+            for c in ax.containers if isinstance(c, BarContainer)}
+    assert bars == {"dense": {"gsm8k/test": pytest.approx(0.6), "mawps": pytest.approx(0.8),
+                              "amc23": pytest.approx(0.3)},
+                    "mask 5%": {"gsm8k/test": pytest.approx(0.5), "mawps": pytest.approx(0.8),
+                                "amc23": pytest.approx(0.35), "aime24": pytest.approx(0.1)}}
+    # |0.5 - 0.6| + |0.8 - 0.8| + |0.35 - 0.3| over the 3 benchmarks both scored
+    assert ax.get_title().endswith("mean |mask 5% - dense| = 0.050 over 3 benchmark(s)")
     # both kinds at once, with explicit labels
     _write_run(tmp_path / "r1", {"boundary_codec": "mask", "boundary_keep_ratio": 0.05}, 5, 3, 10.0, probe=False)
     assert tool.main([str(tmp_path / "r1"), "--labels", "compressed", "--eval", str(tmp_path / "dense.json"),
