@@ -113,3 +113,19 @@ def test_reference_codecs_roundtrip():
     err = (q.decode_forward(q.encode_forward(x), x.shape) - x).abs()
     assert bool((err <= x.abs().amax(-1, keepdim=True) / 127).all())
     assert os.path.isdir(os.path.join(REPO, "benchmarks"))
+
+
+def test_bench_gen_rounds_times_each_round_size(tmp_path):
+    """benchmarks/bench_gen_rounds on SmolLM2 at 2 new tokens: one row a round size, its sequences
+    (8 samples a prompt), its ratio to the first size's fastest call, the tokens each call made."""
+    out = tmp_path / "rounds.json"
+    run_single(["-m", "benchmarks.bench_gen_rounds", "--rounds", "1,2", "--repeats", "1", "--max-new-tokens", "2",
+                "--threads", "1", "--out", str(out)], timeout=300)
+    res = json.loads(out.read_text())
+    rows = res["rows"]
+    assert [(r["prompts"], r["sequences"], r["size_ratio"]) for r in rows] == [(1, 8, 1.0), (2, 16, 2.0)]
+    assert rows[0]["ratio"] == 1.0 and rows[1]["ratio"] == rows[1]["fastest_s"] / rows[0]["fastest_s"]
+    for r in rows:
+        assert len(r["times_s"]) == 1 and r["fastest_s"] == min(r["times_s"]) > 0
+        assert r["sequences"] <= r["tokens"][0] <= 2 * r["sequences"]  # 1 or 2 tokens an answer
+    assert res["max_new_tokens"] == 2 and res["threads"] == 1
