@@ -81,7 +81,9 @@ summary field                source
                              d = arm - dense (:func:`compare_with_dense`); None for dense
 ``variants``                 (top level) each arm against the arm it varies at the same seed,
                              e.g. ``dense_filter`` against ``dense``: gains, training time, gain
-                             per hour, the paired after-difference (:func:`compare_with_base`)
+                             per hour, the paired after-difference, and where the base scored
+                             the held-out rows at the variant's last iteration the two at equal
+                             steps (``same_step``; :func:`compare_with_base`)
 ``fraction_of_dense``        (top level, one entry per arm) mean gain over the arm's seeds /
                              mean gain of dense at the same seeds, with a two-level percentile
                              bootstrap interval, seeds then rows (:func:`fractions_of_dense`,
@@ -369,11 +371,27 @@ def run_rows(run_dir: str, points: Dict, iterations: int) -> Dict[str, Tuple["Ev
     return out
 
 
-def summarize_run(run_dir: str, rows_out: Optional[Dict] = None) -> Dict:
+def mid_rows(run_dir: str, points: Dict, iterations: int, before: "EvalRows") -> Dict[int, "EvalRows"]:
+    """``{step: rows}`` of the held-out per-row files strictly between step 0 and ``iterations``
+    (``--holdout-eval-interval``), each checked (:func:`_checked_rows`) and holding the rows of
+    ``before`` (the file at step 0). Raises EvalRowsError otherwise."""
+    from megatron_cegrpo.evaluation import find_eval_rows
+
+    out = {}
+    for (name, step), path in sorted(find_eval_rows(run_dir).items()):
+        if name == "holdout" and 0 < step < iterations:
+            out[step] = _checked_rows(path, name, step, points)
+            _same_rows(out[step], before)
+    return out
+
+
+def summarize_run(run_dir: str, rows_out: Optional[Dict] = None, mid_out: Optional[Dict] = None) -> Dict:
     """One arm's summary (see the module docstring for each field's source). ``rows_out``: a
     dict that receives the run's checked per-row files, ``{data set: (before, after)}``
-    (:func:`run_rows`), for the comparisons across arms. Raises FileNotFoundError without a
-    metrics.jsonl and EvalRowsError for a per-row file that is not the run's."""
+    (:func:`run_rows`), for the comparisons across arms; ``mid_out``: one that receives its held-out
+    per-row files between the two, ``{step: EvalRows}`` (:func:`mid_rows`). Raises
+    FileNotFoundError without a metrics.jsonl and EvalRowsError for a per-row file that is not the
+    run's."""
     records = read_records(run_dir)
     train = [r for r in records if _num(r.get("timing_s/step")) is not None]
     iterations = max((int(_num(r.get("step")) or 0) for r in train), default=0)
@@ -413,6 +431,8 @@ def summarize_run(run_dir: str, rows_out: Optional[Dict] = None) -> Dict:
     rows = run_rows(run_dir, evals, iterations)
     if rows_out is not None:
         rows_out.update(rows)
+    if mid_out is not None and "holdout" in rows:
+        mid_out.update(mid_rows(run_dir, evals, iterations, rows["holdout"][0]))
     out.update(_paired_gain_fields("holdout", rows))
     other = {}
     for name in sorted(evals):
@@ -540,19 +560,24 @@ def _gain_per_hour(arm: Dict) -> Optional[float]:
     return arm["gain"] / (arm["train_s"] / 3600.0) if arm.get("train_s") else None
 
 
-def compare_with_base(arms: Sequence[Dict], rows: Dict) -> List[Dict]:
+def compare_with_base(arms: Sequence[Dict], rows: Dict, mids: Optional[Dict] = None) -> List[Dict]:
     """Each variant against the arm it varies (:func:`base_arm`) at the same seed: what a feature
     (``--filter-groups``, dense steps, the controller, the anchor, ...) buys at the same seed, on the
     same rows, and at what cost in training time (issue 33 item 2: dynamic sampling's effect on the
     held-out gain per wall-minute). One entry per (variant, seed) whose base finished at that seed:
     ``{"arm", "seed", "base", "gain", "base_gain", "train_s", "base_train_s", "gain_per_hour",
     "base_gain_per_hour", "gen_rounds_mean", "diff", "se", "z", "rows", "arm_only", "base_only",
-    "numerics_differ"}``: gains in accuracy (after - before), ``train_s`` the sum of ``timing_s/step``
+    "numerics_differ", "same_step"}``: gains in accuracy (after - before), ``train_s`` the sum of ``timing_s/step``
     (training only: the evaluations, the same in both, are left out), gain per hour of it,
     ``gen_rounds_mean`` the variant's mean ``batch/num_gen_batches`` (None without dynamic sampling),
     the paired fields as :func:`_after_against` (None without per-row files; ``numerics_differ`` n
     and the paired fields None when the two ran with other arithmetic). ``rows``: as in
-    :func:`compare_with_dense`. Raises EvalRowsError when the two runs' rows differ."""
+    :func:`compare_with_dense`. ``same_step``: where the base ran longer and scored the held-out rows
+    at the variant's last iteration (``mids``: ``{(arm, seed): {step: EvalRows}}``, :func:`mid_rows`),
+    the variant's after against the base's at that step, ``{"step", "base_acc", "diff", "se", "z",
+    "rows", "arm_only", "base_only"}`` (:func:`paired_diff`); else None: a variant that trains fewer
+    steps (``--filter-groups`` in the same training time) is compared both at equal steps and at the
+    base's end. Raises EvalRowsError when the two runs' rows differ."""
     finished = {(a["arm"], a["seed"]): a for a in arms if a.get("gain") is not None}
     names = {a["arm"] for a in arms}
     out = []
@@ -565,13 +590,20 @@ def compare_with_base(arms: Sequence[Dict], rows: Dict) -> List[Dict]:
              "train_s": a.get("train_s"), "base_train_s": b.get("train_s"), "gain_per_hour": _gain_per_hour(a),
              "base_gain_per_hour": _gain_per_hour(b), "gen_rounds_mean": a.get("gen_rounds_mean"),
              "diff": None, "se": None, "z": None, "rows": None, "arm_only": None, "base_only": None,
-             "numerics_differ": None}
+             "numerics_differ": None, "same_step": None}
         p = None if a.get("logs_lost") or b.get("logs_lost") else _after_against(a, base, rows)
         if p and p.get("numerics_differ"):
             e["numerics_differ"] = p["numerics_differ"]
         elif p:
             e.update(diff=p["diff"], se=p["se"], z=p["z"], rows=p["rows"], arm_only=p["a_only"],
                      base_only=p["b_only"])
+            at = (mids or {}).get((base, seed), {}).get(a.get("iterations"))
+            if at is not None:
+                mine = rows[(name, seed)]["holdout"][1]
+                _same_rows(mine, at)
+                q = paired_diff(mine.by_id(), at.by_id())
+                e["same_step"] = {"step": a["iterations"], "base_acc": at.acc, "diff": q["diff"], "se": q["se"],
+                                  "z": q["z"], "rows": q["rows"], "arm_only": q["a_only"], "base_only": q["b_only"]}
         out.append(e)
     return out
 
@@ -827,9 +859,13 @@ def variant_table(variants: Sequence[Dict]) -> str:
     seed ("n/a": a run kept no per-row files)."""
     head = ("| arm | seed | against | gain: arm / against | training min: arm / against | "
             "gain per training hour: arm / against | generation rounds / iteration | "
-            "after - against's after | paired SE | z | rows right in arm only / against only |")
+            "after - against's after | paired SE | z | rows right in arm only / against only | "
+            "at the arm's last iteration: against's accuracy, after - it (paired SE, z) |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for e in variants:
+        st = e.get("same_step")
+        same = ("-" if st is None else f"iteration {st['step']}: {st['base_acc']:.3f}, {st['diff']:+.3f} "
+                f"({_fmt(st['se'])}, {_fmt(st['z'], '{:+.1f}')})")
         mins = [None if x is None else x / 60 for x in (e["train_s"], e["base_train_s"])]
         if e.get("numerics_differ"):
             paired = [f"other numerics ({e['numerics_differ']} rows differ before training)", "-", "-", "-"]
@@ -842,7 +878,7 @@ def variant_table(variants: Sequence[Dict]) -> str:
                  f"{_fmt(e['gain'], '{:+.3f}')} / {_fmt(e['base_gain'], '{:+.3f}')}",
                  f"{_fmt(mins[0], '{:.1f}')} / {_fmt(mins[1], '{:.1f}')}",
                  f"{_fmt(e['gain_per_hour'], '{:+.3f}')} / {_fmt(e['base_gain_per_hour'], '{:+.3f}')}",
-                 _fmt(e["gen_rounds_mean"], "{:.2f}")] + paired
+                 _fmt(e["gen_rounds_mean"], "{:.2f}")] + paired + [same]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -911,20 +947,23 @@ def method_lines() -> List[str]:
     ]
 
 
-def _summarize_archive(runs: Sequence[str], root: str, summary_path: str) -> Tuple[List[Dict], Dict]:
+def _summarize_archive(runs: Sequence[str], root: str, summary_path: str) -> Tuple[List[Dict], Dict, Dict]:
     """Every archived run summarized (:func:`summarize_run`) plus the carried arms of the earlier
-    summary (:func:`_carried_arms`), sorted; and the runs' per-row files by (arm, seed)."""
-    arms, rows = [], {}
+    summary (:func:`_carried_arms`), sorted; the runs' per-row files by (arm, seed), and their
+    held-out per-row files between before and after by (arm, seed)."""
+    arms, rows, mids = [], {}, {}
     for d in runs:
         kept: Dict = {}
-        a = summarize_run(d, kept)
+        mid: Dict = {}
+        a = summarize_run(d, kept, mid)
+        mids[(a["arm"], a["seed"])] = mid
         a["run_dir"] = os.path.relpath(os.path.abspath(d), root)  # the archived copy, from the repo root
         a["logs_lost"] = False
         arms.append(a)
         rows[(a["arm"], a["seed"])] = kept
     arms += _carried_arms(summary_path, arms)
     arms.sort(key=lambda a: (str(a["arm"]), str(a["seed"])))
-    return arms, rows
+    return arms, rows, mids
 
 
 #: the report's name (``<docs>/<name>.md``, ``<docs>/<name>/``) and title unless ``--name``/``--title`` say otherwise
@@ -954,12 +993,12 @@ def write_report(study_dir: Optional[str], docs_dir: str, name: str = DEFAULT_NA
         archive_runs(live, archive)
     runs = find_runs(archive) if os.path.isdir(archive) else []
     root = os.path.dirname(os.path.abspath(docs_dir))
-    arms, rows = _summarize_archive(runs, root, os.path.join(out_dir, "summary.json"))
+    arms, rows, mids = _summarize_archive(runs, root, os.path.join(out_dir, "summary.json"))
     if not arms:
         raise FileNotFoundError(f"{study_dir}: no arm folder with a metrics.jsonl (and nothing archived in {archive})")
     compare_with_dense(arms, rows)
     fractions = fractions_of_dense(arms, rows)
-    variants = compare_with_base(arms, rows)
+    variants = compare_with_base(arms, rows, mids)
     os.makedirs(out_dir, exist_ok=True)
     summary = {"study_dir": os.path.abspath(study_dir) if live else None, "archive": os.path.relpath(archive, root),
                "fields": list(FIELDS), "arms": arms, "fraction_of_dense": fractions,
@@ -1026,7 +1065,9 @@ def _report_lines(arms: Sequence[Dict], fractions: Sequence[Dict], figs: Sequenc
                   "against the codec alone) against `<arm>` at the same seed: what the feature adds to the held-out "
                   "gain, on the same rows, and what it costs in training time (the sum of `timing_s/step`, "
                   "evaluations left out; wall time on a shared machine varies, so read it beside the run's "
-                  "`timing_s/*`). *generation rounds*: `batch/num_gen_batches` (`--filter-groups`).", "",
+                  "`timing_s/*`). *generation rounds*: `batch/num_gen_batches` (`--filter-groups`). *At the arm's last "
+                  "iteration*: where the arm it varies ran longer and scored the held-out rows at that iteration "
+                  "(`--holdout-eval-interval`), the two at the same number of steps, paired on the same rows.", "",
                   variant_table(variants), ""]
     lines += ["## Damage to the base model", "",
               "KL(pi || pi_base) per response token on a training batch through dense boundaries "

@@ -685,4 +685,40 @@ def test_a_variant_is_paired_with_the_arm_it_varies(paired_study, tmp_path):
     assert e["se"] == pytest.approx(math.sqrt(0.1 / 10), rel=1e-12) and e["z"] == pytest.approx(0.1 / math.sqrt(0.01))
     md = (tmp_path / "docs" / "study.md").read_text()
     assert ("| dense_filter | 1 | dense | +0.500 / +0.400 | 0.5 / 0.3 | +60.000 / +72.000 | 2.50 | +0.100 | 0.100 | "
-            "+1.0 | 1 / 0 |") in md
+            "+1.0 | 1 / 0 | - |") in md
+    assert e["same_step"] is None  # dense scored the held-out rows only before and after
+
+
+def test_a_shorter_variant_is_also_paired_at_its_own_last_iteration(tmp_path):
+    """dense ran 4 iterations and scored the held-out rows at 2 as well (--holdout-eval-interval);
+    dense_filter ran 2: besides against dense's after (0.6), it is paired with dense at iteration 2
+    (0.4), the same number of steps, on the same rows."""
+    mod = _tool()
+    mid, after, filt = [1, 1, 0, 0, 0, 0, 0, 0, 1, 1], [1, 1, 1, 1, 0, 0, 0, 0, 1, 1], [1, 1, 1, 0, 0, 0, 0, 0, 1, 1]
+
+    def ev(t, scores):
+        return {"step": t, "val/holdout/acc": sum(scores) / 10, "val/holdout/acc_stderr": _se(scores),
+                "val/holdout/num_rows": 10, "timing_s/eval": 1.0}
+
+    root = tmp_path / "live"
+    dense = root / "dense-s1"
+    _write_run(dense, [ev(0, _BEFORE)] + [_step(t, 0.1, 30, 70, 2000, 10.0) for t in (1, 2)] + [ev(2, mid)]
+               + [_step(t, 0.1, 30, 70, 2000, 10.0) for t in (3, 4)] + [ev(4, after)],
+               arm={"arm": "dense", "seed": 1, "codec": "dense", "anchor": False})
+    for t, scores in ((0, _BEFORE), (2, mid), (4, after)):
+        _rows_file(dense, "holdout", t, scores)
+    run = root / "dense_filter-s1"
+    _write_run(run, [ev(0, _BEFORE)] + [_step(t, 0.1, 30, 70, 2000, 20.0) for t in (1, 2)] + [ev(2, filt)],
+               arm={"arm": "dense_filter", "seed": 1, "codec": "dense", "anchor": False})
+    for t, scores in ((0, _BEFORE), (2, filt)):
+        _rows_file(run, "holdout", t, scores)
+    (e,) = mod.write_report(str(root), str(tmp_path / "docs"))["variants"]
+    # against dense's after: filt - after = [0, 0, 0, -1, 0, ...]
+    assert (e["diff"], e["arm_only"], e["base_only"]) == (pytest.approx(-0.1), 0, 1)
+    # at iteration 2: filt - mid = [0, 0, 1, 0, ...]: mean 0.1, sample variance 0.9 / 9, SE sqrt(0.1 / 10)
+    st = e["same_step"]
+    assert (st["step"], st["rows"], st["arm_only"], st["base_only"]) == (2, 10, 1, 0)
+    assert st["base_acc"] == pytest.approx(0.4) and st["diff"] == pytest.approx(0.1)
+    assert st["se"] == pytest.approx(0.1, rel=1e-12) and st["z"] == pytest.approx(1.0)
+    md = (tmp_path / "docs" / "study.md").read_text()
+    assert "| -0.100 | 0.100 | -1.0 | 0 / 1 | iteration 2: 0.400, +0.100 (0.100, +1.0) |" in md
