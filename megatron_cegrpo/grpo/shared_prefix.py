@@ -23,8 +23,8 @@ from typing import Dict
 
 import torch
 
-__all__ = ["PAD_TO_MULTIPLE", "SharedPrefixLayout", "pack_shared_prefix", "packed_length", "rows_from_packed",
-           "packed_microbatch"]
+__all__ = ["PAD_TO_MULTIPLE", "SharedPrefixLayout", "pack_shared_prefix", "packed_group_length", "packed_length",
+           "rows_from_packed", "packed_microbatch"]
 
 #: the packed length L is rounded up to a multiple of this (``pack_shared_prefix``; ``plan.py``'s budget check)
 PAD_TO_MULTIPLE = 8
@@ -33,6 +33,16 @@ PAD_TO_MULTIPLE = 8
 def packed_length(tokens: int, pad_to_multiple: int = PAD_TO_MULTIPLE) -> int:
     """L for a longest group of ``tokens`` = P + sum R_i tokens: rounded up to ``pad_to_multiple``."""
     return -(-int(tokens) // pad_to_multiple) * pad_to_multiple
+
+
+def packed_group_length(prompt_lengths: torch.Tensor, response_lengths: torch.Tensor, group_size: int,
+                        pad_to_multiple: int = PAD_TO_MULTIPLE) -> int:
+    """L of a batch packed in groups of ``group_size`` consecutive rows: the longest group's
+    P + sum R_i (P: its first row's prompt length), rounded up (:func:`packed_length`).
+    ``prompt_lengths``, ``response_lengths``: long [N], N a multiple of ``group_size``."""
+    g = int(group_size)
+    lengths = prompt_lengths.long()[::g] + response_lengths.long().view(-1, g).sum(dim=1)
+    return packed_length(int(lengths.max()), pad_to_multiple)
 
 
 @dataclass
@@ -89,14 +99,12 @@ def pack_shared_prefix(tokens: torch.Tensor, prompt_lengths: torch.Tensor, respo
         raise ValueError(f"shared prefix: the group size {g} does not divide the {n} rows")
     p_len, r_len = prompt_lengths.long().tolist(), response_lengths.long().tolist()
     ng = n // g
-    lengths = []
     for k in range(ng):
         rows = range(k * g, (k + 1) * g)
         p = p_len[k * g]
         if any(p_len[i] != p or not torch.equal(tokens[i, :p], tokens[k * g, :p]) for i in rows):
             raise ValueError(f"shared prefix: rows {k * g}..{(k + 1) * g - 1} (group {k}) do not share one prompt")
-        lengths.append(p + sum(r_len[i] for i in rows))
-    length = packed_length(max(lengths), pad_to_multiple)
+    length = packed_group_length(prompt_lengths, response_lengths, g, pad_to_multiple)
     fill = int(tokens[0, -1]) if filler_token is None else int(filler_token)
     dev = tokens.device
     out_tok = torch.full((ng, length), fill, dtype=torch.long, device=dev)

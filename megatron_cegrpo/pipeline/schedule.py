@@ -25,7 +25,8 @@ from megatron.core.pipeline_parallel.schedules import (
 )
 
 from megatron_cegrpo.grpo.batch import RolloutBatch, microbatches
-from megatron_cegrpo.grpo.shared_prefix import pack_shared_prefix, packed_length, packed_microbatch, rows_from_packed
+from megatron_cegrpo.grpo.shared_prefix import (pack_shared_prefix, packed_group_length, packed_microbatch,
+                                                rows_from_packed)
 from megatron_cegrpo.optim.mixed_precision import compute_precision
 
 __all__ = ["PipelineRunner", "LossFn", "rope_at_positions"]
@@ -80,9 +81,7 @@ class PipelineRunner:
         n = int(batch["tokens"].shape[0])
         if not self.group:
             return n, int(batch["tokens"].shape[1])
-        lengths = batch["prompt_lengths"].long()[::self.group] + batch["response_lengths"].long().view(
-            -1, self.group).sum(dim=1)
-        return n // self.group, packed_length(int(lengths.max()))
+        return n // self.group, packed_group_length(batch["prompt_lengths"], batch["response_lengths"], self.group)
 
     def prefetch(self, batch: RolloutBatch, *, step: int) -> int:
         """Queue the codec's work for every micro-batch of ``batch`` at iteration ``step``
