@@ -37,13 +37,13 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads (the trainer's sampler: all)")
     p.add_argument("--out", default=None, help="write the rows and the machine's load as JSON here")
     args = p.parse_args(argv)
+    bootstrap(num_threads=args.threads)
     sizes = [int(s) for s in args.rounds.split(",") if s.strip()]
     if not sizes or min(sizes) < 1:
         p.error(f"--rounds must list sizes >= 1, got {args.rounds!r}")
     if args.repeats < 1 or args.max_new_tokens < 1:
         p.error("--repeats and --max-new-tokens must be >= 1")
 
-    bootstrap(num_threads=args.threads)
     import torch
 
     from benchmarks.bench_rollout import build_engine

@@ -24,7 +24,7 @@ ENTRY_POINTS = {
     "benchmarks/bench_codec.py", "benchmarks/bench_basis.py", "benchmarks/bench_link.py", "benchmarks/_link_worker.py",
     "benchmarks/projection.py", "benchmarks/bench_peer.py", "benchmarks/_peer_trl_worker.py",
     "benchmarks/bench_threads.py", "benchmarks/bench_iteration.py", "benchmarks/bench_rollout.py",
-    "benchmarks/bench_gpu.py",
+    "benchmarks/bench_gpu.py", "benchmarks/bench_gen_rounds.py",
     "megatron_cegrpo/compat/precision.py",
 }
 #: top-level modules that emit the known warnings while they are imported

@@ -313,7 +313,8 @@ class StageWorker:
         """This stage's bytes since the last call, its weight change and its boundary error
         sums (reset on read)."""
         out = {k: v for k, v in self.meter.snapshot_and_reset().items() if k != "comm/bytes_ratio"}
-        out["_weight/diff_sq"], out["_weight/base_sq"] = self._weight_change_sums()
+        out["_weight/diff_sq"], out["_weight/base_sq"] = _weight_change_sums(
+            list(self.model.parameters()), self.theta0, self.tied, self.is_counted_on_tp_rank)
         out.update(self.error_tracker.end_iteration())
         out.update(self.tied.metrics())
         if self.dp_group is not None:
@@ -321,22 +322,24 @@ class StageWorker:
         out["perf/update_flops"], self.update_flops = self.update_flops, 0
         return out
 
-    @torch.no_grad()
-    def _weight_change_sums(self) -> Tuple[float, float]:
-        """(||theta - theta_0||^2, ||theta_0||^2) over this stage's parameters (fp64); a tied
-        embedding's terms from the stage that owns it (``TiedEmbeddingSync.weight_terms``); at
-        TP > 1 this rank's shards and, on TP rank 0, the replicated parameters (summed over the TP
-        ranks by ``StageMetricsReducer.merge_tp_ranks``)."""
-        params = list(self.model.parameters())
-        remote = self.tied.weight_terms(params, self.theta0, _weight_terms)
-        diff = base = 0.0
-        for p, p0 in zip(params, self.theta0):
-            if not self.is_counted_on_tp_rank(p):
-                continue
-            d, b = remote[id(p)] if id(p) in remote else _weight_terms(p, p0)
-            diff += d
-            base += b
-        return diff, base
+
+@torch.no_grad()
+def _weight_change_sums(params: List[torch.Tensor], theta0: List[torch.Tensor], tied: TiedEmbeddingSync,
+                        counted) -> Tuple[float, float]:
+    """(||theta - theta_0||^2, ||theta_0||^2) over a stage's parameters ``params`` (fp64) against
+    ``theta0`` (same order); a tied embedding's terms from the stage that owns it
+    (``TiedEmbeddingSync.weight_terms``); only the parameters ``counted(p)`` keeps: at TP > 1 this
+    rank's shards and, on TP rank 0, the replicated parameters (summed over the TP ranks by
+    ``StageMetricsReducer.merge_tp_ranks``)."""
+    remote = tied.weight_terms(params, theta0, _weight_terms)
+    diff = base = 0.0
+    for p, p0 in zip(params, theta0):
+        if not counted(p):
+            continue
+        d, b = remote[id(p)] if id(p) in remote else _weight_terms(p, p0)
+        diff += d
+        base += b
+    return diff, base
 
 
 def _stage_baseline(policy: PolicyStage, pp_size: int, pp_rank: int) -> Dict[str, torch.Tensor]:
