@@ -28,6 +28,9 @@
 #   CODEC=dense ANCHOR_RANKS=0 LOG_DIR=runs/dense bash examples/run_smollm2_mawps.sh    # the dense control
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# this checkout's code, also where the venv's editable install points at another checkout (a git
+# worktree running a study arm while the main checkout changes): deepspeed's local launch keeps PYTHONPATH
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 source examples/learnable_config.sh
 
 PP=${PP:-2}

@@ -55,6 +55,9 @@
 #   DRY_RUN=1 bash examples/study_cpu.sh                                # print the commands
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# this checkout's code, also where the venv's editable install points at another checkout (a git
+# worktree running a study arm while the main checkout changes): deepspeed's local launch keeps PYTHONPATH
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
 STUDY_DIR=${STUDY_DIR:-/work/study-runs/study}
 STUDY_LOCK=${STUDY_LOCK:-/tmp/smollm2.lock}

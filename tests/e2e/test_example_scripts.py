@@ -128,3 +128,27 @@ def test_study_arm_suffixes_add_their_flags(tmp_path):
     assert "--sign-fold" not in dense16
     q = _flags(lines["lowrank_anchorq"])
     assert (q["--boundary-codec"], q["--anchor-ranks"], q["--lowrank-q-owner"]) == ("lowrank", "1", "anchor")
+
+
+def test_the_scripts_launch_this_checkouts_code(tmp_path):
+    """Both scripts put their own checkout first on PYTHONPATH: a study arm run from a git worktree
+    imports the worktree's package, not the one the venv's editable install points at (deepspeed's
+    local launch passes PYTHONPATH on; study_arm.json's commit is then the code that ran)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / "deepspeed"  # what the launched ranks would see: their PYTHONPATH and the package they import
+    fake.write_text('#!/usr/bin/env bash\necho "PYTHONPATH $PYTHONPATH"\n'
+                    'echo "PACKAGE $(python -c "import megatron_cegrpo, os; print(os.path.dirname(megatron_cegrpo.__file__))")"\n')
+    fake.chmod(0o755)
+    env = _env(PATH=f"{bin_dir}{os.pathsep}{os.path.dirname(sys.executable)}{os.pathsep}{os.environ['PATH']}",
+               PYTHONPATH=str(tmp_path / "elsewhere"))
+    demo = subprocess.run(["bash", "examples/run_smollm2_mawps.sh"], cwd=REPO, capture_output=True, text=True,
+                          env=dict(env, DEEPSPEED=str(fake), LOG_DIR=str(tmp_path / "demo")), timeout=120)
+    study = subprocess.run(["bash", "examples/study_cpu.sh"], cwd=REPO, capture_output=True, text=True, timeout=120,
+                           env=dict(env, ARMS="dense", SEEDS="1", STUDY_DIR=str(tmp_path / "study"),
+                                    STUDY_LOCK=str(tmp_path / "lock")))
+    for run in (demo, study):
+        assert run.returncode == 0, run.stderr
+        got = dict(ln.split(" ", 1) for ln in run.stdout.splitlines() if ln.startswith(("PYTHONPATH ", "PACKAGE ")))
+        assert got["PYTHONPATH"] == f"{REPO}{os.pathsep}{tmp_path / 'elsewhere'}"
+        assert got["PACKAGE"] == str(REPO / "megatron_cegrpo")
