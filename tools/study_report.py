@@ -211,7 +211,9 @@ def _identity(run_dir: str) -> Dict:
         # the anchor's cadence c (--anchor-interval) and delay K (--anchor-delay), iterations
         "anchor_interval": info.get("anchor_interval", cfg.get("anchor", {}).get("anchor_interval")),
         "anchor_delay": info.get("anchor_delay", cfg.get("anchor", {}).get("anchor_delay")),
-        "commit": info.get("commit"),  # the checkout study_cpu.sh ran (None for older folders)
+        # the checkout study_cpu.sh ran (None for older folders); before 2026-12-06 an arm launched from a
+        # git worktree imported the package of the venv's editable install, which may have been another checkout
+        "commit": info.get("commit"),
         "host": info.get("host"),  # the CPU it ran on (lscpu's model name; None for older folders)
     }
 
