@@ -47,7 +47,7 @@ def main(argv=None) -> int:
     import torch
 
     from benchmarks.bench_rollout import build_engine
-    from megatron_cegrpo.data import build_prompt, load_train_split
+    from megatron_cegrpo.data import encode_prompt, load_train_split
     from megatron_cegrpo.models import load_hf_state_dict, load_tokenizer, resolve_model
 
     load_before = machine_load()
@@ -57,8 +57,7 @@ def main(argv=None) -> int:
     split = load_train_split("mawps/singleop", num_holdout=HOLDOUT, seed=HOLDOUT_SEED)
     if max(sizes) > len(split.train):
         p.error(f"--rounds asks for {max(sizes)} prompts, the training split has {len(split.train)}")
-    ids = [torch.tensor(tokenizer(build_prompt(tokenizer, r.question, TEMPLATE), add_special_tokens=False)["input_ids"])
-           for r in split.train[:max(sizes)]]
+    ids = [encode_prompt(tokenizer, r.question, TEMPLATE) for r in split.train[:max(sizes)]]
     kind, dtype = args.engine.split(":")
     engine = build_engine(kind, dtype, cfg, sd, tokenizer)
     print(f"[bench_gen_rounds] {args.engine}, {torch.get_num_threads()} threads, load before "

@@ -145,7 +145,7 @@ def main(argv=None) -> int:
 
     import torch
 
-    from megatron_cegrpo.data import build_prompt, load_train_split
+    from megatron_cegrpo.data import encode_prompt, load_train_split
     from megatron_cegrpo.models import load_hf_state_dict, load_tokenizer, resolve_model
 
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
@@ -163,10 +163,7 @@ def main(argv=None) -> int:
     tokenizer = load_tokenizer(src)
     split = load_train_split("mawps/singleop", num_holdout=HOLDOUT, seed=HOLDOUT_SEED)
 
-    def encode(q):
-        return torch.tensor(tokenizer(build_prompt(tokenizer, q, TEMPLATE), add_special_tokens=False)["input_ids"])
-
-    rollout_prompts = [encode(r.question) for r in split.train[:ROLLOUT_PROMPTS] for _ in range(GROUP)]
+    rollout_prompts = [encode_prompt(tokenizer, r.question, TEMPLATE) for r in split.train[:ROLLOUT_PROMPTS] for _ in range(GROUP)]
     holdout = split.holdout[: args.eval_rows]
     print(f"[bench_rollout] SmolLM2-135M-Instruct, {torch.get_num_threads()} threads, load before "
           f"{load_before['loadavg_1_5_15']}; rollout {ROLLOUT_PROMPTS} x {GROUP} x <= {MAX_NEW_TOKENS} tokens at "

@@ -39,14 +39,10 @@ while True:
 
 
 def _prompts(tokenizer, n_prompts: int, data: str):
-    import torch
-
-    from megatron_cegrpo.data import build_prompt
+    from megatron_cegrpo.data import encode_prompt
 
     rows = [json.loads(x) for x in open(data) if x.strip()][:n_prompts]
-    ids = [torch.tensor(tokenizer(build_prompt(tokenizer, r["input"], "answer_is"), add_special_tokens=False)
-                        ["input_ids"]) for r in rows]
-    return ids
+    return [encode_prompt(tokenizer, r["input"], "answer_is") for r in rows]
 
 
 def main(argv=None) -> int:

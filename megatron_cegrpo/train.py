@@ -14,6 +14,7 @@ Anything else shows its traceback. ``docs/reliability.md`` lists the messages.
 import os
 import sys
 import time
+from functools import partial
 
 # torch-free modules only at module top: under a launcher this process may be the rank's
 # supervisor, which runs the rank in a child and must stay small; modules that import torch
@@ -74,7 +75,7 @@ def preflight(cfg):
         ConfigError: (or its subclasses DatasetError, CheckpointError) naming the flag and the fix.
     """
     from megatron_cegrpo import checkpointing as ck
-    from megatron_cegrpo.data import build_prompt, check_eval_data, check_train_data
+    from megatron_cegrpo.data import check_eval_data, check_train_data, encode_prompt
     from megatron_cegrpo.models import load_hf_config, load_tokenizer, resolve_model
     from megatron_cegrpo.models.builder import check_model_config
     from megatron_cegrpo.plan import resolve_plan
@@ -108,9 +109,7 @@ def preflight(cfg):
     plan = resolve_plan(cfg, _launch_world_size(), hf_config, verify_sizes=True)
     d = cfg.data
 
-    def encode(question):
-        text = build_prompt(tokenizer, question, d.prompt_template)
-        return tokenizer(text, add_special_tokens=False)["input_ids"]
+    encode = partial(encode_prompt, tokenizer, template=d.prompt_template)
 
     if d.custom_reward_function:
         from megatron_cegrpo.rewards.custom import load_custom_reward_function

@@ -30,6 +30,7 @@ from megatron_cegrpo.data.templates import (
     DEFAULT_TEMPLATE,
     available_templates,
     build_prompt,
+    encode_prompt,
     get_template,
     register_template,
 )
@@ -46,6 +47,7 @@ __all__ = [
     "available_formats",
     "available_templates",
     "build_prompt",
+    "encode_prompt",
     "dataset_path",
     "default_data_root",
     "detect_format",

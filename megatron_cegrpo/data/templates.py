@@ -17,6 +17,7 @@ __all__ = [
     "available_templates",
     "build_messages",
     "build_prompt",
+    "encode_prompt",
 ]
 
 Template = Callable[[str], str]
@@ -83,3 +84,20 @@ def build_prompt(tokenizer, question: str, template: str = DEFAULT_TEMPLATE) -> 
     return tokenizer.apply_chat_template(
         build_messages(question, template), tokenize=False, add_generation_prompt=True
     )
+
+
+def encode_prompt(tokenizer, question: str, template: str = DEFAULT_TEMPLATE):
+    """The prompt's token ids, as the sampler, the trainer and the evaluation feed them:
+    :func:`build_prompt`'s text tokenized with ``add_special_tokens=False`` (the chat template
+    already holds every special token; a tokenizer's own BOS would come twice).
+
+    Returns:
+        LongTensor[n] (int64), n the prompt's length in tokens.
+
+    Raises:
+        ValueError: an empty question or an unknown template (:func:`build_messages`).
+    """
+    import torch
+
+    text = build_prompt(tokenizer, question, template)
+    return torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)

@@ -27,7 +27,7 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
-from megatron_cegrpo.data import DEFAULT_TEMPLATE, DatasetError, PromptRecord, build_prompt, load_dataset
+from megatron_cegrpo.data import DEFAULT_TEMPLATE, DatasetError, PromptRecord, encode_prompt, load_dataset
 from megatron_cegrpo.rewards import get_verifier
 
 __all__ = [
@@ -303,13 +303,6 @@ class EvalReport:
 # ----------------------------------------------------------------------------- evaluation
 
 
-def _encode(tokenizer, question: str, template: str):
-    import torch
-
-    text = build_prompt(tokenizer, question, template)
-    return torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
-
-
 def _seed_for(seed: int, name: str) -> int:
     return (int(seed) * 1_000_003 + zlib.crc32(name.encode())) % (2 ** 31)
 
@@ -350,7 +343,7 @@ def evaluate_detailed(
     # prompts, longest first (padding waste is lowest when lengths are grouped)
     plans = []
     for name, recs in datasets.items():
-        ids = [_encode(tokenizer, r.question, template) for r in recs]
+        ids = [encode_prompt(tokenizer, r.question, template) for r in recs]
         order = sorted(range(len(recs)), key=lambda i: -int(ids[i].numel()))
         plans.append((name, list(recs), ids, order, mode_of[name]))
     total = sum(len(recs) * m.k for _, recs, _, _, m in plans)

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import json
 import os
+from functools import partial
 from typing import Dict, List, Optional
 
 import torch
 
 from megatron_cegrpo.compat.placement import usable_cores
-from megatron_cegrpo.data import PromptSampler, build_prompt, load_train_split, select_prompts
+from megatron_cegrpo.data import PromptSampler, encode_prompt, load_train_split, select_prompts
 from megatron_cegrpo.evaluation import evaluate_detailed, load_eval_datasets, parse_dataset_specs, write_eval_rows
 from megatron_cegrpo.grpo import core_algos as ca
 from megatron_cegrpo.grpo.batch import RolloutBatch, pack_rollouts
@@ -80,7 +81,8 @@ class Driver:
         self.tokenizer = load_tokenizer(policy.source)
         split = load_train_split(d.train_data, format=d.train_data_format, num_holdout=d.num_holdout,
                                  seed=cfg.holdout_split_seed, data_root=d.data_root)
-        kept, self.prompt_ids, too_long = select_prompts(split.train, self._encode, cfg.rollout.max_prompt_length,
+        encode = partial(encode_prompt, self.tokenizer, template=d.prompt_template)
+        kept, self.prompt_ids, too_long = select_prompts(split.train, encode, cfg.rollout.max_prompt_length,
                                                          source=f"--train-data {split.path}")
         if too_long:
             log(f"warning: skipped {too_long} prompts longer than --max-prompt-length="
@@ -120,10 +122,6 @@ class Driver:
             return {}
         lost = lost_iterations(path, 0) if r.restarted and not self.cfg.checkpoint.load else 0
         return {"recovery/restarts": r.count, "recovery/lost_iterations": lost}
-
-    def _encode(self, question: str) -> torch.Tensor:
-        text = build_prompt(self.tokenizer, question, self.cfg.data.prompt_template)
-        return torch.tensor(self.tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
 
     # ------------------------------------------------------------------ steps 1-3
     def generate_and_score(self, t: int, timers) -> RolloutBatch:

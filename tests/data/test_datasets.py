@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 _REPO = Path(__file__).resolve().parents[2]
 
@@ -19,6 +20,7 @@ from megatron_cegrpo.data import (
     available_templates,
     build_prompt,
     dataset_path,
+    encode_prompt,
     default_data_root,
     detect_format,
     get_format,
@@ -331,6 +333,16 @@ def test_build_prompt_with_smollm2(tokenizer, template, suffix):
     assert prompt.endswith("<|im_start|>assistant\n")
     ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
     assert 40 < len(ids) < 120
+
+
+def test_encode_prompt_is_the_prompt_texts_tokens(tokenizer):
+    ids = encode_prompt(tokenizer, Q, "answer_is")
+    assert ids.dtype == torch.long and ids.dim() == 1
+    assert ids.tolist() == tokenizer(build_prompt(tokenizer, Q, "answer_is"), add_special_tokens=False)["input_ids"]
+    assert tokenizer.decode(ids) == build_prompt(tokenizer, Q, "answer_is")  # nothing added, nothing lost
+    assert ids.tolist() != encode_prompt(tokenizer, Q, "boxed").tolist()
+    with pytest.raises(ValueError):
+        encode_prompt(tokenizer, Q, "fancy")
 
 
 def test_build_prompt_default_and_errors(tokenizer):
