@@ -163,7 +163,8 @@ def main(argv=None) -> int:
     tokenizer = load_tokenizer(src)
     split = load_train_split("mawps/singleop", num_holdout=HOLDOUT, seed=HOLDOUT_SEED)
 
-    rollout_prompts = [encode_prompt(tokenizer, r.question, TEMPLATE) for r in split.train[:ROLLOUT_PROMPTS] for _ in range(GROUP)]
+    rollout_prompts = [encode_prompt(tokenizer, r.question, TEMPLATE)
+                       for r in split.train[:ROLLOUT_PROMPTS] for _ in range(GROUP)]
     holdout = split.holdout[: args.eval_rows]
     print(f"[bench_rollout] SmolLM2-135M-Instruct, {torch.get_num_threads()} threads, load before "
           f"{load_before['loadavg_1_5_15']}; rollout {ROLLOUT_PROMPTS} x {GROUP} x <= {MAX_NEW_TOKENS} tokens at "
