@@ -562,6 +562,12 @@ def _gain_per_hour(arm: Dict) -> Optional[float]:
     return arm["gain"] / (arm["train_s"] / 3600.0) if arm.get("train_s") else None
 
 
+def _against_base(p: Dict) -> Dict:
+    """A variant's paired fields against its base from :func:`paired_diff`'s ``p`` (``a`` the variant)."""
+    return {"diff": p["diff"], "se": p["se"], "z": p["z"], "rows": p["rows"], "arm_only": p["a_only"],
+            "base_only": p["b_only"]}
+
+
 def compare_with_base(arms: Sequence[Dict], rows: Dict, mids: Optional[Dict] = None) -> List[Dict]:
     """Each variant against the arm it varies (:func:`base_arm`) at the same seed: what a feature
     (``--filter-groups``, dense steps, the controller, the anchor, ...) buys at the same seed, on the
@@ -597,15 +603,13 @@ def compare_with_base(arms: Sequence[Dict], rows: Dict, mids: Optional[Dict] = N
         if p and p.get("numerics_differ"):
             e["numerics_differ"] = p["numerics_differ"]
         elif p:
-            e.update(diff=p["diff"], se=p["se"], z=p["z"], rows=p["rows"], arm_only=p["a_only"],
-                     base_only=p["b_only"])
+            e.update(_against_base(p))
             at = (mids or {}).get((base, seed), {}).get(a.get("iterations"))
             if at is not None:
                 mine = rows[(name, seed)]["holdout"][1]
                 _same_rows(mine, at)
                 q = paired_diff(mine.by_id(), at.by_id())
-                e["same_step"] = {"step": a["iterations"], "base_acc": at.acc, "diff": q["diff"], "se": q["se"],
-                                  "z": q["z"], "rows": q["rows"], "arm_only": q["a_only"], "base_only": q["b_only"]}
+                e["same_step"] = {"step": a["iterations"], "base_acc": at.acc, **_against_base(q)}
         out.append(e)
     return out
 
