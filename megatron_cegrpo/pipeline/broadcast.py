@@ -1,20 +1,61 @@
 """The driver's rollout batch to every stage, metered (issue 12: the whole-step ledger).
 
 What ``torch.distributed.broadcast_object_list`` moves, written out so that its bytes are
-known exactly: the object's pickle bytes behind an int64 length, from the group's rank 0
-to each other member. Not a pipeline boundary: token ids, masks, advantages and the
-sampler's log-probs, which no codec touches.
+known exactly: the object's pickle bytes (:func:`dumps`, wire format :data:`BATCH_WIRE`) behind an
+int64 length, from the group's rank 0 to each other member. Not a pipeline boundary: token ids,
+masks, advantages and the sampler's log-probs, which no codec touches.
 """
 
 from __future__ import annotations
 
+import copyreg
+import io
 import pickle
 from typing import Any, Callable, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["broadcast_metered", "broadcast_nbytes", "scatter_metered"]
+__all__ = ["BATCH_WIRE", "broadcast_metered", "broadcast_nbytes", "scatter_metered", "dumps", "loads"]
+
+#: the batch's wire format, named in the equivalence records (tests/equivalence): ``comm/batch_bytes``
+#: is its length. Before 2026-12-06 the batch went as torch's own pickle, whose length depended on
+#: the tensors' memory addresses (:func:`dumps`).
+BATCH_WIRE = "tensor-bytes/1"
+
+
+def _tensor_from_bytes(dtype: str, shape: Tuple[int, ...], data: bytes) -> torch.Tensor:
+    dt = getattr(torch, dtype)
+    if not data:
+        return torch.empty(shape, dtype=dt)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dt).reshape(shape)
+
+
+def _reduce_tensor(t: torch.Tensor):
+    t = t.detach().cpu().contiguous()
+    raw = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+    return _tensor_from_bytes, (str(t.dtype).removeprefix("torch."), tuple(t.shape), raw)
+
+
+def dumps(obj: Any) -> bytes:
+    """The wire bytes of ``obj``: a pickle in which every ``torch.Tensor`` is its dtype, shape and
+    raw bytes (C order, this host's byte order), so the length depends on the values only.
+    torch's own tensor pickle embeds a legacy ``torch.save`` of each storage keyed by its memory
+    address in decimal, whose length moved ``comm/batch_bytes`` by ~110 bytes a batch between two
+    runs of one program (and ~300 bytes of its header a tensor are saved). Tensors arrive
+    contiguous, on the CPU (``compat/placement.place_batch`` moves them), without ``requires_grad``.
+    Other objects pickle as ``pickle`` does (protocol :data:`pickle.HIGHEST_PROTOCOL`)."""
+    buf = io.BytesIO()
+    p = pickle.Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL)
+    p.dispatch_table = copyreg.dispatch_table.copy()
+    p.dispatch_table[torch.Tensor] = _reduce_tensor
+    p.dump(obj)
+    return buf.getvalue()
+
+
+def loads(data: bytes) -> Any:
+    """The object :func:`dumps` wrote."""
+    return pickle.loads(data)
 
 
 def broadcast_nbytes(payload_bytes: int, group_size: int) -> int:
@@ -36,7 +77,7 @@ def broadcast_metered(obj: Any, group, copies: Optional[int] = None) -> Tuple[An
     """
     src = dist.get_global_rank(group, 0)
     if group.rank() == 0:
-        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        data = torch.frombuffer(bytearray(dumps(obj)), dtype=torch.uint8)
         n = torch.tensor([data.numel()], dtype=torch.int64)
     else:
         n = torch.zeros(1, dtype=torch.int64)
@@ -45,7 +86,7 @@ def broadcast_metered(obj: Any, group, copies: Optional[int] = None) -> Tuple[An
         data = torch.empty(int(n.item()), dtype=torch.uint8)
     dist.broadcast(data, src=src, group=group)
     if group.rank() != 0:
-        obj = pickle.loads(data.numpy().tobytes())
+        obj = loads(data.numpy().tobytes())
     return obj, broadcast_nbytes(int(n.item()), group.size() if copies is None else int(copies) + 1)
 
 
@@ -73,7 +114,7 @@ def scatter_metered(shards: Optional[Sequence[Any]], replica_of: Callable[[int],
     me = dist.get_rank()
     src = dist.get_global_rank(group, 0)
     if me == src:
-        blobs = [torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8) for obj in shards]
+        blobs = [torch.frombuffer(bytearray(dumps(obj)), dtype=torch.uint8) for obj in shards]
         sent = 0
         for g in dist.get_process_group_ranks(group):
             if g == src:
@@ -88,4 +129,4 @@ def scatter_metered(shards: Optional[Sequence[Any]], replica_of: Callable[[int],
     dist.recv(n, src=src, group=group)
     data = torch.empty(int(n.item()), dtype=torch.uint8)
     dist.recv(data, src=src, group=group)
-    return pickle.loads(data.numpy().tobytes()), 8 + data.numel()
+    return loads(data.numpy().tobytes()), 8 + data.numel()

@@ -23,6 +23,13 @@ the environment it was made in (``reference/<name>.env.json``, :data:`ENVIRONMEN
 may have one record per kind of host (``reference/<name>.<kind>.jsonl``, e.g. ``avx512-amx``:
 ``record`` on a host that matches none adds one), and the test compares against the record of this
 host's kind (where there is none it skips and says what differs).
+
+A record also names the rollout batch's wire format it was made with (``batch_wire`` in its
+``.env.json``, ``pipeline.broadcast.BATCH_WIRE``; a record without it predates the name: torch's
+own pickle, whose length depended on memory addresses). Against a record of another format,
+``comm/batch_bytes`` cannot compare, so every record is compared without it
+(:func:`without_batch_bytes`: the ledger's totals less the batch, its ratios left out) and a note
+says so; re-recording on that kind of host restores the full comparison.
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ sys.path.insert(0, os.path.dirname(HERE))  # tests/: distributed_util
 
 from distributed_util import PARITY_REWARD, free_port, launcher  # noqa: E402
 
+from megatron_cegrpo.pipeline.broadcast import BATCH_WIRE  # noqa: E402
 from megatron_cegrpo.training.perf import WALL_CLOCK_PREFIXES  # noqa: E402
 
 COMMON = ["--pipeline-model-parallel-size", "2", "--micro-batch-size", "4", "--rollout-batch-size", "2",
@@ -176,6 +184,56 @@ def _same(e, g) -> bool:
     return e == g
 
 
+#: the ledger's keys (training/ledger.py) that are quotients of totals including the batch
+BATCH_QUOTIENTS = ("comm/total_ratio", "comm/run_total_ratio", "comm/total_bytes_per_response_token")
+
+
+def without_batch_bytes(recs: list) -> list:
+    """``recs`` (a run's metric records, in step order from step 1) with ``comm/batch_bytes`` taken
+    out: dropped, subtracted from ``comm/total_bytes`` and ``comm/total_dense_bytes`` (the ledger
+    counts it in both), its running sum from ``comm/run_total_bytes`` and
+    ``comm/run_total_dense_bytes``, and :data:`BATCH_QUOTIENTS` dropped."""
+    out, run = [], 0
+    for r in recs:
+        r = dict(r)
+        b = r.pop("comm/batch_bytes", 0)
+        run += b
+        for k, minus in (("comm/total_bytes", b), ("comm/total_dense_bytes", b),
+                         ("comm/run_total_bytes", run), ("comm/run_total_dense_bytes", run)):
+            if k in r:
+                r[k] -= minus
+        for k in BATCH_QUOTIENTS:
+            r.pop(k, None)
+        out.append(r)
+    return out
+
+
+def record_batch_wire(name: str) -> str:
+    """The batch wire format of :func:`reference_path`'s record (``"torch-pickle"`` when its
+    environment does not name one: recorded before 2026-12-06)."""
+    path = environment_path(name)
+    if not os.path.exists(path):
+        return "torch-pickle"
+    with open(path) as f:
+        return json.load(f).get("batch_wire", "torch-pickle")
+
+
+def compare_with_record(name: str, got: list, limit: int = None) -> tuple:
+    """(differences, notes) of the run ``got`` against the record of ``name`` made on this kind of
+    host (its first ``limit`` records when given): :func:`differences`, without the batch's bytes
+    (:func:`without_batch_bytes`) when the record was made with another batch wire format, which
+    the notes then say."""
+    with open(reference_path(name)) as f:
+        expected = [json.loads(x) for x in f if x.strip()][:limit]
+    notes = []
+    wire = record_batch_wire(name)
+    if wire != BATCH_WIRE:
+        expected, got = without_batch_bytes(expected), without_batch_bytes(got)
+        notes.append(f"the {name} record's batch went as {wire}, this code's as {BATCH_WIRE}: compared without "
+                     f"comm/batch_bytes (re-record on a {host_kind()} host to compare it too)")
+    return differences(expected, got), notes
+
+
 def differences(expected: list, got: list) -> list:
     """Human-readable differences between two metric logs (empty: equal within ``REL_TOL``/``ABS_TOL``)."""
     out = []
@@ -207,15 +265,15 @@ def main(argv) -> int:
             for r in recs:
                 f.write(json.dumps(r, sort_keys=True) + "\n")
         with open(base + ".env.json", "w") as f:
-            json.dump(dict(environment()), f, indent=1, sort_keys=True)
+            json.dump(dict(environment(), batch_wire=BATCH_WIRE), f, indent=1, sort_keys=True)
             f.write("\n")
         print(f"recorded {len(recs)} records to {base}.jsonl (environment: {base}.env.json)")
         return 0
-    with open(reference_path(name)) as f:
-        expected = [json.loads(x) for x in f if x.strip()]
-    diff = differences(expected, recs)
+    diff, notes = compare_with_record(name, recs)
     for line in environment_differences(name):
         print(f"note: recorded in another environment: {line}")
+    for line in notes:
+        print(f"note: {line}")
     for line in diff:
         print(line)
     print(f"{name}: {'identical' if not diff else f'{len(diff)} differences'} ({len(recs)} records)")

@@ -4,7 +4,7 @@ the machine that recorded them; within float32 rounding on another CPU)."""
 import json
 
 import pytest
-from equivalence_runs import differences, environment_differences, reference_path, run
+from equivalence_runs import compare_with_record, differences, environment_differences, run
 
 
 def skip_unless_recorded_here(name: str) -> None:
@@ -18,11 +18,12 @@ def skip_unless_recorded_here(name: str) -> None:
 
 def test_tiny_run_matches_the_recorded_metrics(tmp_path):
     skip_unless_recorded_here("tiny")
-    with open(reference_path("tiny")) as f:
-        expected = [json.loads(x) for x in f if x.strip()]
     got = run("tiny", str(tmp_path))
     assert [r["step"] for r in got] == [1, 2, 3, 4, 5]
-    assert differences(expected, got) == []
+    diff, notes = compare_with_record("tiny", got)
+    for line in notes:  # a record of the batch's former wire format: everything but its bytes compared
+        print(f"note: {line}")
+    assert diff == []
 
 
 def test_differences_tolerates_cpu_rounding_but_not_behaviour():
@@ -76,3 +77,36 @@ def test_each_kind_of_host_compares_against_its_own_record(tmp_path, monkeypatch
     assert er.reference_path("x") == str(ref / "x.jsonl")
     assert er.environment_differences("x") == [f"amx: recorded {not here['amx']}, here {here['amx']}"]
     assert er.host_kind() == here["cpu_capability"].lower() + ("-amx" if here["amx"] else "")
+
+
+def test_a_record_of_the_former_batch_wire_compares_everything_but_the_batch_bytes(tmp_path, monkeypatch):
+    """A record made when the batch went as torch's pickle (no ``batch_wire`` in its environment)
+    compares without ``comm/batch_bytes``: the ledger's totals less the batch still compare
+    exactly, so a changed boundary byte shows; a record of this wire format compares the bytes."""
+    import equivalence_runs as er
+    from megatron_cegrpo.training.ledger import RunLedger
+
+    monkeypatch.setattr(er, "HERE", str(tmp_path))
+    (tmp_path / "reference").mkdir()
+
+    def recs(batch_bytes, fwd=1000):
+        ledger, out = RunLedger(), []
+        for step, b in enumerate(batch_bytes, 1):
+            m = {"step": step, "comm/fwd_bytes": fwd, "comm/bwd_bytes": 500, "comm/dense_equiv_bytes": 30000,
+                 "comm/batch_bytes": b, "batch/response_tokens": 40, "actor/pg_loss": 0.25 * step}
+            out.append({**m, **ledger.step(m)})
+        return out
+
+    old, new = recs([24431, 24432]), recs([23900, 23901])  # torch's pickle vs tensor-bytes/1
+    (tmp_path / "reference" / "x.jsonl").write_text("".join(json.dumps(r) + "\n" for r in old))
+    env = er.environment()
+    (tmp_path / "reference" / "x.env.json").write_text(json.dumps(env))
+    diff, notes = er.compare_with_record("x", new)
+    assert diff == [] and len(notes) == 1 and "torch-pickle" in notes[0] and er.BATCH_WIRE in notes[0]
+    assert er.without_batch_bytes(old)[1]["comm/run_total_bytes"] == 2 * 1500
+    assert "comm/total_ratio" not in er.without_batch_bytes(old)[0]
+    diff, _ = er.compare_with_record("x", recs([23900, 23901], fwd=1001))
+    assert "step 1: comm/fwd_bytes: expected 1000, got 1001" in diff and any("comm/total_bytes" in d for d in diff)
+    (tmp_path / "reference" / "x.env.json").write_text(json.dumps(dict(env, batch_wire=er.BATCH_WIRE)))
+    diff, notes = er.compare_with_record("x", new)
+    assert notes == [] and "step 1: comm/batch_bytes: expected 24431, got 23900" in diff

@@ -67,19 +67,19 @@ def test_the_run_ledger_sums_every_iteration_and_resumes_from_its_state():
 
 
 WORKER = r'''
-import os, pickle, sys
+import os, sys
 import torch, torch.distributed as dist
-from megatron_cegrpo.pipeline.broadcast import broadcast_metered
+from megatron_cegrpo.pipeline.broadcast import broadcast_metered, dumps
 dist.init_process_group("gloo")
 obj = {"tokens": torch.arange(300).view(3, 100), "adv": torch.randn(3, generator=torch.Generator().manual_seed(1))}
 got, n = broadcast_metered(obj if dist.get_rank() == 0 else None, dist.group.WORLD)
 assert torch.equal(got["tokens"], obj["tokens"]) and torch.equal(got["adv"], obj["adv"])
-print("BYTES", n, len(pickle.dumps(obj)))
+print("BYTES", n, len(dumps(obj)))
 dist.destroy_process_group()
 '''
 
 
-def test_broadcast_bytes_are_the_pickle_sent(tmp_path):
+def test_broadcast_bytes_are_the_wire_bytes_sent(tmp_path):
     script = tmp_path / "w.py"
     script.write_text(WORKER)
     outs = run_ranks([str(script)], 3, timeout=120)
@@ -90,16 +90,15 @@ def test_broadcast_bytes_are_the_pickle_sent(tmp_path):
 
 
 SCATTER_WORKER = r'''
-import pickle
 import torch, torch.distributed as dist
-from megatron_cegrpo.pipeline.broadcast import scatter_metered
+from megatron_cegrpo.pipeline.broadcast import dumps, scatter_metered
 dist.init_process_group("gloo")
 shards = [{"rows": torch.arange(4) + 4 * r} for r in range(2)]
 replica_of = lambda g: (g // 2) % 2  # TP = 2 x DP = 2, one stage: ranks 0, 1 replica 0; 2, 3 replica 1
 got, n = scatter_metered(shards if dist.get_rank() == 0 else None, replica_of, dist.group.WORLD,
                          counted=lambda g: g % 2 == 0)
 assert torch.equal(got["rows"], shards[replica_of(dist.get_rank())]["rows"])
-print("BYTES", n, len(pickle.dumps(shards[1])))
+print("BYTES", n, len(dumps(shards[1])))
 dist.destroy_process_group()
 '''
 
