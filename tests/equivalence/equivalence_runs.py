@@ -42,6 +42,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from typing import Optional
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
@@ -164,11 +165,18 @@ def environment_differences(name: str) -> list:
     return _differences_of(environment_path(name))
 
 
-def _differences_of(env_path: str) -> list:
+def _recorded_environment(env_path: str) -> Optional[dict]:
+    """The environment a record keeps beside it (None when it keeps none)."""
     if not os.path.exists(env_path):
-        return []
+        return None
     with open(env_path) as f:
-        rec = json.load(f)
+        return json.load(f)
+
+
+def _differences_of(env_path: str) -> list:
+    rec = _recorded_environment(env_path)
+    if rec is None:
+        return []
     here = environment()
     return [f"{k}: recorded {rec.get(k)}, here {here[k]}" for k in ENVIRONMENT_KEYS if rec.get(k) != here[k]]
 
@@ -211,11 +219,7 @@ def without_batch_bytes(recs: list) -> list:
 def record_batch_wire(name: str) -> str:
     """The batch wire format of :func:`reference_path`'s record (``"torch-pickle"`` when its
     environment does not name one: recorded before 2026-12-06)."""
-    path = environment_path(name)
-    if not os.path.exists(path):
-        return "torch-pickle"
-    with open(path) as f:
-        return json.load(f).get("batch_wire", "torch-pickle")
+    return (_recorded_environment(environment_path(name)) or {}).get("batch_wire", "torch-pickle")
 
 
 def compare_with_record(name: str, got: list, limit: int = None) -> tuple:
