@@ -21,7 +21,7 @@
 : "${KL_COEF:=0}"
 # precision (issue 29): where the host computes bf16 natively (AMX or AVX512-BF16 CPUs, GPUs),
 # bf16 passes and boundaries over fp32 master weights and Adam moments (--bf16); elsewhere fp32
-# passes, as the study's first arms ran (PyTorch emulates bf16 on an AVX2-only CPU, 75x slower:
+# passes, as the study's first arms ran (PyTorch emulates bf16 on an AVX2-only CPU, 45-75x slower:
 # megatron_cegrpo/compat/precision.py). The sampler holds bf16 weights either way (the default
 # --rollout-dtype bf16, synced by changed entries) and computes in bf16 only where it is native.
 # PRECISION_FLAGS="" forces fp32 passes, PRECISION_FLAGS="--bf16" forces bf16 passes.

@@ -4,8 +4,9 @@
 GPUs with bf16 tensor cores (``torch.cuda.is_bf16_supported``), and CPUs with AMX-BF16 (Intel
 Sapphire Rapids and later: 627 vs 98 GFLOP/s fp32 on one core, measured there) or AVX512-BF16.
 Elsewhere PyTorch emulates bf16 matmuls: on an AMD EPYC with AVX2 only (a machine this project
-also runs on) a 512x576 @ 576x1536 bf16 product ran at 0.4 GFLOP/s against 30 GFLOP/s in fp32,
-75 times slower, so ``--bf16`` there makes a run far slower, not faster.
+also runs on) a 512x576 @ 576x1536 bf16 product ran at 0.4-0.5 GFLOP/s against 23-30 GFLOP/s in
+fp32 (two measurements on two days), 45-75 times slower, so ``--bf16`` there makes a run far
+slower, not faster.
 
 The sampler's weights are bf16 by default (``--rollout-dtype bf16``: what the delta sync sends);
 :func:`rollout_compute_dtype` runs the hf sampler in bf16 only where it is native, else in fp32
