@@ -49,6 +49,7 @@
 # $STUDY_LOCK (flock; SmolLM2 runs take turns on this machine) while it runs.
 #
 # Then: python tools/study_report.py "$STUDY_DIR"   (docs/study.md, docs/study/summary.json)
+# Meanwhile: python tools/study_report.py "$STUDY_DIR" --progress   (a line per arm, running ones too)
 # Needs `deepspeed` and `python` of the project's venv on PATH (PATH=$PWD/.venv/bin:$PATH).
 #
 #   ARMS="dense mask_anchor" SEEDS="1234" bash examples/study_cpu.sh    # a subset

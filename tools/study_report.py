@@ -4,6 +4,7 @@
     python tools/study_report.py [STUDY_DIR] [--docs docs]
     python tools/study_report.py --show     # print the committed summary's table, write nothing
     python tools/study_report.py --show --run runs/smollm2_mawps_pcaq_every=2_lrq   # and that run's gain (make demo)
+    python tools/study_report.py STUDY_DIR --progress   # a line per arm, running ones too; writes nothing
 
 ``STUDY_DIR`` (default ``$STUDY_DIR``, else ``/work/study-runs/study``) holds one folder per
 arm and seed, as ``examples/study_cpu.sh`` writes them: ``metrics.jsonl`` and ``config.json``
@@ -1155,6 +1156,72 @@ def run_line(log_dir: str) -> str:
             f"{p['b_only']} broken; unpaired z {_fmt(z, '{:+.1f}')}): {verdict}")
 
 
+def progress(run_dir: str) -> Dict:
+    """Where one arm folder stands, finished or not (``--progress``; a run of 160 iterations spans
+    sessions): ``{arm, seed, codec, iterations, train_iters, finished, train_min, heldout}``, where
+    ``iterations`` is the last training step logged, ``train_iters`` the run's ``--train-iters``
+    (config.json; None without it), ``finished`` whether study_cpu.sh wrote ``DONE``, ``train_min``
+    the sum of ``timing_s/step`` in minutes, and ``heldout`` one entry per held-out evaluation after
+    step 0, ``{step, acc, gain, se, z, fixed, broken}``: the gain over step 0 and, where both per-row
+    files are in ``eval_rows/``, its paired standard error, z and McNemar counts (:func:`paired_diff`;
+    None without them). Raises FileNotFoundError without a metrics.jsonl and EvalRowsError for a
+    per-row file that is not the run's."""
+    from megatron_cegrpo.evaluation import find_eval_rows
+
+    records = read_records(run_dir)
+    train = [r for r in records if _num(r.get("timing_s/step")) is not None]
+    iterations = max((int(_num(r.get("step")) or 0) for r in train), default=0)
+    cfg_path = os.path.join(run_dir, "config.json")
+    train_iters = None
+    if os.path.isfile(cfg_path):
+        with open(cfg_path, encoding="utf-8") as f:
+            train_iters = json.load(f).get("optim", {}).get("train_iters")
+    points = _eval_points(records).get("holdout", {})
+    files = find_eval_rows(run_dir)
+    before = (_checked_rows(files[("holdout", 0)], "holdout", 0, {"holdout": points})
+              if ("holdout", 0) in files and 0 in points else None)
+    heldout = []
+    for step in sorted(t for t in points if t > 0):
+        entry = {"step": step, "acc": points[step][0], "gain": None, "se": None, "z": None,
+                 "fixed": None, "broken": None}
+        if 0 in points:
+            entry["gain"] = points[step][0] - points[0][0]
+        if before is not None and ("holdout", step) in files:
+            rows = _checked_rows(files[("holdout", step)], "holdout", step, {"holdout": points})
+            _same_rows(rows, before)
+            d = paired_diff(rows.by_id(), before.by_id())
+            entry.update(se=d["se"], z=d["z"], fixed=d["a_only"], broken=d["b_only"])
+        heldout.append(entry)
+    ident = _identity(run_dir)
+    return {"arm": ident["arm"], "seed": ident["seed"], "codec": ident["codec"], "iterations": iterations,
+            "train_iters": train_iters, "finished": os.path.isfile(os.path.join(run_dir, "DONE")),
+            "acc_before": points.get(0, (None,))[0],
+            "train_min": sum(_num(r["timing_s/step"]) for r in train) / 60.0, "heldout": heldout}
+
+
+def progress_line(run_dir: str) -> str:
+    """:func:`progress` as one line: ``dense s1234: 57/160 iterations (running), 58.3 min of
+    training; held-out 0.077 at 0, 0.150 at 40 (+0.073, paired SE 0.021, z +3.5: 32 fixed, 10 broken)``."""
+    p = progress(run_dir)
+    total = "?" if p["train_iters"] is None else p["train_iters"]
+    state = "finished" if p["finished"] else "running or stopped"
+    parts = [f"{p['arm']} s{p['seed']}: {p['iterations']}/{total} iterations ({state}), "
+             f"{p['train_min']:.1f} min of training"]
+    evals = [] if p["acc_before"] is None else [f"{p['acc_before']:.3f} at 0"]
+    for e in p["heldout"]:
+        text = f"{e['acc']:.3f} at {e['step']}"
+        if e["gain"] is not None:
+            text += f" ({e['gain']:+.3f}"
+            if e["se"] is not None:
+                text += (f", paired SE {_fmt(e['se'])}, z {_fmt(e['z'], '{:+.1f}')}: {e['fixed']} fixed, "
+                         f"{e['broken']} broken")
+            text += ")"
+        evals.append(text)
+    if evals:
+        parts.append("held-out " + ", ".join(evals))
+    return "; ".join(parts)
+
+
 def main(argv=None) -> int:
     bootstrap()
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -1170,7 +1237,19 @@ def main(argv=None) -> int:
     p.add_argument("--run", metavar="LOG_DIR",
                    help="with --show: first a line on that finished trainer run (its summary.json): held-out "
                         "accuracy before -> after, gain and z")
+    p.add_argument("--progress", action="store_true",
+                   help="print one line per arm folder in STUDY_DIR, finished or not (iterations done, every "
+                        "held-out evaluation so far with its paired gain), and exit (writes nothing)")
     args = p.parse_args(argv)
+    if args.progress:
+        try:
+            dirs = find_runs(args.study_dir)
+            for d in dirs:
+                print(progress_line(d))
+        except (FileNotFoundError, ValueError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        return 0
     if args.run and not args.show:
         p.error("--run goes with --show (e.g. --show --run runs/smollm2_mawps_pcaq_every=2_lrq)")
     if args.show:

@@ -722,3 +722,41 @@ def test_a_shorter_variant_is_also_paired_at_its_own_last_iteration(tmp_path):
     assert st["se"] == pytest.approx(0.1, rel=1e-12) and st["z"] == pytest.approx(1.0)
     md = (tmp_path / "docs" / "study.md").read_text()
     assert "| -0.100 | 0.100 | -1.0 | 0 / 1 | iteration 2: 0.400, +0.100 (0.100, +1.0) |" in md
+
+
+def test_progress_reports_an_unfinished_arm_with_its_paired_gain_so_far(tmp_path, capsys):
+    """--progress: a run of 4 iterations stopped after iteration 3, held-out rows scored at 0 and 2:
+    the line gives 3/4, the minutes of its steps and the paired gain at 2 (hand-computed); a finished
+    arm without per-row files gets its gains without the paired fields; nothing is written."""
+    mod = _tool()
+    mid = [1, 1, 1, 0, 0, 0, 0, 0, 1, 1]  # against _BEFORE: rows 0-2 fixed, none broken
+
+    def ev(t, scores):
+        return {"step": t, "val/holdout/acc": sum(scores) / 10, "val/holdout/acc_stderr": _se(scores),
+                "val/holdout/num_rows": 10, "timing_s/eval": 1.0}
+
+    root = tmp_path / "live"
+    run = root / "dense-s1"
+    _write_run(run, [ev(0, _BEFORE)] + [_step(t, 0.1, 30, 70, 2000, 30.0) for t in (1, 2)] + [ev(2, mid)]
+               + [_step(3, 0.1, 30, 70, 2000, 60.0)],
+               arm={"arm": "dense", "seed": 1, "codec": "dense", "anchor": False},
+               config={"optim": {"seed": 1, "train_iters": 4}}, done=False)
+    _rows_file(run, "holdout", 0, _BEFORE)
+    _rows_file(run, "holdout", 2, mid)
+    p = mod.progress(str(run))
+    assert (p["iterations"], p["train_iters"], p["finished"]) == (3, 4, False)
+    assert p["train_min"] == pytest.approx(2.0)
+    (e,) = p["heldout"]
+    # d = mid - before = [1, 1, 1, 0, ...]: mean 0.3, sample variance (3 * 0.49 + 7 * 0.09) / 9 = 2.1 / 9
+    assert (e["step"], e["fixed"], e["broken"]) == (2, 3, 0)
+    assert e["gain"] == pytest.approx(0.3) and e["se"] == pytest.approx(math.sqrt(2.1 / 9 / 10))
+    _paired_run(root, "mask_anchor", 1, mid, rows=False)
+    before_files = sorted(p.name for p in tmp_path.rglob("*"))
+    assert mod.main([str(root), "--progress"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    se = f"{math.sqrt(2.1 / 9 / 10):.3f}"
+    assert out == [f"dense s1: 3/4 iterations (running or stopped), 2.0 min of training; held-out 0.200 at 0, "
+                   f"0.500 at 2 (+0.300, paired SE {se}, z +{0.3 / math.sqrt(2.1 / 9 / 10):.1f}: 3 fixed, 0 broken)",
+                   "mask_anchor s1: 2/? iterations (finished), 0.3 min of training; held-out 0.200 at 0, "
+                   "0.500 at 2 (+0.300)"]
+    assert sorted(p.name for p in tmp_path.rglob("*")) == before_files
