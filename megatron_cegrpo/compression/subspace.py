@@ -24,6 +24,7 @@ Bytes of one message of N = s * b tokens, r basis rows, B coefficient bits per t
 elem = the wire dtype's element size (everything padded once to whole elements)::
 
     basis (pcaq: first message of the step; lrq: every message)   r * (2 d + 4)
+      (pcaq/basis_bits=8: int8 rows, an fp32 scale each)           r * (d + 8)
     shared sink (pcaq/sink=1: a flag byte + position 0 in fp16)   2 d + 1
     outlier tokens (index int32 + the token in fp16)              K * (2 d + 4)
     column scales (fp32)                                          4 r
@@ -328,6 +329,10 @@ class SubspaceQuantHalf(_WarmBasisFitting, DirectionCodec):
             shrink by R and the coefficients get the bits. The seeds' warning applies: a basis
             held for R steps throws away the same subspace on each of them
             (``codec/error_persistence``), so R is judged over a long horizon, not on fidelity.
+        basis_bits: (pcaq) 16 (default: fp16 rows) or 8: rows as int8 with an fp32 scale each
+            (:func:`quantize_rows_int8`), d + 8 bytes a row with its variance instead of 2 d + 4;
+            both ends code with the dequantised rows, so the decodes stay bit-identical
+            (``docs/codec_pairs.md``: what lets a basis refit every 2 steps fit 5 % shared, bf16).
         sink: (pcaq) 0 (default) or 1 (issue 32 item 2): position 0 of every sequence (the
             attention sink: SmolLM2's boundary state there is ~165x the median token's norm and,
             under causal attention after the same first token, the same vector in every
@@ -348,10 +353,10 @@ class SubspaceQuantHalf(_WarmBasisFitting, DirectionCodec):
     tp_splittable = True
 
     PARAMS = {"rank": int, "share": float, "max_bits": int, "outliers": int, "warm": int, "lag": int, "every": int,
-              "sink": int}
+              "sink": int, "basis_bits": int}
 
     def __init__(self, keep_ratio: float = 0.05, rank: int = 128, share: float = 0.12, max_bits: int = 8,
-                 outliers: int = 1, warm: int = 0, lag: int = 0, every: int = 1, sink: int = 0):
+                 outliers: int = 1, warm: int = 0, lag: int = 0, every: int = 1, sink: int = 0, basis_bits: int = 16):
         if not 0.0 < float(keep_ratio) <= 1.0:
             raise ValueError(f"keep_ratio must lie in (0, 1], got {keep_ratio}")
         if int(rank) < 1 or not 0.0 <= float(share) < 1.0 or not 1 <= int(max_bits) <= 16 or int(outliers) < 0:
@@ -376,6 +381,10 @@ class SubspaceQuantHalf(_WarmBasisFitting, DirectionCodec):
             raise ValueError(f"{self.name}/sink={sink}: sink=1 sends position 0 of the sequences once per message "
                              f"(the forward half, pcaq); fix: pcaq/sink=1/outliers=0 (or sink=0)")
         self.sink = int(sink)
+        if int(basis_bits) not in (8, 16) or (int(basis_bits) == 8 and self.refresh != "step"):
+            raise ValueError(f"{self.name}/basis_bits={basis_bits}: the basis rows go as fp16 (16) or as int8 with "
+                             f"a scale a row (8, the forward half pcaq only); fix: pcaq/basis_bits=8 (or 16)")
+        self.basis_bits = int(basis_bits)
         self._state = {"send": OrderedDict(), "recv": OrderedDict()}  # (boundary, step) -> (v fp32, lam list)
         # warm > 0: boundary -> fp32 [r, d]: lag=0, the last basis sent there; lag=1, the next one to send
         self._warm_basis = {}
@@ -456,6 +465,10 @@ class SubspaceQuantHalf(_WarmBasisFitting, DirectionCodec):
             raise ValueError(f"{self.name}: keep ratio {self.keep_ratio} leaves no coefficient bits for shape {shape}")
         return min(bits, self.max_bits * r)
 
+    def basis_row_nbytes(self, d: int) -> int:
+        """Wire bytes of one sent basis row with its variance: 2 d + 4 (fp16), d + 8 (int8 + scale)."""
+        return 2 * d + 4 if self.basis_bits == 16 else d + 8
+
     def _key(self, ctx) -> Tuple[int, int]:
         """(boundary, the step's basis window): ``step // every`` (``every`` = 1: the step)."""
         return int(ctx.boundary), int(ctx.step) // self.every
@@ -477,7 +490,7 @@ class SubspaceQuantHalf(_WarmBasisFitting, DirectionCodec):
         raw = (4 * r + packed_nbytes(s * b, self.coef_bits(shape, elem)) + self.outlier_count(shape) * (2 * d + 4)
                + self.sink * (2 * d + 1))
         if first_of_step or self.refresh == "microbatch":
-            raw += r * (2 * d + 4)
+            raw += r * self.basis_row_nbytes(d)
         return wire_numel(raw, _dtype_of(elem)) * elem
 
     def wire_shape(self, shape, ctx, dtype, role):
@@ -521,10 +534,12 @@ class SubspaceQuantHalf(_WarmBasisFitting, DirectionCodec):
         coef = None
         if self._carries_basis(key, "send"):
             v16, lam, coef = self._fit_basis(x, idx, self.basis_rows(t.shape, elem), ctx.boundary)
-            parts += [tensor_bytes(v16), tensor_bytes(lam)]
+            fields, v = _basis_fields(v16, self.basis_bits)
+            parts += fields + [tensor_bytes(lam)]
+            coef = coef if self.basis_bits == 16 else None  # int8: project onto what the receiver decodes with
+            lam_list = lam.tolist()
             if self.refresh == "step":
-                self._remember("send", key, (v16.float(), lam.tolist()))
-            v, lam_list = v16.float(), lam.tolist()
+                self._remember("send", key, (v, lam_list))
         else:
             v, lam_list = self._state["send"][key]
         bits = allocate_bits(lam_list, self.coef_bits(t.shape, elem), self.max_bits)
@@ -560,7 +575,7 @@ class SubspaceQuantHalf(_WarmBasisFitting, DirectionCodec):
         idx = reader.take_as((k,), torch.int32).to(payload.device).long()
         rows = reader.take_as((k, d), torch.float16).to(payload.device).float()
         if carries:
-            v = reader.take_as((r, d), torch.float16).to(payload.device).float()
+            v = _read_basis(reader, r, d, self.basis_bits, payload.device)
             lam_list = reader.take_as((r,), torch.float32).tolist()
             if self.refresh == "step" and role == "recv":
                 self._remember("recv", key, (v, lam_list))
@@ -572,6 +587,39 @@ class SubspaceQuantHalf(_WarmBasisFitting, DirectionCodec):
         if sink_row is not None:
             out[:b] = sink_row
         return out.view(s, b, d).to(payload.dtype)
+
+
+def _basis_fields(v16: torch.Tensor, basis_bits: int):
+    """(wire fields, the fp32 [r, d] rows both ends code with) of a basis fitted as fp16 ``v16``:
+    the fp16 rows themselves, or with ``basis_bits`` 8 the scales and int8 rows."""
+    if basis_bits == 16:
+        return [tensor_bytes(v16)], v16.float()
+    q, scale = quantize_rows_int8(v16.float())
+    return [tensor_bytes(scale), tensor_bytes(q)], dequantize_rows_int8(q, scale)
+
+
+def _read_basis(reader: ByteReader, r: int, d: int, basis_bits: int, device) -> torch.Tensor:
+    """The fp32 [r, d] basis rows :func:`_basis_fields` wrote, read from ``reader``."""
+    if basis_bits == 16:
+        return reader.take_as((r, d), torch.float16).to(device).float()
+    scale = reader.take_as((r,), torch.float32).to(device)
+    return dequantize_rows_int8(reader.take_as((r, d), torch.int8).to(device), scale)
+
+
+def quantize_rows_int8(v: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Rows of ``v`` [r, d] (fp32) as int8 with one fp32 scale a row, ``max_j |v_ij| / 127``
+    (symmetric, round half to even; a zero row gets scale 1). Returns (q int8 [r, d], scale fp32
+    [r]); :func:`dequantize_rows_int8` inverts it up to half a step per entry."""
+    amax = v.abs().amax(dim=1)
+    scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax)).float()
+    q = torch.round(v / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def dequantize_rows_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """fp32 [r, d] rows ``q * scale`` from :func:`quantize_rows_int8`'s int8 ``q`` [r, d] and
+    fp32 ``scale`` [r]."""
+    return q.float() * scale[:, None]
 
 
 def _zero_rows(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
