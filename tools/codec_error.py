@@ -6,10 +6,13 @@ in the real pipeline, in minutes a batch): the forward half of each codec spec e
 the hidden states after layer ``L = layers / 2`` (the PP = 2 boundary) of SmolLM2-135M-Instruct on
 MAWPS prompts, micro-batch by micro-batch as the pipeline sends them, in fp32 and in bf16 (the
 wire dtype sets the byte budget: 5 % of 2 bytes a value is half the bits of 5 % of 4). Printed per
-spec and dtype: the mean over tokens of ``||x_hat_i - x_i|| / ||x_i||`` (position 0, the attention
-sink, left out: its norm is ~165x the median and every pcaq spec sends it whole) and the bytes of
-one message. No gradient, no training: a codec that is close here may still train worse (a held
-basis keeps its error's direction: ``docs/codecs.md``, "A held basis").
+spec and dtype: the mean over real tokens of ``||x_hat_i - x_i|| / ||x_i||`` (padding and position
+0, the attention sink, left out: its norm is ~165x the median and every pcaq spec sends it whole)
+and the mean payload bytes of the step's messages (one step: a per-step basis rides on the first,
+so it is amortised over ``prompts / 4`` messages, and ``every=R`` has nothing to hold it over).
+Prompts only, no responses: shorter micro-batches than the trainer's, so a basis weighs more here.
+No gradient, no training: a codec that is close here may still train worse (a held basis keeps
+its error's direction: ``docs/codecs.md``, "A held basis").
 
     python tools/codec_error.py --specs pcaq:lrq pcaq/basis_bits=8:lrq --prompts 8
 """
@@ -18,7 +21,7 @@ import argparse
 import json
 import os
 import sys
-from typing import Dict, Sequence
+from typing import Dict, Optional, Sequence
 
 import torch
 
@@ -29,21 +32,24 @@ from megatron_cegrpo.bootstrap import bootstrap  # noqa: E402
 
 
 def token_errors(x: torch.Tensor, specs: Sequence[str], keep_ratio: float = 0.05, micro_batch: int = 4,
-                 skip_positions: int = 1) -> Dict[str, Dict[str, float]]:
+                 skip_positions: int = 1, valid: Optional[torch.Tensor] = None) -> Dict[str, Dict[str, float]]:
     """Forward-half reconstruction error of each spec on ``x`` [s, b, d] (the pipeline's
     sequence-major layout, any float dtype: it is the wire dtype), coded ``micro_batch``
-    sequences at a time as step 0, boundary 0.
+    sequences at a time as step 0, boundary 0 (padding is coded too, as the pipeline sends it).
 
-    Returns ``{spec: {"err": mean over tokens at positions >= skip_positions of
-    ||x_hat - x|| / ||x|| (fp32 arithmetic; zero-norm tokens left out), "bytes": mean payload
-    bytes of one message}}``. Raises ValueError for a malformed spec (``build_codec``) or a
-    ``micro_batch`` < 1.
+    Returns ``{spec: {"err": mean over the tokens at positions >= skip_positions where ``valid``
+    [s, b] (bool; default all) is True of ||x_hat - x|| / ||x|| (fp32 arithmetic; zero-norm tokens
+    left out), "bytes": mean payload bytes of the messages}}``. Raises ValueError for a malformed
+    spec (``build_codec``), a ``micro_batch`` < 1 or a ``valid`` of another shape.
     """
     from megatron_cegrpo.compression import BoundaryContext, build_codec
 
     if micro_batch < 1:
         raise ValueError(f"micro_batch must be >= 1, got {micro_batch}")
     s, b, d = x.shape
+    valid = torch.ones(s, b, dtype=torch.bool) if valid is None else valid.bool()
+    if tuple(valid.shape) != (s, b):
+        raise ValueError(f"valid has shape {tuple(valid.shape)}, x's tokens are {(s, b)}")
     out = {}
     for spec in specs:
         codec = build_codec(spec, keep_ratio, warn=False)
@@ -55,7 +61,7 @@ def token_errors(x: torch.Tensor, specs: Sequence[str], keep_ratio: float = 0.05
             y = codec.decode_forward(payload, ctx, tuple(t.shape)).float()
             ref = t.float()[skip_positions:].reshape(-1, d)
             norm = ref.norm(dim=-1)
-            keep = norm > 0
+            keep = (norm > 0) & valid[skip_positions:, lo:lo + micro_batch].reshape(-1)
             errs.append(((y[skip_positions:].reshape(-1, d) - ref).norm(dim=-1)[keep] / norm[keep]))
             sizes.append(payload.numel() * payload.element_size())
         out[spec] = {"err": torch.cat(errs).mean().item(), "bytes": sum(sizes) / len(sizes)}
@@ -63,9 +69,9 @@ def token_errors(x: torch.Tensor, specs: Sequence[str], keep_ratio: float = 0.05
 
 
 def boundary_states(prompts: int, data: str):
-    """(hidden states [s, b, d] fp32, L): the states after layer L = layers / 2 of
-    SmolLM2-135M-Instruct on the first ``prompts`` rows of ``data`` (a MAWPS jsonl), chat
-    template, padded on the right."""
+    """(hidden states [s, b, d] fp32, real-token mask [s, b] bool, L): the states after layer
+    L = layers / 2 of SmolLM2-135M-Instruct on the first ``prompts`` rows of ``data`` (a MAWPS
+    jsonl), chat template, padded on the right."""
     from megatron_cegrpo.models.hf_config import load_tokenizer, resolve_model
     from megatron_cegrpo.models.loader import build_hf_model, load_hf_state_dict
 
@@ -81,7 +87,7 @@ def boundary_states(prompts: int, data: str):
     with torch.no_grad():
         layer = cfg.num_hidden_layers // 2
         h = model(**enc, output_hidden_states=True).hidden_states[layer]
-    return h.transpose(0, 1).contiguous(), layer
+    return h.transpose(0, 1).contiguous(), enc["attention_mask"].t().bool(), layer
 
 
 def main(argv=None) -> int:
@@ -98,13 +104,13 @@ def main(argv=None) -> int:
         print(f"error: --data {a.data}: no such file; fix: pass a MAWPS jsonl (../shared/data/mawps/singleop.jsonl)",
               file=sys.stderr)
         return 2
-    x, layer = boundary_states(a.prompts, a.data)
+    x, valid, layer = boundary_states(a.prompts, a.data)
     print(f"boundary states {tuple(x.shape)} (s, b, d) after layer {layer}; per-token relative error "
           "(position 0 left out), bytes a message")
     result = {}
     for dtype in (torch.float32, torch.bfloat16):
         try:
-            r = token_errors(x.to(dtype), a.specs, a.keep_ratio)
+            r = token_errors(x.to(dtype), a.specs, a.keep_ratio, valid=valid)
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2

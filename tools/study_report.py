@@ -1158,9 +1158,11 @@ def run_line(log_dir: str) -> str:
 
 def progress(run_dir: str) -> Dict:
     """Where one arm folder stands, finished or not (``--progress``; a run of 160 iterations spans
-    sessions): ``{arm, seed, codec, iterations, train_iters, finished, train_min, heldout}``, where
+    sessions): ``{arm, seed, codec, iterations, train_iters, finished, acc_before, train_min,
+    heldout}``, where
     ``iterations`` is the last training step logged, ``train_iters`` the run's ``--train-iters``
-    (config.json; None without it), ``finished`` whether study_cpu.sh wrote ``DONE``, ``train_min``
+    (config.json; None without it), ``finished`` whether study_cpu.sh wrote ``DONE``, ``acc_before``
+    the held-out accuracy at step 0 (None before it is logged), ``train_min``
     the sum of ``timing_s/step`` in minutes, and ``heldout`` one entry per held-out evaluation after
     step 0, ``{step, acc, gain, se, z, fixed, broken}``: the gain over step 0 and, where both per-row
     files are in ``eval_rows/``, its paired standard error, z and McNemar counts (:func:`paired_diff`;
@@ -1200,7 +1202,7 @@ def progress(run_dir: str) -> Dict:
 
 
 def progress_line(run_dir: str) -> str:
-    """:func:`progress` as one line: ``dense s1234: 57/160 iterations (running), 58.3 min of
+    """:func:`progress` as one line: ``dense s1234: 57/160 iterations (running or stopped), 58.3 min of
     training; held-out 0.077 at 0, 0.150 at 40 (+0.073, paired SE 0.021, z +3.5: 32 fixed, 10 broken)``."""
     p = progress(run_dir)
     total = "?" if p["train_iters"] is None else p["train_iters"]
@@ -1244,12 +1246,17 @@ def main(argv=None) -> int:
     if args.progress:
         try:
             dirs = find_runs(args.study_dir)
-            for d in dirs:
-                print(progress_line(d))
-        except (FileNotFoundError, ValueError) as e:
+        except FileNotFoundError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
-        return 0
+        rc = 0
+        for d in dirs:  # one arm's unreadable file is that arm's line; the others still print
+            try:
+                print(progress_line(d))
+            except (OSError, ValueError) as e:  # ValueError: a bad config.json, evaluation.EvalRowsError
+                print(f"error: {os.path.basename(d)}: {e}", file=sys.stderr)
+                rc = 2
+        return rc
     if args.run and not args.show:
         p.error("--run goes with --show (e.g. --show --run runs/smollm2_mawps_pcaq_every=2_lrq)")
     if args.show:

@@ -5,10 +5,11 @@ amortised, and counted"; "a low-rank ... activation-gradient backward"). Transfo
 rotate each token's d-vector onto the top-r right singular vectors V [r, d] of the sender's
 data (KLT/PCA, uncentred, so the mean direction is one of them), quantise the r coefficients
 with an integer bit allocation driven by the singular values (``quant.py``), and decode
-``x_hat = c_hat V``. The basis is computed by the SENDER and SENT (fp16 rows and fp32
-variances lambda_j = sigma_j**2 / N); the sender uses the same fp16-rounded basis, so both
-ends decode bit-identical tensors. Nothing is derived at the receiver except the bit
-allocation, a deterministic function of the sent variances and the message shape.
+``x_hat = c_hat V``. The basis is computed by the SENDER and SENT (fp16 rows, or with pcaq's
+``basis_bits=8`` int8 rows and a scale each, and fp32 variances lambda_j = sigma_j**2 / N); the
+sender uses the same rounded basis, so both ends decode bit-identical tensors. Nothing is
+derived at the receiver except the bit allocation, a deterministic function of the sent
+variances and the message shape.
 
 Two refresh policies:
 
@@ -553,8 +554,9 @@ class SubspaceQuantHalf(_WarmBasisFitting, DirectionCodec):
 
     def decode_sent(self, payload, ctx, shape):
         """At the sender, after :meth:`encode`: the payload carries a basis iff its length is
-        that of a first message (the two lengths differ by the basis' r(2d + 4) bytes); the
-        basis otherwise comes from the send-side state; nothing is remembered."""
+        that of a first message (the two lengths differ by the basis' r rows of
+        :meth:`basis_row_nbytes`); the basis otherwise comes from the send-side state; nothing is
+        remembered."""
         return self._decode(payload, ctx, shape, "send")
 
     def _decode(self, payload, ctx, shape, role: str):

@@ -43,3 +43,10 @@ def test_the_error_is_the_mean_per_token_ratio_without_position_0():
     assert half["mask"]["bytes"] == r["mask"]["bytes"] / 2
     with pytest.raises(ValueError, match="micro_batch must be >= 1"):
         mod.token_errors(x, ["mask"], micro_batch=0)
+    # padding left out: the mean over the tokens marked valid only
+    valid = torch.zeros(20, 8, dtype=torch.bool)
+    valid[:11, :4] = True
+    v = mod.token_errors(x, ["mask"], keep_ratio=0.25, micro_batch=4, valid=valid)
+    assert v["mask"]["err"] == pytest.approx(want[0].reshape(19, 4)[:10].mean().item(), rel=1e-6)
+    with pytest.raises(ValueError, match="valid has shape"):
+        mod.token_errors(x, ["mask"], valid=valid[:, :3])

@@ -760,3 +760,19 @@ def test_progress_reports_an_unfinished_arm_with_its_paired_gain_so_far(tmp_path
                    "mask_anchor s1: 2/? iterations (finished), 0.3 min of training; held-out 0.200 at 0, "
                    "0.500 at 2 (+0.300)"]
     assert sorted(p.name for p in tmp_path.rglob("*")) == before_files
+
+
+def test_progress_reports_a_bad_arm_on_its_own_line_and_goes_on(tmp_path, capsys):
+    """An arm whose per-row file is not its own (its accuracy disagrees with metrics.jsonl) gets one
+    error line naming the folder; the other arms still print; exit 2."""
+    mod = _tool()
+    root = tmp_path / "live"
+    _paired_run(root, "dense", 1, [1] * 10)
+    bad = _paired_run(root, "mask_anchor", 1, [1] * 10)
+    _rows_file(bad, "holdout", 2, [0] * 10)  # overwrites: 0.0, where metrics.jsonl logs 1.0
+    assert mod.main([str(root), "--progress"]) == 2
+    cap = capsys.readouterr()
+    assert cap.out.splitlines() == ["dense s1: 2/? iterations (finished), 0.3 min of training; held-out 0.200 at 0, "
+                                    "1.000 at 2 (+0.800, paired SE 0.133, z +6.0: 8 fixed, 0 broken)"]
+    (line,) = cap.err.splitlines()
+    assert line.startswith("error: mask_anchor-s1: ") and "0.0000" in line and "1.0000" in line
