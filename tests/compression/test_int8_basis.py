@@ -7,22 +7,11 @@ import torch
 
 from megatron_cegrpo import plan
 from megatron_cegrpo.arguments import build_config, parse_args
-from megatron_cegrpo.compression import BoundaryContext, build_codec
+from megatron_cegrpo.compression import build_codec
 from megatron_cegrpo.compression.subspace import dequantize_rows_int8, quantize_rows_int8
 from megatron_cegrpo.errors import ConfigError
 
-SHAPE = (32, 2, 48)  # N = 64 tokens, d = 48
-
-
-def _ctx(step, ids=(0, 1)):
-    return BoundaryContext(seed=1, boundary=0, step=step, sample_ids=torch.tensor(list(ids)))
-
-
-def _data(seed):
-    g, gb = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(7)
-    basis = torch.linalg.qr(torch.randn(48, 48, generator=gb)).Q[:12]
-    return (torch.randn(32, 2, 12, generator=g) * torch.logspace(1, -1, 12)) @ basis \
-        + 0.01 * torch.randn(32, 2, 48, generator=g)
+from test_window_basis import SHAPE, _ctx, _data  # the held-basis tests' shape, context and data
 
 
 def test_row_quantiser_values():

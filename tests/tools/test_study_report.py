@@ -354,6 +354,12 @@ def _se(scores):
     return math.sqrt(sum((x - m) ** 2 for x in scores) / (len(scores) - 1) / len(scores))
 
 
+def _ev(t, scores):
+    """The held-out record at step ``t`` of 10 rows scored ``scores``."""
+    return {"step": t, "val/holdout/acc": sum(scores) / 10, "val/holdout/acc_stderr": _se(scores),
+            "val/holdout/num_rows": 10, "timing_s/eval": 1.0}
+
+
 def _paired_run(root: Path, arm, seed, after, rows=True):
     recs = [{"step": 0, "val/holdout/acc": sum(_BEFORE) / 10, "val/holdout/acc_stderr": _se(_BEFORE),
              "val/holdout/num_rows": 10, "timing_s/eval": 1.0},
@@ -696,19 +702,15 @@ def test_a_shorter_variant_is_also_paired_at_its_own_last_iteration(tmp_path):
     mod = _tool()
     mid, after, filt = [1, 1, 0, 0, 0, 0, 0, 0, 1, 1], [1, 1, 1, 1, 0, 0, 0, 0, 1, 1], [1, 1, 1, 0, 0, 0, 0, 0, 1, 1]
 
-    def ev(t, scores):
-        return {"step": t, "val/holdout/acc": sum(scores) / 10, "val/holdout/acc_stderr": _se(scores),
-                "val/holdout/num_rows": 10, "timing_s/eval": 1.0}
-
     root = tmp_path / "live"
     dense = root / "dense-s1"
-    _write_run(dense, [ev(0, _BEFORE)] + [_step(t, 0.1, 30, 70, 2000, 10.0) for t in (1, 2)] + [ev(2, mid)]
-               + [_step(t, 0.1, 30, 70, 2000, 10.0) for t in (3, 4)] + [ev(4, after)],
+    _write_run(dense, [_ev(0, _BEFORE)] + [_step(t, 0.1, 30, 70, 2000, 10.0) for t in (1, 2)] + [_ev(2, mid)]
+               + [_step(t, 0.1, 30, 70, 2000, 10.0) for t in (3, 4)] + [_ev(4, after)],
                arm={"arm": "dense", "seed": 1, "codec": "dense", "anchor": False})
     for t, scores in ((0, _BEFORE), (2, mid), (4, after)):
         _rows_file(dense, "holdout", t, scores)
     run = root / "dense_filter-s1"
-    _write_run(run, [ev(0, _BEFORE)] + [_step(t, 0.1, 30, 70, 2000, 20.0) for t in (1, 2)] + [ev(2, filt)],
+    _write_run(run, [_ev(0, _BEFORE)] + [_step(t, 0.1, 30, 70, 2000, 20.0) for t in (1, 2)] + [_ev(2, filt)],
                arm={"arm": "dense_filter", "seed": 1, "codec": "dense", "anchor": False})
     for t, scores in ((0, _BEFORE), (2, filt)):
         _rows_file(run, "holdout", t, scores)
@@ -731,13 +733,9 @@ def test_progress_reports_an_unfinished_arm_with_its_paired_gain_so_far(tmp_path
     mod = _tool()
     mid = [1, 1, 1, 0, 0, 0, 0, 0, 1, 1]  # against _BEFORE: rows 0-2 fixed, none broken
 
-    def ev(t, scores):
-        return {"step": t, "val/holdout/acc": sum(scores) / 10, "val/holdout/acc_stderr": _se(scores),
-                "val/holdout/num_rows": 10, "timing_s/eval": 1.0}
-
     root = tmp_path / "live"
     run = root / "dense-s1"
-    _write_run(run, [ev(0, _BEFORE)] + [_step(t, 0.1, 30, 70, 2000, 30.0) for t in (1, 2)] + [ev(2, mid)]
+    _write_run(run, [_ev(0, _BEFORE)] + [_step(t, 0.1, 30, 70, 2000, 30.0) for t in (1, 2)] + [_ev(2, mid)]
                + [_step(3, 0.1, 30, 70, 2000, 60.0)],
                arm={"arm": "dense", "seed": 1, "codec": "dense", "anchor": False},
                config={"optim": {"seed": 1, "train_iters": 4}}, done=False)
