@@ -19,7 +19,7 @@ SCANNED = ("megatron_cegrpo", "tools", "benchmarks", "examples")
 #: every script the docs tell users (or launchers) to run; discovered entry points must be listed
 ENTRY_POINTS = {
     "megatron_cegrpo/train.py", "tools/evaluate.py", "tools/plot_runs.py", "tools/checkpoint/convert.py",
-    "tools/codec_fidelity.py", "tools/codec_emulation.py", "tools/codec_frontier.py",
+    "tools/codec_fidelity.py", "tools/codec_emulation.py", "tools/codec_error.py", "tools/codec_frontier.py",
     "tools/study_report.py", "tools/study_baseline.py", "tools/build_ops.py", "tools/forecast_report.py",
     "benchmarks/bench_codec.py", "benchmarks/bench_basis.py", "benchmarks/bench_link.py", "benchmarks/_link_worker.py",
     "benchmarks/projection.py", "benchmarks/bench_peer.py", "benchmarks/_peer_trl_worker.py",

@@ -25,10 +25,7 @@ from typing import Dict, Optional, Sequence
 
 import torch
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(_HERE))
-
-from megatron_cegrpo.bootstrap import bootstrap  # noqa: E402
+from megatron_cegrpo.bootstrap import bootstrap
 
 
 def token_errors(x: torch.Tensor, specs: Sequence[str], keep_ratio: float = 0.05, micro_batch: int = 4,
@@ -96,10 +93,13 @@ def main(argv=None) -> int:
     ap.add_argument("--specs", nargs="+", default=["mask", "pcaq:lrq"], help="--boundary-codec specs")
     ap.add_argument("--prompts", type=int, default=8, help="MAWPS prompts (sequences), in micro-batches of 4")
     ap.add_argument("--keep-ratio", type=float, default=0.05)
-    ap.add_argument("--data", default=os.path.join(os.path.dirname(os.path.dirname(_HERE)), "shared", "data",
-                                                    "mawps", "singleop.jsonl"))
+    ap.add_argument("--data", default=None,
+                    help="MAWPS jsonl (default: mawps/singleop.jsonl under $CEGRPO_DATA_ROOT or ../shared/data)")
     ap.add_argument("--out", help="also write the numbers as JSON here")
     a = ap.parse_args(argv)
+    if a.data is None:
+        from megatron_cegrpo.data.datasets import default_data_root
+        a.data = os.path.join(default_data_root(), "mawps", "singleop.jsonl")
     if not os.path.isfile(a.data):
         print(f"error: --data {a.data}: no such file; fix: pass a MAWPS jsonl (../shared/data/mawps/singleop.jsonl)",
               file=sys.stderr)
