@@ -52,10 +52,13 @@ def main(argv=None) -> int:
     ap.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
     ap.add_argument("--nice", type=int, default=10, help="the competitor's nice in the 'niced' rows")
     ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--data", default=os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "mawps",
-                                                   "singleop.jsonl"))
+    ap.add_argument("--data", default=None,
+                    help="MAWPS jsonl (default: mawps/singleop.jsonl under $CEGRPO_DATA_ROOT or ../shared/data)")
     args = ap.parse_args(argv)
     bootstrap()
+    if args.data is None:
+        from megatron_cegrpo.data.datasets import default_data_root
+        args.data = os.path.join(default_data_root(), "mawps", "singleop.jsonl")
 
     import torch
 

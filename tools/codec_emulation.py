@@ -63,7 +63,7 @@ def run(model, batch, codec, step, mbs, layer, first_ids):
     out, attn, m_all = batch["out"], batch["attn"], batch["resp_mask"][:, 1:]
     lps = []
     for i in range(0, out.shape[0], mbs):
-        state["ids"] = torch.arange(i, i + mbs)
+        state["ids"] = torch.arange(i, min(i + mbs, out.shape[0]))  # a ragged last micro-batch too
         logits = model(input_ids=out[i:i + mbs], attention_mask=attn[i:i + mbs]).logits[:, :-1].float() / 0.7
         lp = torch.log_softmax(logits, -1).gather(-1, out[i:i + mbs, 1:, None])[..., 0]
         m = m_all[i:i + mbs]
@@ -112,7 +112,8 @@ def main():
     if a.batch and os.path.exists(a.batch):
         batch = torch.load(a.batch)
     else:
-        root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "..", "shared", "data")
+        from megatron_cegrpo.data.datasets import default_data_root
+        root = default_data_root()
         batch = make_batch(model, load_tokenizer(src), a.prompts, a.samples, a.max_new_tokens, root)
         if a.batch:
             torch.save(batch, a.batch)
