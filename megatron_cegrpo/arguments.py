@@ -222,7 +222,7 @@ class ParallelConfig:
     tensor_model_parallel_size: int = option(
         1, "tensor-parallel ranks T inside each stage (Megatron; megatron-core's tensor-parallel layers, TP "
            "fastest in the rank order); the launch has T x P x DP + --anchor-ranks ranks; at T > 1 "
-           "--boundary-codec mask or dense in this version (docs/parallelism.md)")
+           "every --boundary-codec but lowrank with --lowrank-q-owner anchor (docs/parallelism.md)")
     decoder_first_pipeline_num_layers: Optional[int] = option(
         None, "transformer layers of the first stage for an uneven split (Megatron; default: an even split)")
     decoder_last_pipeline_num_layers: Optional[int] = option(
@@ -797,7 +797,9 @@ class AnchorConfig:
     # everything but anchor_ranks only matters with an anchor (TrainConfig.resume_options)
     RESUME = ("anchor_ranks", "anchor_interval", "anchor_delay", "anchor_replay", "anchor_forecast",
               "anchor_forecast_points", "anchor_ema_decay", "sign_blend_alpha", "sign_blend_beta",
-              "sign_blend_magnitude", "sign_fold", "anchor_apply", "anchor_forecast_damping")
+              "sign_blend_magnitude", "sign_fold", "anchor_apply", "anchor_forecast_damping", "anchor_ship")
+    #: the anchor's flags that do not shape the trajectory (docs/reliability.md names them)
+    OPERATIONAL = ("anchor_ship_check", "anchor_timeout_minutes", "anchor_nice", "anchor_debug_dir")
 
     def validate(self) -> None:
         """0 or 1 anchor rank, c >= 1, K a positive multiple of c (with an anchor), the EMA decay

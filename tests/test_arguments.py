@@ -130,6 +130,9 @@ def test_resume_options_leave_out_what_has_no_effect():
     decay = cfg("--lr-decay-style", "cosine", "--train-iters", "30", "--no-norm-adv-by-std").resume_options()
     assert decay["--train-iters"] == 30 and decay["--min-lr"] == 0.0 and decay["--anchor-interval"] == 20
     assert decay["--no-norm-adv-by-std"] is True
+    # the shipment's rounding shapes G_anc: recorded with an anchor, not without one
+    assert decay["--anchor-ship"] == "int4-delta" and "--anchor-ship" not in plain
+    assert "--anchor-nice" not in decay and "--anchor-timeout-minutes" not in decay
     # the length penalty's factor only counts with a buffer; the buffer (0: off) is always recorded
     assert plain["--overlong-buffer-len"] == 0 and "--overlong-penalty-factor" not in plain
     shaped = cfg("--overlong-buffer-len", "16", "--overlong-penalty-factor", "0.5").resume_options()
@@ -177,7 +180,13 @@ def test_reliability_doc_lists_every_resume_option():
     shorthand = {"--adam-beta2": "--adam-beta1/2", "--adam-beta1": "--adam-beta1/2",
                  "--clip-ratio-low": "--clip-ratio-low/high", "--clip-ratio-high": "--clip-ratio-low/high",
                  "optimizer.type in --deepspeed_config": "the DeepSpeed optimizer type"}
-    assert "every anchor flag" in listed and "the controller's band, byte budget" in listed
+    assert "every anchor flag but the operational" in listed and "the controller's band, byte budget" in listed
+    fields = {f.name for f in dataclasses.fields(AnchorConfig)}
+    assert fields == set(AnchorConfig.RESUME) | set(AnchorConfig.OPERATIONAL), \
+        "an anchor flag is neither recorded for resume nor declared operational"
+    operational = listed[listed.index("every anchor flag but the operational"):].split("(so")[0]
+    assert sorted(re.findall(r"--[\w-]+", operational)) == sorted(flag_name(AnchorConfig, n)
+                                                              for n in AnchorConfig.OPERATIONAL)
     missing = [k for k in set(everything) - anchor - band
                if not re.search(re.escape(shorthand.get(k, k)) + r"(?![\w-])", listed)]
     assert not missing, f"docs/reliability.md does not list the resume options {sorted(missing)}"

@@ -609,14 +609,14 @@ def _cell(text):
 
 def doc_table() -> str:
     """The markdown table of :data:`CASES` (docs/reliability.md holds it between markers)."""
-    rows = ["| # | kind | input (besides a valid tiny-llama run) | message after `[cegrpo] error: ` (exit status 2) |",
-            "|---|---|---|---|"]
+    rows = ["| # | case | kind | input (besides a valid tiny-llama run) | message after `[cegrpo] error: ` (exit status 2) |",
+            "|---|---|---|---|---|"]
     for i, c in enumerate(CASES, 1):
         shown = (c.doc_input or " ".join(c.argv)).replace("{tmp}", "<tmp>")
         if c.env and not c.doc_input:
             shown += " (" + ", ".join(f"{k}={v}" for k, v in c.env.items()) + ")"
         msg = c.message.replace("{tmp}", "<tmp>").replace("{repo}", "<working directory>").replace("{data}", "<data>").replace("{names}", "<names>")
-        rows.append(f"| {i} | {c.kind} | {_cell(shown)} | {_cell(msg)} |")
+        rows.append(f"| {i} | `{c.id}` | {c.kind} | {_cell(shown)} | {_cell(msg)} |")
     return "\n".join(rows) + "\n"
 
 
