@@ -31,7 +31,7 @@ that batch and the same (never updated) weights:
 ``--out`` is rewritten after every batch (an interrupted run keeps the batches it finished).
 
 ``--codecs``: specs accepted by ``compression.build_codec(spec, --keep-ratio)``; default: every
-registered codec (``available_codecs()``), so new codecs join automatically. A codec keeps
+codec that goes alone (``available_codecs()``: dense, lowrank, mask), so new ones join automatically. A codec keeps
 its state from batch to batch, as in training.
 
 Output: ``--out`` holds a JSON list of rows, one per codec::
@@ -94,7 +94,7 @@ def parse_args(argv):
     p.add_argument("--model", default="smollm2-135m-instruct", help="as the trainer's --model")
     p.add_argument("--pp", type=int, default=2, help="pipeline stages (>= 2)")
     p.add_argument("--batches", type=int, default=4, help="rollout batches (iterations) to average over")
-    p.add_argument("--codecs", nargs="+", default=None, help="codec specs (default: every registered codec)")
+    p.add_argument("--codecs", nargs="+", default=None, help="codec specs (default: every codec that goes alone: dense, lowrank, mask)")
     p.add_argument("--keep-ratio", type=float, default=0.05, help="--boundary-keep-ratio for the codecs")
     p.add_argument("--out", default="codec_fidelity.json", help="JSON output (a list of rows)")
     p.add_argument("--save-grads", default=None, help="also save every rank's codec gradients here")

@@ -133,7 +133,7 @@ class RepeatPcaHalf(SubspaceQuantHalf):
         """r for a message of ``shape``: ``min(rank, d)``; with ``own`` also at most
         ``floor(BASIS_CAP * floor(passes * keep_ratio * D) / (2 d + 4))`` (>= 1), so that a short
         micro-batch (few tokens N) keeps a quarter of its first crossing for coefficients instead
-        of leaving none: at rank 144 and d = 576 that binds below N = 963 tokens with 2 passes (642 with 3), e.g.
+        of leaving none: at rank 144 and d = 576 that binds below N = 964 tokens with 2 passes (643 with 3) on an fp32 wire, e.g.
         the study's 4 x 144-token micro-batches get r = 86. Longer micro-batches are unaffected."""
         r = super().basis_rows(shape, elem)
         if not self.own:
