@@ -81,6 +81,7 @@ def test_another_users_lock_is_left_to_the_age_rule(ext_dir):
         pytest.skip("chown to another user needs root")
     os.chown(lock, 12345, 12345)
     check_build_locks(["cpu_adam"], now=now, grace_s=0.3)
+    assert lock.exists()  # left to its owner
 
 
 def test_a_young_lock_no_process_builds_under_is_a_killed_build(ext_dir):
@@ -104,3 +105,4 @@ def test_a_lock_released_within_the_grace_passes(ext_dir):
     lock = _lock(ext_dir, "cpu_adam", 0, now)
     threading.Timer(0.3, lock.unlink).start()
     check_build_locks(["cpu_adam"], now=now, grace_s=3.0)
+    assert not lock.exists()  # it returned once the lock went, not before

@@ -175,7 +175,16 @@ def test_precision_choice_follows_the_hosts_bf16_support(monkeypatch):
     assert pr.rollout_compute_dtype(cfg.rollout) == "bf16"  # vLLM runs in its weights' dtype
 
 
-def test_matmul_speed_is_measured():
-    from megatron_cegrpo.compat.precision import matmul_gflops
+def test_matmul_speed_is_the_flops_over_the_clock(monkeypatch):
+    """A clock that advances 0.1 s a reading: the loop stops after the first reading past
+    ``seconds`` and the rate is 2 m k n products over the time between the first and last readings;
+    the caller's thread count comes back."""
+    from megatron_cegrpo.compat import precision
 
-    assert matmul_gflops(torch.float32, seconds=0.01) > 0
+    ticks = iter(0.1 * i for i in range(100))
+    monkeypatch.setattr(precision.time, "perf_counter", lambda: next(ticks))
+    threads = torch.get_num_threads()
+    # readings: t0 = 0.0; the checks after products 2, 3, 4 read 0.1, 0.2, 0.3 (> 0.25: stop); the rate 0.4
+    got = precision.matmul_gflops(torch.float32, seconds=0.25, threads=1)
+    assert got == pytest.approx(2 * 512 * 576 * 1536 * 4 / 0.4 / 1e9, rel=1e-12)
+    assert torch.get_num_threads() == threads

@@ -204,12 +204,12 @@ def test_fallback_matching_and_none():
 def test_registry_errors():
     with pytest.raises(ValueError, match="lsq, matching, secant"):
         get_forecast("quadratic")
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"'secant' does not take options \['n_points'\]; it takes \['damping'\]"):
         get_forecast("secant", n_points=4)
     ring = _flat({0: [0.0]})
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="forecast K=10 differs from the ring's delay 20"):
         get_forecast("secant")(ring, 40, 10, 20)  # K disagrees with the ring's delay
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="lsq n_points=5 exceeds the ring capacity 4"):
         get_forecast("lsq", n_points=5)(ring, 40, 20, 20)  # can never have 5 points in a 4-ring
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="lsq n_points must be an int >= 2, got 1"):
         get_forecast("lsq", n_points=1)(ring, 40, 20, 20)

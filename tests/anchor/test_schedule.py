@@ -22,7 +22,10 @@ def test_delay_must_be_a_positive_multiple_of_the_interval(c, K):
 
 
 def test_delay_is_not_checked_without_an_anchor():
-    build_config(parse_args(["--anchor-ranks", "0", "--anchor-interval", "4", "--anchor-delay", "6"])).validate()
+    flags = ["--anchor-interval", "4", "--anchor-delay", "6"]
+    assert build_config(parse_args(["--anchor-ranks", "0", *flags])).validate().anchor.anchor_delay == 6
+    with pytest.raises(ValueError, match=r"--anchor-delay \(K=6\) must be a positive multiple"):
+        cfg(*flags).validate()  # the same flags with an anchor rank
 
 
 @pytest.mark.parametrize("flag, value", [("--anchor-timeout-minutes", "-1"), ("--anchor-timeout-minutes", "nan"),

@@ -16,6 +16,14 @@ ARGS = tiny_args(temperature=None, kl_coef=0, train_iters=6, boundary_codec="mas
                  anchor_delay=2, anchor_ship_check=True, save_interval=2)
 
 
+def _tiny_numel():
+    from megatron_cegrpo.models.hf_config import resolve_model
+    from megatron_cegrpo.models.loader import load_hf_state_dict
+
+    _, sd = load_hf_state_dict(resolve_model("tiny-llama"))
+    return sum(v.numel() for v in sd.values())
+
+
 def test_ship_sign_agreement_on_every_fire_and_after_a_resume(tmp_path):
     (tmp_path / "reward.py").write_text(PARITY_REWARD)
     args = ARGS + ["--custom-reward-function", f"{tmp_path / 'reward.py'}:parity_reward"]
@@ -28,7 +36,7 @@ def test_ship_sign_agreement_on_every_fire_and_after_a_resume(tmp_path):
         assert 0.5 < agree[t] < 1.0, (t, agree[t])
     # the exact copies ride beside each shipment, metered apart from the ledger
     fp32 = straight[1]["anchor/bytes_ship_fp32"]  # theta(0), theta(2), theta(4) at 1, 3, 5
-    assert fp32 > 0
+    assert fp32 == 4 * _tiny_numel()  # every parameter once in fp32 (the tied W once)
     for t, m in straight.items():
         assert m["anchor/bytes_ship_check"] == m["anchor/bytes_ship_fp32"] == (fp32 if t % 2 else 0), t
     assert [straight[t]["anchor/ship_rejected"] for t in (2, 4, 6)] == [0, 0, 0]

@@ -326,7 +326,7 @@ def _cfg(*extra):
 
 
 def test_tp2_pp2_without_an_anchor_validates():
-    _cfg("--anchor-ranks", "0").validate(world_size=4)
+    assert _cfg("--anchor-ranks", "0").validate(world_size=4).data_parallel_size(4) == 1
 
 
 @pytest.mark.parametrize("codec", ["lowrank", "pcaq:lrq", "rpq:lrq", "rpq/own=0:lrq", "mask:lrq"])
@@ -339,7 +339,7 @@ def test_tp2_runs_the_tp_splittable_stateful_codecs(codec):
 
 def test_tp2_pp2_with_an_anchor_rank_validates():
     """5 ranks: TP 2 x PP 2 + the anchor (test_tensor_parallel_anchor.py trains it)."""
-    _cfg("--anchor-ranks", "1").validate(world_size=5)
+    assert _cfg("--anchor-ranks", "1").validate(world_size=5).data_parallel_size(5) == 1
 
 
 @pytest.mark.parametrize("world,dp", [(9, 2), (17, 4)])

@@ -147,7 +147,8 @@ def test_vllm_beside_a_multi_rank_trainer_validates(monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a, **k: real("json") if name == "vllm" else real(name, *a, **k))
-    build_config(parse_args(["--rollout-engine", "vllm"])).validate(world_size=3)  # PP = 2 + 1 anchor rank
+    cfg = build_config(parse_args(["--rollout-engine", "vllm"])).validate(world_size=3)  # PP = 2 + 1 anchor rank
+    assert cfg.rollout.engine == "vllm" and cfg.data_parallel_size(3) == 1
     one = build_config(parse_args(["--rollout-engine", "vllm", "--pipeline-model-parallel-size", "1",
                                    "--anchor-ranks", "0"]))
     one.validate(world_size=1)

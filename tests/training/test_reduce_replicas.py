@@ -29,7 +29,7 @@ def test_replicas_merge_by_the_declared_rule():
 
 
 def test_an_undeclared_key_is_refused():
-    with pytest.raises(KeyError):
+    with pytest.raises(KeyError, match="stage metric 'actor/loss' has no declared reduction"):
         _reducer().merge_replicas([{"actor/loss": 1.0}])
 
 
