@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -57,8 +56,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     bootstrap()
     if args.data is None:
-        from megatron_cegrpo.data.datasets import default_data_root
-        args.data = os.path.join(default_data_root(), "mawps", "singleop.jsonl")
+        from megatron_cegrpo.data.datasets import dataset_path
+        args.data = dataset_path("mawps/singleop")
 
     import torch
 

@@ -98,8 +98,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", help="also write the numbers as JSON here")
     a = ap.parse_args(argv)
     if a.data is None:
-        from megatron_cegrpo.data.datasets import default_data_root
-        a.data = os.path.join(default_data_root(), "mawps", "singleop.jsonl")
+        from megatron_cegrpo.data.datasets import DATASETS, default_data_root
+        a.data = os.path.join(default_data_root(), DATASETS["mawps/singleop"])
     if not os.path.isfile(a.data):
         print(f"error: --data {a.data}: no such file; fix: pass a MAWPS jsonl (../shared/data/mawps/singleop.jsonl)",
               file=sys.stderr)
