@@ -26,11 +26,10 @@ import torch
 from megatron_cegrpo.bootstrap import bootstrap
 
 
-def make_batch(model, tok, n_prompts, samples, max_new, data_root):
-    """Sample ``samples`` responses to each of the first ``n_prompts`` MAWPS prompts."""
-    rows = [json.loads(line) for line in open(os.path.join(data_root, "mawps/singleop.jsonl"))][:n_prompts]
-    prompts = [tok.apply_chat_template([{"role": "user", "content": r["input"]}], tokenize=False,
-                                       add_generation_prompt=True) for r in rows]
+def make_batch(model, tok, questions, samples, max_new):
+    """Sample ``samples`` responses at T = 0.7 to each question (chat template, no answer instruction)."""
+    prompts = [tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
+                                       add_generation_prompt=True) for q in questions]
     enc = tok(prompts, return_tensors="pt", padding=True, padding_side="left")
     pad = tok.pad_token_id or tok.eos_token_id
     with torch.no_grad():
@@ -112,9 +111,9 @@ def main():
     if a.batch and os.path.exists(a.batch):
         batch = torch.load(a.batch)
     else:
-        from megatron_cegrpo.data.datasets import default_data_root
-        root = default_data_root()
-        batch = make_batch(model, load_tokenizer(src), a.prompts, a.samples, a.max_new_tokens, root)
+        from megatron_cegrpo.data.datasets import load_dataset
+        questions = [r.question for r in load_dataset("mawps/singleop", limit=a.prompts)]
+        batch = make_batch(model, load_tokenizer(src), questions, a.samples, a.max_new_tokens)
         if a.batch:
             torch.save(batch, a.batch)
     layer, mbs = cfg.num_hidden_layers // 2, 4

@@ -65,10 +65,10 @@ def token_errors(x: torch.Tensor, specs: Sequence[str], keep_ratio: float = 0.05
     return out
 
 
-def boundary_states(prompts: int, data: str):
+def boundary_states(questions: Sequence[str]):
     """(hidden states [s, b, d] fp32, real-token mask [s, b] bool, L): the states after layer
-    L = layers / 2 of SmolLM2-135M-Instruct on the first ``prompts`` rows of ``data`` (a MAWPS
-    jsonl), chat template, padded on the right."""
+    L = layers / 2 of SmolLM2-135M-Instruct on ``questions`` (b of them), chat template, padded on
+    the right."""
     from megatron_cegrpo.models.hf_config import load_tokenizer, resolve_model
     from megatron_cegrpo.models.loader import build_hf_model, load_hf_state_dict
 
@@ -76,10 +76,8 @@ def boundary_states(prompts: int, data: str):
     cfg, sd = load_hf_state_dict(src)
     model = build_hf_model(cfg, sd, attn_implementation="sdpa").eval()
     tok = load_tokenizer(src)
-    with open(data, encoding="utf-8") as f:
-        rows = [json.loads(line) for line in f if line.strip()][:prompts]
-    texts = [tok.apply_chat_template([{"role": "user", "content": r["input"]}], tokenize=False,
-                                     add_generation_prompt=True) for r in rows]
+    texts = [tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
+                                     add_generation_prompt=True) for q in questions]
     enc = tok(texts, return_tensors="pt", padding=True, padding_side="right")
     with torch.no_grad():
         layer = cfg.num_hidden_layers // 2
@@ -97,14 +95,19 @@ def main(argv=None) -> int:
                     help="MAWPS jsonl (default: mawps/singleop.jsonl under $CEGRPO_DATA_ROOT or ../shared/data)")
     ap.add_argument("--out", help="also write the numbers as JSON here")
     a = ap.parse_args(argv)
+    from megatron_cegrpo.data.datasets import DATASETS, DatasetError, default_data_root, load_prompts
     if a.data is None:
-        from megatron_cegrpo.data.datasets import DATASETS, default_data_root
         a.data = os.path.join(default_data_root(), DATASETS["mawps/singleop"])
     if not os.path.isfile(a.data):
         print(f"error: --data {a.data}: no such file; fix: pass a MAWPS jsonl (../shared/data/mawps/singleop.jsonl)",
               file=sys.stderr)
         return 2
-    x, valid, layer = boundary_states(a.prompts, a.data)
+    try:
+        questions = [r.question for r in load_prompts(a.data, limit=a.prompts)]
+    except DatasetError as e:
+        print(f"error: --data {e}", file=sys.stderr)
+        return 2
+    x, valid, layer = boundary_states(questions)
     print(f"boundary states {tuple(x.shape)} (s, b, d) after layer {layer}; per-token relative error "
           "(position 0 left out), bytes a message")
     result = {}

@@ -50,3 +50,18 @@ def test_the_error_is_the_mean_per_token_ratio_without_position_0():
     assert v["mask"]["err"] == pytest.approx(want[0].reshape(19, 4)[:10].mean().item(), rel=1e-6)
     with pytest.raises(ValueError, match="valid has shape"):
         mod.token_errors(x, ["mask"], valid=valid[:, :3])
+
+
+def test_a_bad_row_in_data_is_one_line_naming_the_line_and_field(tmp_path, capsys):
+    """--data is read through the project's loader before the model loads: a row without its
+    answer exits 2 with the loader's one line (file, line, field, fix) and nothing is measured."""
+    import json
+
+    mod = load_tool("codec_error")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"input": "How many?", "target": 3}) + "\n" + json.dumps({"input": "x"}) + "\n")
+    assert mod.main(["--data", str(bad), "--prompts", "2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"error: --data {bad}, line 2: field 'target' is missing; fix: add the numeric answer as 'target'"
+    assert mod.main(["--data", str(tmp_path / "none.jsonl")]) == 2
+    assert "no such file" in capsys.readouterr().err
