@@ -184,6 +184,15 @@ def read_records(run_dir: str) -> List[dict]:
         return [r for r in (parse_record(ln) for ln in f if ln.strip()) if r is not None]
 
 
+def _training_records(run_dir: str) -> Tuple[List[dict], List[dict], int]:
+    """``(records, train, iterations)``: :func:`read_records`, those of them that are training steps
+    (they carry ``timing_s/step``; evaluations and probes are records of their own) and the last
+    training step logged (0 before the first)."""
+    records = read_records(run_dir)
+    train = [r for r in records if _num(r.get("timing_s/step")) is not None]
+    return records, train, max((int(_num(r.get("step")) or 0) for r in train), default=0)
+
+
 def _num(v) -> Optional[float]:
     from megatron_cegrpo.evaluation.summary import as_float
 
@@ -395,9 +404,7 @@ def summarize_run(run_dir: str, rows_out: Optional[Dict] = None, mid_out: Option
     per-row files between the two, ``{step: EvalRows}`` (:func:`mid_rows`). Raises
     FileNotFoundError without a metrics.jsonl and EvalRowsError for a per-row file that is not the
     run's."""
-    records = read_records(run_dir)
-    train = [r for r in records if _num(r.get("timing_s/step")) is not None]
-    iterations = max((int(_num(r.get("step")) or 0) for r in train), default=0)
+    records, train, iterations = _training_records(run_dir)
     wall = sum(_num(r["timing_s/step"]) for r in train)
     wall += sum(_num(r.get("timing_s/eval")) or 0.0 for r in records)  # not inside timing_s/step
     wire = sum((_num(r.get("comm/fwd_bytes")) or 0.0) + (_num(r.get("comm/bwd_bytes")) or 0.0) for r in train)
@@ -1170,9 +1177,7 @@ def progress(run_dir: str) -> Dict:
     per-row file that is not the run's."""
     from megatron_cegrpo.evaluation import find_eval_rows
 
-    records = read_records(run_dir)
-    train = [r for r in records if _num(r.get("timing_s/step")) is not None]
-    iterations = max((int(_num(r.get("step")) or 0) for r in train), default=0)
+    records, train, iterations = _training_records(run_dir)
     cfg_path = os.path.join(run_dir, "config.json")
     train_iters = None
     if os.path.isfile(cfg_path):
