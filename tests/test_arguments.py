@@ -99,7 +99,7 @@ def test_bad_flags_name_the_flag(argv, match):
 ])
 def test_every_flag_is_checked_at_start_up(argv, message):
     """Each of these used to pass start-up (or fail only at the first update)."""
-    with pytest.raises(ConfigError) as e:
+    with pytest.raises(ConfigError, match=re.escape(message)) as e:
         cfg(*argv).validate()
     msg = str(e.value)
     assert message in msg

@@ -33,7 +33,7 @@ def test_the_lock_is_in_the_extension_build_folder(ext_dir):
 def test_a_stale_lock_names_itself_its_age_and_the_fix(ext_dir):
     now = time.time()
     lock = _lock(ext_dir, "cpu_adam", 7200, now)
-    with pytest.raises(ConfigError) as e:
+    with pytest.raises(ConfigError, match=r"cpu_adam/lock is 120 min old") as e:
         check_build_locks(["cpu_adam", "deepspeed_shm_comm"], now=now)
     assert str(e.value) == (
         f"torch extension build lock {lock} is 120 min old: a build of DeepSpeed's cpu_adam op was killed "
@@ -55,7 +55,7 @@ def test_a_build_in_progress_and_no_lock_pass(ext_dir):
     finally:
         builder.wait()
     _lock(ext_dir, "cpu_adam", STALE_LOCK_S + 60, now)
-    with pytest.raises(ConfigError):
+    with pytest.raises(ConfigError, match=r"cpu_adam/lock is \d+ min old"):
         check_build_locks(["cpu_adam"], now=now)
     check_build_locks(["deepspeed_shm_comm"], now=now)  # only the named ops are looked at
 
@@ -90,7 +90,7 @@ def test_a_young_lock_no_process_builds_under_is_a_killed_build(ext_dir):
     now = time.time()
     lock = _lock(ext_dir, "cpu_adam", 60, now)
     assert builders_in(str(lock.parent)) == []
-    with pytest.raises(ConfigError) as e:
+    with pytest.raises(ConfigError, match=r"cpu_adam/lock is held by no running build") as e:
         check_build_locks(["cpu_adam"], now=now, grace_s=0.3)
     assert str(e.value) == (
         f"torch extension build lock {lock} is held by no running build (no process in its folder for 0.3 s): "

@@ -11,7 +11,7 @@ from megatron_cegrpo.anchor import AnchorMemory, unpack_sign_list
 def test_two_updates_hand_values_and_is_set():
     mem = AnchorMemory({"w": (2, 2), "b": (3,)})  # decay 0.25
     assert not mem.is_set and mem.norm() == 0.0
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError, match=r"sign\(M\) requested before the first update"):
         mem.signs()
     g1 = {"w": torch.tensor([[4.0, -8.0], [0.0, 2.0]]), "b": torch.tensor([1.0, -1.0, 0.0])}
     mem.update(g1)
@@ -43,15 +43,15 @@ def test_custom_decay_and_errors():
     mem.update({"x": torch.tensor([2.0, -2.0])})
     mem.update({"x": torch.tensor([2.0, 6.0])})
     assert torch.equal(mem.tensor("x"), torch.tensor([1.5, 2.5]))  # 0.5*[1,-1] + 0.5*[2,6]
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"gradient 'x' has shape \(3,\), M has \(2,\)"):
         mem.update({"x": torch.zeros(3)})
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"anchor gradient names differ from M: missing=\[\], extra=\['y'\]"):
         mem.update({"x": torch.zeros(2), "y": torch.zeros(1)})
     assert mem.num_updates == 2  # failed updates change nothing
-    with pytest.raises(KeyError):
+    with pytest.raises(KeyError, match=r"unknown parameter names: \['y'\]"):
         mem.signs(["y"])
     for bad in (1.0, -0.1):
-        with pytest.raises(ValueError):
+        with pytest.raises(ValueError, match=r"anchor EMA decay must be in \[0, 1\)"):
             AnchorMemory([("x", (2,))], decay=bad)
 
 
@@ -68,9 +68,9 @@ def test_state_round_trip(tmp_path):
     assert other.is_set and other.num_updates == 3
     for n in ("w", "b"):
         assert torch.equal(other.tensor(n), mem.tensor(n))
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="anchor memory state has decay=0.25, this memory has 0.5"):
         AnchorMemory({"w": (2, 3), "b": (4,)}, decay=0.5).load_state_dict(state)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"anchor memory state: 'b' has shape \(4,\), M has \(5,\)"):
         AnchorMemory({"w": (2, 3), "b": (5,)}).load_state_dict(state)
 
 

@@ -33,7 +33,7 @@ def test_refuses_checkpoints_fresher_than_t_minus_k():
         ring.read(40, 40)
     assert ring.num_no_peek_violations == 1
     # StalenessError is a ValueError; a missing fresh step is still a peek attempt
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"no-peek: fire at t=40 .* asked for step 39"):
         ring.read(39, 40)
     assert ring.num_no_peek_violations == 2
     # the value is not leaked through any other accessor either
@@ -51,18 +51,18 @@ def test_keeps_last_capacity_and_evicts_oldest_first():
     assert ring.steps == [20, 40, 60]
     ring.put(80, _ck(4))
     assert ring.steps == [40, 60, 80]
-    with pytest.raises(KeyError):
+    with pytest.raises(KeyError, match=r"checkpoint step 0 is not held \(held: \[40, 60, 80\]\)"):
         ring.read(0, 200)
-    with pytest.raises(KeyError):
+    with pytest.raises(KeyError, match=r"checkpoint step 20 is not held"):
         ring.read(20, 200)
     assert ring.num_no_peek_violations == 0  # missing-but-stale is a KeyError, not a peek
     assert torch.equal(ring.read(40, 200)["w"], torch.full((2, 3), 2.0))
     # strictly increasing, also against evicted steps
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="checkpoint steps must be strictly increasing: got 80 after 80"):
         ring.put(80, _ck(9))
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="checkpoint steps must be strictly increasing: got 10 after 80"):
         ring.put(10, _ck(9))
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"checkpoint names/shapes differ from the ones held: missing=\['b'\]"):
         ring.put(100, {"w": torch.zeros(2, 3)})  # names differ from the held ones
 
 
@@ -92,7 +92,7 @@ def test_put_clones_the_callers_tensors():
 
 def test_state_round_trip_weights_only(tmp_path):
     ring = _ring([0, 20, 40, 60, 80], capacity=3)
-    with pytest.raises(StalenessError):
+    with pytest.raises(StalenessError, match=r"no-peek: fire at t=90 .* asked for step 80"):
         ring.read(80, 90)
     path = tmp_path / "ring.pt"
     torch.save(ring.state_dict(), path)
@@ -106,11 +106,11 @@ def test_state_round_trip_weights_only(tmp_path):
     for s in (40, 60, 80):
         for name in ("w", "b"):
             assert torch.equal(other.read(s, 100)[name], ring.read(s, 100)[name])
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="checkpoint steps must be strictly increasing: got 60 after 80"):
         other.put(60, _ck(0))  # monotonicity survives the round trip
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="ring state has capacity=3, delay=20; this ring has capacity=4, delay=20"):
         CheckpointRing(capacity=4, delay=20).load_state_dict(state)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="ring state has capacity=3, delay=20; this ring has capacity=3, delay=10"):
         CheckpointRing(capacity=3, delay=10).load_state_dict(state)
 
 

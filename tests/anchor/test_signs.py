@@ -43,14 +43,14 @@ def test_shapes_and_errors():
     t = torch.randn(3, 4, 5)
     packed, n = pack_signs(t)
     assert torch.equal(unpack_signs(packed, n, t.shape), _ref_signs(t))
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"shape \(61,\) does not hold 60 elements"):
         unpack_signs(packed, n, (61,))
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="60 signs need 8 bytes, got 7"):
         unpack_signs(packed[:-1], n, t.shape)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="packed signs must be a 1-D uint8 tensor, got torch.int32"):
         unpack_signs(packed.to(torch.int32), n, t.shape)
     assert packed_nbytes(0) == 0 and packed_nbytes(8) == 1 and packed_nbytes(9) == 2
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="numel must be an int >= 0, got -1"):
         packed_nbytes(-1)
     empty, n0 = pack_signs(torch.zeros(0))
     assert empty.numel() == 0 and n0 == 0
@@ -73,5 +73,5 @@ def test_list_round_trip_several_shapes():
     assert out[1][2, 3] == 1.0
     # same bits as packing the concatenation
     assert torch.equal(packed, pack_signs(torch.cat([t.float().reshape(-1) for t in tensors]))[0])
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="63 signs need 8 bytes, got 10"):
         unpack_sign_list(packed, shapes[:-2])

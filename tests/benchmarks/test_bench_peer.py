@@ -55,7 +55,7 @@ def test_dry_run_prints_every_command(tmp_path):
     assert len({_flag(c, "--master_port") for c in trainer}) == 6
 
 
-def test_subset_and_bf16_stand_in(tmp_path):
+def test_subset_and_bf16_stand_in(tmp_path, capsys):
     args = bp.parse_args(["--rows", "dense-pp1", "--dtypes", "bf16", "--steps", "3", "--work-dir", str(tmp_path),
                           "--trainer-bf16-args", "--params-dtype bf16"])
     job = bp.job_settings({"PATH": "/usr/bin:/bin", "LR": "2e-6"})  # the environment overrides the config
@@ -66,9 +66,13 @@ def test_subset_and_bf16_stand_in(tmp_path):
     vllm = bp.plan(bp.parse_args(["--rows", "dense-pp1-vllm,mask-anchor-vllm", "--dtypes", "bf16"]), job, "/v/bin/python")
     assert [(_flag(r["command"], "--rollout-engine"), _flag(r["command"], "--num_gpus")) for r in vllm] == \
         [("vllm", "1"), ("vllm", "3")]
-    for bad in (["--rows", "tlr"], ["--dtypes", "fp16"], ["--steps", "1"]):
-        with pytest.raises(SystemExit):
+    for bad, why in ((["--rows", "tlr"], "unknown or empty --rows/--dtypes ['tlr']"),
+                     (["--dtypes", "fp16"], "unknown or empty --rows/--dtypes ['fp16']"),
+                     (["--steps", "1"], "--steps must be >= 2 (step 1 warms up")):
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as e:
             bp.parse_args(bad)
+        assert e.value.code == 2 and why in capsys.readouterr().err
 
 
 def test_median_and_ratios(tmp_path):
@@ -106,7 +110,7 @@ def test_trl_config(tmp_path):
     assert kw["per_device_train_batch_size"] * kw["gradient_accumulation_steps"] == 32
     assert (kw["bf16"], kw["beta"], kw["num_iterations"], kw["use_cpu"]) == (False, 0.0, 1, True)
     assert grpo_config_kwargs(**{**_job_kw(tmp_path), "dtype": "bf16"})["bf16"] is True
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="--micro-batch 5 must divide the batch's 32 sequences"):
         grpo_config_kwargs(**{**_job_kw(tmp_path), "micro_batch": 5})
     if importlib.util.find_spec("trl") is None:
         pytest.skip("trl is not installed (pip install -e .[bench]): GRPOConfig not checked")

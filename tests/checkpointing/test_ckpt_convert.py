@@ -211,7 +211,7 @@ def test_gguf_smollm2_to_megatron_pp2_to_hf(tmp_path):
 
 
 def test_bad_split_names_the_tool_flags(tmp_path, hf_dirs):
-    with pytest.raises(ValueError) as e:
+    with pytest.raises(ValueError, match="--pipeline-model-parallel-size=3 does not divide the model's 4 layers") as e:
         run_convert("--loader", "hf", "--saver", "megatron", "--load-dir", hf_dirs["tiny-llama"][0],
                     "--save-dir", tmp_path / "x", "--target-pp-size", 3)
     msg = str(e.value)

@@ -7,6 +7,7 @@ of the 2-process (gloo) save below.
 import json
 import os
 import random
+import re
 import sys
 
 import pytest
@@ -136,7 +137,7 @@ def test_byte_flip_and_truncation_are_caught(tmp_path):
     open(path, "wb").write(bytes(data))
     for call in (lambda: ck.verify_checkpoint(final), lambda: ck.read_stage_file(final, 1),
                  lambda: ck.verify_checkpoint(final, pp_rank=1)):
-        with pytest.raises(CheckpointError) as e:
+        with pytest.raises(CheckpointError, match="is corrupt: sha256") as e:
             call()
         msg = str(e.value)
         assert path in msg and "is corrupt: sha256" in msg and "fix: restore stage_01/model.safetensors" in msg
@@ -164,7 +165,7 @@ def test_check_compatible_messages(tmp_path):
     ck.check_compatible(meta, **ok, codec={"name": "mask", "keep_ratio": 0.05})
     ck.check_compatible(meta, **ok)  # codec not checked when not given
 
-    with pytest.raises(CheckpointError) as e:
+    with pytest.raises(CheckpointError, match=r"saved with pipeline-model-parallel size 2 .*this run uses 3") as e:
         ck.check_compatible(meta, **dict(ok, pp_size=3, num_layers_in_first=2))
     msg = str(e.value)
     assert os.path.join(final, "meta.json") in msg
@@ -175,7 +176,7 @@ def test_check_compatible_messages(tmp_path):
     with pytest.raises(CheckpointError, match=r"first/last stage layers None/None\), this run uses 2 \(first/last 3/1\)"):
         ck.check_compatible(meta, **dict(ok, num_layers_in_first=3, num_layers_in_last=1))
 
-    with pytest.raises(CheckpointError) as e:
+    with pytest.raises(CheckpointError, match=r"the checkpoint holds another model \('tiny-llama'\)") as e:
         ck.check_compatible(meta, **dict(ok, hf_config=dict(CFG, hidden_size=128, intermediate_size=256)))
     msg = str(e.value)
     assert "another model ('tiny-llama')" in msg and "hidden_size: checkpoint 64, this run 128" in msg
@@ -186,7 +187,7 @@ def test_check_compatible_messages(tmp_path):
     ck.check_compatible(meta, **dict(ok, hf_config=real))  # a config object works too
 
     for run_codec, shown in (("dense", "dense"), ({"name": "mask", "keep_ratio": 0.1}, "mask (keep ratio 0.1)")):
-        with pytest.raises(CheckpointError) as e:
+        with pytest.raises(CheckpointError, match=re.escape(f"mask (keep ratio 0.05), this run uses {shown};")) as e:
             ck.check_compatible(meta, **ok, codec=run_codec)
         msg = str(e.value)
         assert f"trained with boundary codec mask (keep ratio 0.05), this run uses {shown}" in msg
@@ -213,7 +214,7 @@ def test_latest_pointing_nowhere_and_empty_dirs(tmp_path):
     _save(save, 7)
     (save / "latest").write_text("iter_0000099")
     assert ck.has_checkpoint(str(save))
-    with pytest.raises(CheckpointError) as e:
+    with pytest.raises(CheckpointError, match="points to iter_0000099, which does not exist") as e:
         ck.resolve_load_dir(str(save))
     msg = str(e.value)
     assert f"{save}/latest points to iter_0000099, which does not exist" in msg

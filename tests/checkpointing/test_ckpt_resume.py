@@ -36,7 +36,7 @@ def test_load_without_a_checkpoint_is_an_error_unless_it_is_the_save_dir(tmp_pat
     assert ck.find_resume_checkpoint(str(run), str(run)) is None  # --save X --load X: fresh start
     assert ck.find_resume_checkpoint(str(run) + "/", str(run)) is None
     typo = tmp_path / "rnu"
-    with pytest.raises(CheckpointError) as e:
+    with pytest.raises(CheckpointError, match="does not exist; fix: check the path") as e:
         ck.find_resume_checkpoint(str(typo), str(run))
     assert str(e.value).startswith(f"--load {typo} does not exist; fix: check the path")
     assert isinstance(e.value, ConfigError)
@@ -54,7 +54,7 @@ def test_save_dir_of_another_run_needs_load(tmp_path):
     _save(run)
     ck.check_save_dir(str(run), str(run))  # resuming it
     ck.check_save_dir(str(run), str(run / "iter_0000003"))
-    with pytest.raises(CheckpointError) as e:
+    with pytest.raises(CheckpointError, match="already holds checkpoints up to iter_0000003 of another run") as e:
         ck.check_save_dir(str(run), str(tmp_path / "converted"))
     assert str(e.value) == (f"--save {run} already holds checkpoints up to iter_0000003 of another run; fix: add "
                             f"--load {run} to resume that run, or pass an empty or new --save directory")
@@ -65,7 +65,7 @@ def test_options_are_recorded_and_a_change_is_refused_naming_both_values(tmp_pat
     meta = _save(tmp_path / "run", options=opts)
     assert meta["options"]["--lr"] == 1e-4 and meta["options"]["--seed"] == 7
     assert ck.check_resume(meta, opts, train_iters=10) == []
-    with pytest.raises(CheckpointError) as e:
+    with pytest.raises(CheckpointError, match="this run changes options the checkpoint was trained with") as e:
         ck.check_resume(meta, _options("--lr", "2e-4", "--seed", "7", "--no-norm-adv-by-std"), train_iters=10)
     msg = str(e.value)
     assert msg.startswith(f"{meta['checkpoint_dir']}/meta.json: this run changes options the checkpoint was "

@@ -54,7 +54,7 @@ def test_registry_names_and_build():
 
 
 def test_registry_unknown_name_lists_valid_names():
-    with pytest.raises(ValueError) as e:
+    with pytest.raises(ValueError, match="unknown codec 'topk'; valid names:") as e:
         build_codec("topk")
     msg = str(e.value)
     assert "topk" in msg and "valid names: dense, lowrank, mask," in msg
@@ -71,7 +71,7 @@ def test_register_half_rejects_non_codec_and_duplicate():
 
 
 def test_abstract_half_not_instantiable():
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match="Can't instantiate abstract class DirectionCodec"):
         DirectionCodec()
 
 

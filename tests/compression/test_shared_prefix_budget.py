@@ -24,7 +24,7 @@ def test_shared_prefix_checks_the_packed_message():
     _check("pcaq/every=2:lrq")
     _check("mask")
     _check("mask", "--shared-prefix")
-    with pytest.raises(ConfigError) as e:
+    with pytest.raises(ConfigError, match="^--boundary-codec pcaq/every=2:lrq exceeds --boundary-keep-ratio") as e:
         _check("pcaq/every=2:lrq", "--shared-prefix")
     msg = str(e.value)
     # 256-token prompts + 8 x 64 = 768 tokens, one group a micro-batch, 4 micro-batches an iteration;

@@ -1,5 +1,7 @@
 """Warm-started bases of the subspace halves (``warm=q``: ``subspace.warm_basis``, issue 10 item 6)."""
 
+import re
+
 import pytest
 import torch
 
@@ -162,7 +164,7 @@ def test_data_parallel_refuses_a_warm_basis_with_its_one_line_message(spec):
     cfg = build_config(parse_args(["--model", "tiny-llama", "--pipeline-model-parallel-size", "2",
                                    "--rollout-batch-size", "2", "--num-generations", "4", "--micro-batch-size", "2",
                                    "--anchor-ranks", "0", "--boundary-codec", spec]))
-    with pytest.raises(ConfigError) as e:
+    with pytest.raises(ConfigError, match="^" + re.escape(f"--boundary-codec {spec} keeps a basis")) as e:
         plan_of(cfg, 4)  # the run plan's check (plan.check_codec_layout)
     msg = str(e.value)
     assert "\n" not in msg and msg.startswith(f"--boundary-codec {spec} keeps a basis across micro-batches")

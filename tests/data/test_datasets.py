@@ -3,6 +3,7 @@
 import importlib.util
 import json
 import os
+import re
 import time
 from pathlib import Path
 
@@ -64,11 +65,11 @@ def test_dataset_path_all_names():
 
 
 def test_dataset_path_errors(monkeypatch, tmp_path):
-    with pytest.raises(ValueError) as e:
+    with pytest.raises(ValueError, match="unknown data set 'gsm9k'; valid names:") as e:
         dataset_path("gsm9k")
     assert "gsm9k" in str(e.value) and "gsm8k/test" in str(e.value) and "mawps/singleop" in str(e.value)
     monkeypatch.setenv(DATA_ROOT_ENV, str(tmp_path))
-    with pytest.raises(FileNotFoundError) as e:
+    with pytest.raises(FileNotFoundError, match="data set 'aime24' not found at") as e:
         dataset_path("aime24")
     assert str(tmp_path / "aime24" / "test.jsonl") in str(e.value) and DATA_ROOT_ENV in str(e.value)
 
@@ -184,7 +185,7 @@ GOOD_MAWPS = '{"input": "Tom has 2 apples and gets 3 more. How many?", "target":
 
 
 def _expect_error(path, line, field, fmt=None):
-    with pytest.raises(DatasetError) as e:
+    with pytest.raises(DatasetError, match=re.escape(f", line {line}: field {field!r} ")) as e:
         load_prompts(path, format=fmt)
     msg = str(e.value)
     assert path in msg and f"line {line}" in msg and repr(field) in msg and "fix:" in msg, msg
@@ -241,13 +242,13 @@ def test_blank_line_inside_file(tmp_path):
 
 def test_undetectable_and_unknown_format(tmp_path):
     p = _write(tmp_path, ['{"foo": 1, "bar": 2}'])
-    with pytest.raises(DatasetError) as e:
+    with pytest.raises(DatasetError, match=r"line 1: cannot detect the data format from fields \['bar', 'foo'\]") as e:
         load_prompts(p)
     assert "line 1" in str(e.value) and "mawps" in str(e.value)
-    with pytest.raises(ValueError) as e:
+    with pytest.raises(ValueError, match="unknown data format 'nope'; valid formats:") as e:
         load_prompts(_write(tmp_path, [GOOD_MAWPS], name="m.jsonl"), format="nope")
     assert "competition" in str(e.value)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="unknown data format 'nope'; valid formats:"):
         get_format("nope")
     assert set(available_formats()) >= {"mawps", "gsm8k", "minerva", "competition", "olympiadbench"}
 
@@ -258,7 +259,7 @@ def test_explicit_format_and_limit(tmp_path):
     assert [r.row for r in recs] == [1, 2] and recs[0].ground_truth == "5.0"
     # an explicit format that does not fit the rows fails on line 1
     _expect_error(p, 1, "question", fmt="gsm8k")
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(FileNotFoundError, match=r"data file .*missing\.jsonl does not exist"):
         load_prompts(str(tmp_path / "missing.jsonl"))
 
 
@@ -274,9 +275,9 @@ def test_split_holdout():
     assert split_holdout(recs, 10, seed=3) == (train, hold)
     assert split_holdout(recs, 10, seed=4)[1] != hold
     assert split_holdout(recs, 0, seed=3) == (recs, [])
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"num_holdout must be in \[0, 50\], got 51"):
         split_holdout(recs, 51, seed=0)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"num_holdout must be in \[0, 50\], got -1"):
         split_holdout(recs, -1, seed=0)
 
 
@@ -312,7 +313,7 @@ Q = "Jose starts with 7 bottle caps. He gets 2 more from Rebecca. How many bottl
 def test_templates_registry():
     assert set(available_templates()) >= {"boxed", "plain", "answer_is"}
     assert get_template("plain")(Q) == Q
-    with pytest.raises(ValueError) as e:
+    with pytest.raises(ValueError, match="unknown template 'fancy'; valid templates:") as e:
         get_template("fancy")
     assert "boxed" in str(e.value)
 
@@ -341,13 +342,13 @@ def test_encode_prompt_is_the_prompt_texts_tokens(tokenizer):
     assert ids.tolist() == tokenizer(build_prompt(tokenizer, Q, "answer_is"), add_special_tokens=False)["input_ids"]
     assert tokenizer.decode(ids) == build_prompt(tokenizer, Q, "answer_is")  # nothing added, nothing lost
     assert ids.tolist() != encode_prompt(tokenizer, Q, "boxed").tolist()
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="unknown template 'fancy'; valid templates:"):
         encode_prompt(tokenizer, Q, "fancy")
 
 
 def test_build_prompt_default_and_errors(tokenizer):
     assert build_prompt(tokenizer, Q) == build_prompt(tokenizer, Q, "boxed")
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="unknown template 'fancy'; valid templates:"):
         build_prompt(tokenizer, Q, "fancy")
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="question must be a non-empty string"):
         build_prompt(tokenizer, "   ")

@@ -52,9 +52,11 @@ def test_deterministic_and_seed_dependent():
     assert PromptSampler(50, 5, 1).next_batch() != PromptSampler(50, 5, 2).next_batch()
 
 
-@pytest.mark.parametrize("num_records,batch_size", [(0, 4), (10, 0), (10, -1)])
-def test_invalid_arguments(num_records, batch_size):
-    with pytest.raises(ValueError):
+@pytest.mark.parametrize("num_records,batch_size,message", [(0, 4, "num_records must be > 0, got 0"),
+                                                             (10, 0, "batch_size must be > 0, got 0"),
+                                                             (10, -1, "batch_size must be > 0, got -1")])
+def test_invalid_arguments(num_records, batch_size, message):
+    with pytest.raises(ValueError, match=message):
         PromptSampler(num_records, batch_size, seed=0)
 
 

@@ -30,7 +30,7 @@ def _mawps(tmp_path, n, name="rows.jsonl"):
 
 def test_a_missing_file_is_named_not_called_an_unknown_data_set(tmp_path):
     missing = tmp_path / "typo.jsonl"
-    with pytest.raises(ConfigError) as e:
+    with pytest.raises(ConfigError, match=r"^--train-data .*typo\.jsonl: no such file") as e:
         resolve_train_data(str(missing))
     assert str(e.value).startswith(f"--train-data {missing}: no such file ({missing}); fix: check the path")
     with pytest.raises(ConfigError, match=r"'mawps/singelop' is neither an existing file nor a known data set "
@@ -49,7 +49,7 @@ def test_holdout_must_leave_a_training_prompt(tmp_path):
     assert (len(split.train), len(split.holdout)) == (1, 4)
     assert split.path == str(p)
     for n in (5, 9):
-        with pytest.raises(ConfigError) as e:
+        with pytest.raises(ConfigError, match=f"^--num-holdout {n} leaves no training prompt") as e:
             load_train_split(str(p), num_holdout=n, seed=1)
         assert str(e.value) == (f"--num-holdout {n} leaves no training prompt: {p} has 5 rows; "
                                 "fix: pass --num-holdout 4 or less")
@@ -75,7 +75,7 @@ def test_training_rows_repeating_a_held_out_question_are_dropped(tmp_path):
 def test_bad_rows_are_config_errors(tmp_path):
     p = tmp_path / "bad.jsonl"
     p.write_text('{"input": "q", "target": 1}\n{"input": "q2"\n')
-    with pytest.raises(DatasetError) as e:
+    with pytest.raises(DatasetError, match=r"line 2: field '<line>' is not valid JSON") as e:
         load_train_split(str(p))
     assert isinstance(e.value, ConfigError)
     assert f"{p}, line 2: field '<line>' is not valid JSON" in str(e.value)
@@ -90,7 +90,7 @@ def test_select_prompts_keeps_what_fits_and_names_the_shortest(tmp_path):
     assert len(kept) == 4 and too_long == 0 and [len(x) for x in ids] == lengths
     kept, _, _ = select_prompts(split.train, encode, max(lengths), stop_after=1)
     assert len(kept) == 1
-    with pytest.raises(ConfigError) as e:
+    with pytest.raises(ConfigError, match="longer than --max-prompt-length=3 tokens") as e:
         select_prompts(split.train, encode, 3, source="--train-data rows.jsonl")
     assert str(e.value) == ("--train-data rows.jsonl: every one of the 4 training prompts is longer than "
                             f"--max-prompt-length=3 tokens (the shortest has {min(lengths)}); "

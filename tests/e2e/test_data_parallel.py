@@ -21,6 +21,7 @@ batch uses), not a trained weight; the trained W is the last stage's ``output_la
 import json
 import math
 import os
+import re
 
 import pytest
 import torch
@@ -180,7 +181,7 @@ def test_data_parallel_size_is_inferred(world, anchors, dp):
 
 @pytest.mark.parametrize("world,anchors,fit", [(4, 1, 3), (3, 0, 2), (6, 1, 5), (1, 0, 2)])
 def test_a_world_that_is_not_stages_x_replicas_plus_anchors_stops_with_one_line(world, anchors, fit):
-    with pytest.raises(ConfigError) as e:
+    with pytest.raises(ConfigError, match=rf"^world size {world} minus --anchor-ranks \({anchors}\) leaves") as e:
         _cfg("--anchor-ranks", str(anchors)).validate(world_size=world)
     msg = str(e.value)
     assert "\n" not in msg
@@ -193,7 +194,7 @@ def test_replica_rows_split_every_mini_batch_contiguously():
     # 12 rows, mini-batches of 6 (two optimizer steps), 3 replicas: 2 rows of each mini-batch
     assert [replica_rows(12, 6, r, 3).tolist() for r in range(3)] == [[0, 1, 6, 7], [2, 3, 8, 9], [4, 5, 10, 11]]
     assert replica_rows(8, 8, 0, 1).tolist() == list(range(8))
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="12 rows in mini-batches of 6 cannot be shared by 4 replicas"):
         replica_rows(12, 6, 0, 4)
 
 
@@ -210,7 +211,7 @@ def test_data_parallel_takes_the_codecs_whose_payloads_depend_on_their_own_micro
     if ok:
         assert plan_of(cfg, 4).layout.dp == 2
         return
-    with pytest.raises(ConfigError) as e:
+    with pytest.raises(ConfigError, match="^" + re.escape(f"--boundary-codec {spec} keeps a basis")) as e:
         plan_of(cfg, 4)
     msg = str(e.value)
     assert "\n" not in msg and msg.startswith(f"--boundary-codec {spec} keeps a basis across micro-batches")

@@ -194,7 +194,7 @@ def test_tp_x_pp_x_dp_layouts_validate(world, dp):
 def test_a_world_that_is_not_tp_x_pp_x_dp_stops_with_one_line(world, fit):
     from megatron_cegrpo.errors import ConfigError
 
-    with pytest.raises(ConfigError) as e:
+    with pytest.raises(ConfigError, match=rf"^world size {world} minus --anchor-ranks \(0\) leaves") as e:
         _cfg().validate(world_size=world)
     msg = str(e.value)
     assert "\n" not in msg and msg == (

@@ -27,6 +27,7 @@ other stage); the tied-embedding exchange sends the TP = 1 rows split over the T
 import json
 import math
 import os
+import re
 import sys
 
 import pytest
@@ -362,7 +363,7 @@ def test_tp2_pp2_x_dp_with_an_anchor_rank_validates(world, dp):
 def test_what_tp_does_not_run_yet_stops_with_one_line(extra, world, start):
     from megatron_cegrpo.errors import ConfigError
 
-    with pytest.raises(ConfigError) as e:
+    with pytest.raises(ConfigError, match="^" + re.escape(start)) as e:
         plan_of(_cfg(*extra), world)
     msg = str(e.value)
     assert "\n" not in msg and msg.startswith(start) and "fix: " in msg, msg

@@ -4,6 +4,7 @@ ids stable across evaluations and across runs of the same --holdout-seed, size, 
 from __future__ import annotations
 
 import json
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -94,7 +95,7 @@ def test_a_300_row_file_is_small(tmp_path):
 def test_a_bad_file_is_one_line_naming_it_and_the_fix(tmp_path, text, what):
     p = tmp_path / "holdout-step0.jsonl"
     p.write_text(text)
-    with pytest.raises(EvalRowsError) as e:
+    with pytest.raises(EvalRowsError, match=re.escape(what)) as e:
         read_eval_rows(str(p))
     msg = str(e.value)
     assert msg.startswith(str(p)) and what in msg and "fix: delete it" in msg and "\n" not in msg

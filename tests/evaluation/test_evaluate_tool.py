@@ -63,7 +63,7 @@ def _import_tool(path: Path, name: str):
     return mod
 
 
-def test_load_megatron_checkpoint_gives_the_same_answers_as_the_model(tmp_path):
+def test_load_megatron_checkpoint_gives_the_same_answers_as_the_model(tmp_path, capsys):
     """tiny-llama -> megatron checkpoint (PP=2) with the checkpoint tools; --load must give
     the same weights and tokenizer as --model (the conversion is bit-exact) and the same
     evaluation."""
@@ -98,8 +98,10 @@ def test_load_megatron_checkpoint_gives_the_same_answers_as_the_model(tmp_path):
     assert a["metrics"]["val/mawps/acc"] == b["metrics"]["val/mawps/acc"]
     assert b["meta"]["iteration"] == 0 and b["meta"]["load"] == str(ckpt)
     assert b["meta"]["label"] == "ckpt"
-    with pytest.raises(SystemExit):
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
         tool.main(["--datasets", "mawps"])  # neither --model nor --load
+    assert e.value.code == 2 and "error: give --model or --load" in capsys.readouterr().err
 
 
 def _tool_main():

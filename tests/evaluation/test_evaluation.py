@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import replace
 
 import pytest
@@ -249,8 +250,13 @@ def test_parse_mode_and_default_suite():
     assert parse_mode("greedy") == EvalMode() == parse_mode(None)
     assert parse_mode("avg@8") == EvalMode(greedy=False, k=8, temperature=0.7)
     assert parse_mode(("avg@4", 1.0)) == parse_mode("avg@4:1.0") == EvalMode(False, 4, 1.0)
-    for bad in ["avg@", "avg@0", "best@4", ("greedy", 0.7), ("avg@4", -1.0), "avg@4:0"]:
-        with pytest.raises(ValueError):
+    for bad, why in [("avg@", "eval mode 'avg@': expected 'greedy', 'avg@K'"),
+                     ("avg@0", "avg@k needs an integer k >= 1, got 0"),
+                     ("best@4", "eval mode 'best@4': expected 'greedy', 'avg@K'"),
+                     (("greedy", 0.7), "greedy decoding takes no temperature"),
+                     (("avg@4", -1.0), "avg@k needs a finite temperature > 0, got -1.0"),
+                     ("avg@4:0", "avg@k needs a finite temperature > 0, got 0.0")]:
+        with pytest.raises(ValueError, match=re.escape(why)):
             parse_mode(bad)
     assert {n: m.name for n, m in DEFAULT_SUITE.items()} == {
         "gsm8k/test": "greedy", "mawps": "greedy", "minerva_math": "greedy",

@@ -23,7 +23,7 @@ def test_tied_groups_on_a_synthetic_score_tensor():
         assert ((adv == 0).all(dim=1) == tied).all()
     assert ca.tied_groups(torch.tensor([1, 2, 3]), 1).tolist() == [True, True, True]
     assert ca.tied_groups(torch.tensor([1, 1, 0, 1], dtype=torch.int64), 2).tolist() == [True, False]
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="scores must be 1-D with a length divisible by group_size=4"):
         ca.tied_groups(torch.zeros(6), 4)
 
 
@@ -58,11 +58,11 @@ def test_one_mixed_round_is_the_unfiltered_batch():
 
 
 def test_select_groups_rejects_bad_input():
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="1 groups drawn in 1 rounds, fewer than the batch's 2"):
         select_groups([_flags(0)], 2)  # fewer groups drawn than the batch holds
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="round 0: tie flags must be a 1-D bool tensor, got torch.float32"):
         select_groups([torch.zeros(2)], 1)  # not bool
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="batch_groups must be >= 1, got 0"):
         enough_mixed([], 0)
 
 

@@ -5,6 +5,7 @@ Also runnable as a script: ``python test_builder.py --pp-worker OUT`` is one ran
 """
 
 import os
+import re
 import sys
 
 import pytest
@@ -66,7 +67,7 @@ def test_resolve_model_errors_name_the_flag(bad, tmp_path):
         open(bad, "w").close()
     elif bad == "__empty_dir":
         bad = str(tmp_path)
-    with pytest.raises(ValueError) as e:
+    with pytest.raises(ValueError, match="^" + re.escape(f"--model {bad!r}: ")) as e:
         resolve_model(bad)
     msg = str(e.value)
     assert "--model" in msg and bad in msg
@@ -153,7 +154,7 @@ def test_unsupported_arch():
 
 def test_indivisible_pp_size_names_flags(tiny_llama, smollm2):
     cfg, _ = tiny_llama
-    with pytest.raises(ValueError) as e:
+    with pytest.raises(ValueError, match="--pipeline-model-parallel-size=3 does not divide the model's 4 layers") as e:
         transformer_config_from_hf(cfg, pipeline_model_parallel_size=3)
     assert "--pipeline-model-parallel-size=3" in str(e.value)
     assert "--decoder-first-pipeline-num-layers/--decoder-last-pipeline-num-layers" in str(e.value)

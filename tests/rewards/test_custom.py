@@ -62,7 +62,7 @@ def test_loads_and_calls(files):
 )
 def test_bad_specs_one_line(files, spec, expected):
     spec = spec.format(d=files)
-    with pytest.raises(RewardError) as e:
+    with pytest.raises(RewardError, match="^--custom-reward-function ") as e:
         load_custom_reward_function(spec)
     assert str(e.value) == expected.format(d=files, cwd=os.getcwd())
     assert isinstance(e.value, ValueError)

@@ -30,7 +30,7 @@ def _one_line(msg: str) -> None:
 def test_vllm_not_installed_is_one_line_at_validation(no_vllm):
     cfg = build_config(parse_args(["--rollout-engine", "vllm", "--pipeline-model-parallel-size", "1",
                                    "--anchor-ranks", "0"]))
-    with pytest.raises(ConfigError) as e:
+    with pytest.raises(ConfigError, match="^--rollout-engine vllm: vLLM is not installed") as e:
         cfg.validate(world_size=1)
     msg = str(e.value)
     _one_line(msg)
@@ -57,7 +57,7 @@ def test_kv_cache_too_small_names_the_flag_and_a_size_that_fits():
     assert per_token == 2 * 30 * 3 * 64 * 2  # K and V, 30 layers, 3 KV heads of 64, bf16: 22.5 KiB
     assert vllm_config.kv_cache_bytes_per_token(cfg, "fp32") == 2 * per_token
     vllm_config.check_kv_cache(cfg, "bf16", 256, 8192)  # 180 MiB fit
-    with pytest.raises(ConfigError) as e:
+    with pytest.raises(ConfigError, match="^--rollout-kv-cache-mb 256: vLLM's KV cache cannot hold one sequence") as e:
         vllm_config.check_kv_cache(cfg, "fp32", 256, 8192)  # 360 MiB do not
     msg = str(e.value)
     _one_line(msg)
@@ -75,7 +75,7 @@ def test_preflight_rejects_a_kv_cache_too_small_before_any_process_group(no_vllm
                                    "--rollout-kv-cache-mb", "1",
                                    "--max-prompt-length", "1024", "--max-new-tokens", "64",
                                    "--eval-max-new-tokens", "1024"]))
-    with pytest.raises(ConfigError) as e:
+    with pytest.raises(ConfigError, match="^--rollout-kv-cache-mb 1: vLLM's KV cache cannot hold one sequence") as e:
         preflight(cfg)
     msg = str(e.value)
     _one_line(msg)

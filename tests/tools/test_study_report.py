@@ -279,8 +279,10 @@ def test_show_run_prints_the_runs_gain_then_the_study(study, tmp_path, capsys):
     (resumed / "summary.json").write_text(json.dumps(s))
     with pytest.raises(ValueError, match="has no before-training evaluation: the run was resumed"):
         mod.run_line(str(resumed))
-    with pytest.raises(SystemExit):
-        mod.main(["--run", str(run), "--docs", str(docs)])
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        mod.main(["--run", str(run), "--docs", str(docs)])  # --run without --show
+    assert e.value.code == 2 and "error: --run goes with --show" in capsys.readouterr().err
 
 
 # ----------------------------------------------------------------------------- paired statistics (issue 33)

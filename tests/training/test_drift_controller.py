@@ -164,9 +164,9 @@ def test_window_slope_is_least_squares():
     assert window_slope([(1, 0.0), (2, 0.5), (3, 1.0)]) == pytest.approx(0.5)
     assert window_slope([(2, 1.0), (4, 1.0), (6, 1.0)]) == 0.0
     assert window_slope([(1, 0.0), (2, 1.0), (3, 1.0), (4, 2.0)]) == pytest.approx(0.6)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="a slope needs two points or more, got 1"):
         window_slope([(1, 0.0)])
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="a slope needs points at two iterations or more"):
         window_slope([(2, 0.0), (2, 1.0)])
 
 

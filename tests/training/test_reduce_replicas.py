@@ -46,5 +46,5 @@ def test_tp_ranks_merge_by_adding_their_shard_sums():
     # min, first and max told apart: the ranks differ in alive, fire and sign_dev
     assert merged == {"comm/fwd_bytes": 200, "anchor/alive": 0, "anchor/fire": 1, "_weight/diff_sq": 3.0,
                       "_fidelity/dot": [1.25, 2.5], "anchor/sign_dev": 0.5}
-    with pytest.raises(KeyError):
+    with pytest.raises(KeyError, match="stage metric 'actor/loss' has no declared reduction"):
         r.merge_tp_ranks([{"actor/loss": 1.0}])
