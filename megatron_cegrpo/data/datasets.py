@@ -340,7 +340,8 @@ def load_prompts(path: str, format: Optional[str] = None, limit: Optional[int] =
     if limit is not None and limit < 0:
         raise ValueError(f"limit must be >= 0 or None, got {limit}")
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"data file {path} does not exist")
+        raise FileNotFoundError(f"data file {path} does not exist; fix: give the path of a JSONL file, one problem "
+                                f"a line (the known data sets lie under {default_data_root()}, ${DATA_ROOT_ENV})")
     fmt = get_format(format) if format is not None else None
     verifier = None
     name = os.path.splitext(os.path.basename(path))[0]
