@@ -193,6 +193,22 @@ def _training_records(run_dir: str) -> Tuple[List[dict], List[dict], int]:
     return records, train, max((int(_num(r.get("step")) or 0) for r in train), default=0)
 
 
+def _truncated_at(records: Sequence[dict], step: int) -> Optional[float]:
+    """The share of held-out answers cut at ``--eval-max-new-tokens`` in the evaluation at ``step``
+    (``val/holdout/response_length/clip_ratio``; None where it was not logged)."""
+    v = [_num(r.get("val/holdout/response_length/clip_ratio")) for r in records
+         if "val/holdout/acc" in r and int(_num(r.get("step")) or 0) == step]
+    return v[-1] if v else None
+
+
+def _kl_to_base_by(train: Sequence[dict], step: float) -> Optional[Tuple[int, float]]:
+    """``(its step, value)`` of the last ``probe/kl_to_base`` logged at or before ``step`` (the drift
+    probe runs every ``--drift-probe-interval`` iterations); None before the first."""
+    kl = [(int(_num(r.get("step")) or 0), _num(r.get("probe/kl_to_base"))) for r in train
+          if _num(r.get("probe/kl_to_base")) is not None and int(_num(r.get("step")) or 0) <= step]
+    return kl[-1] if kl else None
+
+
 def _num(v) -> Optional[float]:
     from megatron_cegrpo.evaluation.summary import as_float
 
@@ -417,13 +433,9 @@ def summarize_run(run_dir: str, rows_out: Optional[Dict] = None, mid_out: Option
         a = pts.get(iterations) if iterations > 0 else None
         return b, a
 
-    def truncated(step):  # the held-out answers cut at --eval-max-new-tokens, that evaluation's share
-        v = [_num(r.get("val/holdout/response_length/clip_ratio")) for r in records
-             if "val/holdout/acc" in r and int(_num(r.get("step")) or 0) == step]
-        return v[-1] if v else None
-
     out = dict(_identity(run_dir))
-    out.update(truncated_before=truncated(0), truncated_after=truncated(iterations) if iterations > 0 else None)
+    out.update(truncated_before=_truncated_at(records, 0),
+               truncated_after=_truncated_at(records, iterations) if iterations > 0 else None)
     b, a = before_after("holdout")
     rounds = [_num(r.get("batch/num_gen_batches")) for r in train if _num(r.get("batch/num_gen_batches")) is not None]
     out.update(train_s=sum(_num(r["timing_s/step"]) for r in train),
@@ -466,11 +478,10 @@ def summarize_run(run_dir: str, rows_out: Optional[Dict] = None, mid_out: Option
 def _damage(train: Sequence[dict]) -> Dict:
     """Damage to the base model (issue 33 item 6): the last ``probe/kl_to_base`` (its step) and the
     last ``actor/weight_rel_change``; None where the run logged none (no drift probe)."""
-    kl = [(int(_num(r.get("step")) or 0), _num(r.get("probe/kl_to_base"))) for r in train
-          if _num(r.get("probe/kl_to_base")) is not None]
+    kl = _kl_to_base_by(train, math.inf)
     moved = [_num(r.get("actor/weight_rel_change")) for r in train
              if _num(r.get("actor/weight_rel_change")) is not None]
-    return {"kl_to_base": kl[-1][1] if kl else None, "kl_to_base_step": kl[-1][0] if kl else None,
+    return {"kl_to_base": kl[1] if kl else None, "kl_to_base_step": kl[0] if kl else None,
             "weight_rel_change": moved[-1] if moved else None}
 
 
@@ -1165,15 +1176,17 @@ def run_line(log_dir: str) -> str:
 
 def progress(run_dir: str) -> Dict:
     """Where one arm folder stands, finished or not (``--progress``; a run of 160 iterations spans
-    sessions): ``{arm, seed, codec, iterations, train_iters, finished, acc_before, train_min,
-    heldout}``, where
+    sessions): ``{arm, seed, codec, iterations, train_iters, finished, acc_before, truncated_before,
+    train_min, heldout}``, where
     ``iterations`` is the last training step logged, ``train_iters`` the run's ``--train-iters``
     (config.json; None without it), ``finished`` whether study_cpu.sh wrote ``DONE``, ``acc_before``
     the held-out accuracy at step 0 (None before it is logged), ``train_min``
     the sum of ``timing_s/step`` in minutes, and ``heldout`` one entry per held-out evaluation after
-    step 0, ``{step, acc, gain, se, z, fixed, broken}``: the gain over step 0 and, where both per-row
-    files are in ``eval_rows/``, its paired standard error, z and McNemar counts (:func:`paired_diff`;
-    None without them). Raises FileNotFoundError without a metrics.jsonl and EvalRowsError for a
+    step 0, ``{step, acc, gain, se, z, fixed, broken, truncated, kl_to_base, kl_to_base_step}``: the
+    gain over step 0 and, where both per-row files are in ``eval_rows/``, its paired standard error, z
+    and McNemar counts (:func:`paired_diff`; None without them), the share of its answers cut at the
+    length limit and the last drift probe's KL to the base at or before it (the two signs of a run
+    that drifts: ``docs/study_bf16_amx_long.md``); ``truncated_before`` is step 0's share. Raises FileNotFoundError without a metrics.jsonl and EvalRowsError for a
     per-row file that is not the run's."""
     from megatron_cegrpo.evaluation import find_eval_rows
 
@@ -1189,8 +1202,10 @@ def progress(run_dir: str) -> Dict:
               if ("holdout", 0) in files and 0 in points else None)
     heldout = []
     for step in sorted(t for t in points if t > 0):
+        kl = _kl_to_base_by(train, step)
         entry = {"step": step, "acc": points[step][0], "gain": None, "se": None, "z": None,
-                 "fixed": None, "broken": None}
+                 "fixed": None, "broken": None, "truncated": _truncated_at(records, step),
+                 "kl_to_base": kl[1] if kl else None, "kl_to_base_step": kl[0] if kl else None}
         if 0 in points:
             entry["gain"] = points[step][0] - points[0][0]
         if before is not None and ("holdout", step) in files:
@@ -1202,28 +1217,35 @@ def progress(run_dir: str) -> Dict:
     ident = _identity(run_dir)
     return {"arm": ident["arm"], "seed": ident["seed"], "codec": ident["codec"], "iterations": iterations,
             "train_iters": train_iters, "finished": os.path.isfile(os.path.join(run_dir, "DONE")),
-            "acc_before": points.get(0, (None,))[0],
+            "acc_before": points.get(0, (None,))[0], "truncated_before": _truncated_at(records, 0),
             "train_min": sum(_num(r["timing_s/step"]) for r in train) / 60.0, "heldout": heldout}
 
 
 def progress_line(run_dir: str) -> str:
     """:func:`progress` as one line: ``dense s1234: 57/160 iterations (running or stopped), 58.3 min of
-    training; held-out 0.077 at 0, 0.150 at 40 (+0.073, paired SE 0.021, z +3.5: 32 fixed, 10 broken)``."""
+    training; held-out 0.077 at 0 (cut 0.31), 0.150 at 40 (+0.073, paired SE 0.021, z +3.5: 32 fixed, 10 broken;
+    cut 0.17; KL to base 0.108 at 40)`` (cut: the share of answers cut at the length limit)."""
     p = progress(run_dir)
     total = "?" if p["train_iters"] is None else p["train_iters"]
     state = "finished" if p["finished"] else "running or stopped"
     parts = [f"{p['arm']} s{p['seed']}: {p['iterations']}/{total} iterations ({state}), "
              f"{p['train_min']:.1f} min of training"]
-    evals = [] if p["acc_before"] is None else [f"{p['acc_before']:.3f} at 0"]
+    evals = [] if p["acc_before"] is None else [f"{p['acc_before']:.3f} at 0" + (
+        "" if p["truncated_before"] is None else f" (cut {p['truncated_before']:.2f})")]
     for e in p["heldout"]:
         text = f"{e['acc']:.3f} at {e['step']}"
+        notes = []
         if e["gain"] is not None:
-            text += f" ({e['gain']:+.3f}"
+            note = f"{e['gain']:+.3f}"
             if e["se"] is not None:
-                text += (f", paired SE {_fmt(e['se'])}, z {_fmt(e['z'], '{:+.1f}')}: {e['fixed']} fixed, "
+                note += (f", paired SE {_fmt(e['se'])}, z {_fmt(e['z'], '{:+.1f}')}: {e['fixed']} fixed, "
                          f"{e['broken']} broken")
-            text += ")"
-        evals.append(text)
+            notes.append(note)
+        if e["truncated"] is not None:
+            notes.append(f"cut {e['truncated']:.2f}")
+        if e["kl_to_base"] is not None:
+            notes.append(f"KL to base {e['kl_to_base']:.3g} at {e['kl_to_base_step']}")
+        evals.append(text + (f" ({'; '.join(notes)})" if notes else ""))
     if evals:
         parts.append("held-out " + ", ".join(evals))
     return "; ".join(parts)
@@ -1246,7 +1268,8 @@ def main(argv=None) -> int:
                         "accuracy before -> after, gain and z")
     p.add_argument("--progress", action="store_true",
                    help="print one line per arm folder in STUDY_DIR, finished or not (iterations done, every "
-                        "held-out evaluation so far with its paired gain), and exit (writes nothing)")
+                        "held-out evaluation so far with its paired gain, answers cut at the length limit and KL to the "
+                        "base), and exit (writes nothing)")
     args = p.parse_args(argv)
     if args.progress:
         try:

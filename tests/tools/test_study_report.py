@@ -762,6 +762,28 @@ def test_progress_reports_an_unfinished_arm_with_its_paired_gain_so_far(tmp_path
     assert sorted(p.name for p in tmp_path.rglob("*")) == before_files
 
 
+def test_progress_shows_the_drift_signs_at_each_evaluation(tmp_path, capsys):
+    """Each held-out evaluation's share of answers cut at the length limit and the last drift probe's
+    KL to the base at or before it (a probe after the evaluation is not its KL); step 0's cut share."""
+    mod = _tool()
+    mid = [1, 1, 1, 0, 0, 0, 0, 0, 1, 1]
+    run = tmp_path / "live" / "dense-s1"
+    _write_run(run, [dict(_ev(0, _BEFORE), **{"val/holdout/response_length/clip_ratio": 0.3}),
+                     _step(1, 0.1, 30, 70, 2000, 30.0, **{"probe/kl_to_base": 0.01}),
+                     _step(2, 0.1, 30, 70, 2000, 30.0),
+                     dict(_ev(2, mid), **{"val/holdout/response_length/clip_ratio": 0.1}),
+                     _step(3, 0.1, 30, 70, 2000, 30.0, **{"probe/kl_to_base": 0.5})],
+               arm={"arm": "dense", "seed": 1, "codec": "dense", "anchor": False}, done=False)
+    p = mod.progress(str(run))
+    (e,) = p["heldout"]
+    assert p["truncated_before"] == 0.3
+    assert (e["truncated"], e["kl_to_base"], e["kl_to_base_step"]) == (0.1, 0.01, 1)
+    assert mod.main([str(tmp_path / "live"), "--progress"]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        "dense s1: 3/? iterations (running or stopped), 1.5 min of training; held-out 0.200 at 0 (cut 0.30), "
+        "0.500 at 2 (+0.300; cut 0.10; KL to base 0.01 at 1)"]
+
+
 def test_progress_reports_a_bad_arm_on_its_own_line_and_goes_on(tmp_path, capsys):
     """An arm whose per-row file is not its own (its accuracy disagrees with metrics.jsonl) gets one
     error line naming the folder; the other arms still print; exit 2."""
