@@ -1186,8 +1186,9 @@ def progress(run_dir: str) -> Dict:
     gain over step 0 and, where both per-row files are in ``eval_rows/``, its paired standard error, z
     and McNemar counts (:func:`paired_diff`; None without them), the share of its answers cut at the
     length limit and the last drift probe's KL to the base at or before it (the two signs of a run
-    that drifts: ``docs/study_bf16_amx_long.md``); ``truncated_before`` is step 0's share. Raises FileNotFoundError without a metrics.jsonl and EvalRowsError for a
-    per-row file that is not the run's."""
+    that drifts: ``docs/study_bf16_amx_long.md``); ``truncated_before`` is step 0's share. Raises
+    FileNotFoundError without a metrics.jsonl and EvalRowsError for a per-row file that is not the
+    run's."""
     from megatron_cegrpo.evaluation import find_eval_rows
 
     records, train, iterations = _training_records(run_dir)
@@ -1268,8 +1269,8 @@ def main(argv=None) -> int:
                         "accuracy before -> after, gain and z")
     p.add_argument("--progress", action="store_true",
                    help="print one line per arm folder in STUDY_DIR, finished or not (iterations done, every "
-                        "held-out evaluation so far with its paired gain, answers cut at the length limit and KL to the "
-                        "base), and exit (writes nothing)")
+                        "held-out evaluation so far with its paired gain, answers cut at the length limit and KL "
+                        "to the base), and exit (writes nothing)")
     args = p.parse_args(argv)
     if args.progress:
         try:
