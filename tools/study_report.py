@@ -47,6 +47,9 @@ summary field                source in metrics.jsonl
 ``truncated_after``          ``iterations``: the held-out greedy answers cut at
                              ``--eval-max-new-tokens`` (an answer cut before "The answer is N."
                              scores 0); the table's "truncated" column, before -> after
+``resp_len_before``          ``val/holdout/response_length/mean`` at step 0: the base model's
+                             greedy answers' mean length, a fingerprint of the arithmetic (two
+                             runs that differ there ran other kernels and are not paired)
 ``launch_wall_s``            (not from the log) the sum of ``wall_seconds``, one line per
                              (re)start written by study_cpu.sh, start-up included; None
                              without that file
@@ -157,9 +160,9 @@ ARCHIVE_FILES = ("metrics.jsonl", "study_arm.json", "config.json", "wall_seconds
 #: The arm every other arm is compared with, at the same seed.
 DENSE_ARM = "dense"
 
-#: The percentile bootstrap of each arm's fraction of dense's gain: resamples (the held-out rows
-#: drawn with replacement, one draw shared by every run of the comparison) and the seed of
-#: ``numpy.random.default_rng``.
+#: The percentile bootstrap of each arm's fraction of dense's gain: resamples (the seeds, then the
+#: held-out rows drawn with replacement, one draw shared by every run of the comparison) and the
+#: seed of ``numpy.random.default_rng``.
 BOOTSTRAP_RESAMPLES = 2000
 BOOTSTRAP_SEED = 0
 
@@ -271,11 +274,13 @@ def gain_z(acc_before: float, se_before: Optional[float], acc_after: float,
            se_after: Optional[float]) -> Tuple[float, Optional[float]]:
     """Held-out gain ``acc_after - acc_before`` (accuracies in [0, 1]) and its unpaired z,
     gain / sqrt(se_before^2 + se_after^2) (the standard error of a difference of two independent
-    means; None when both errors are 0 or missing). Unpaired: it ignores that both evaluations
-    score the same rows; the paired error (:func:`paired_diff`, from the per-row files) is
-    usually smaller, so this z is conservative."""
-    se = math.hypot(se_before or 0.0, se_after or 0.0)
+    means; None when either error is missing, which taken as 0 would inflate z, or both are 0).
+    Unpaired: it ignores that both evaluations score the same rows; the paired error
+    (:func:`paired_diff`, from the per-row files) is usually smaller, so this z is conservative."""
     gain = acc_after - acc_before
+    if se_before is None or se_after is None:
+        return gain, None
+    se = math.hypot(se_before, se_after)
     return gain, (gain / se if se > 0 else None)
 
 
@@ -434,6 +439,9 @@ def summarize_run(run_dir: str, rows_out: Optional[Dict] = None, mid_out: Option
         return b, a
 
     out = dict(_identity(run_dir))
+    lengths = [_num(r.get("val/holdout/response_length/mean")) for r in records
+               if "val/holdout/acc" in r and int(_num(r.get("step")) or 0) == 0]
+    out["resp_len_before"] = lengths[-1] if lengths else None  # a fingerprint of the arithmetic (_after_against)
     out.update(truncated_before=_truncated_at(records, 0),
                truncated_after=_truncated_at(records, iterations) if iterations > 0 else None)
     b, a = before_after("holdout")
@@ -544,12 +552,15 @@ def _same_rows(x, ref) -> None:
                             "the archive")
 
 
-def _after_against(a: Dict, other: str, rows: Dict) -> Optional[Dict]:
+def _after_against(a: Dict, other: str, rows: Dict, other_arm: Optional[Dict] = None) -> Optional[Dict]:
     """Arm ``a``'s held-out evaluation after training against arm ``other``'s at the same seed, on
     the same rows: :func:`paired_diff` (``diff`` = a - other, ``se``, ``z``, ``rows``, ``a_only``,
-    ``b_only``); ``{"numerics_differ": n}`` when the two evaluations BEFORE training (the same base
-    weights, greedy) disagree on n rows (other arithmetic: not paired measurements of one model);
-    None where either run kept no per-row files. Raises EvalRowsError when their rows differ."""
+    ``b_only``); ``{"numerics_differ": n, "lengths_differ": bool}`` when the two evaluations BEFORE
+    training (the same base weights, greedy) disagree on n rows, or score alike but their answers'
+    mean length differs (``resp_len_before`` of ``a`` and ``other_arm``, that arm's summary, where
+    both logged it): other arithmetic (bf16 kernels differ between CPUs), not paired measurements
+    of one model. None where either run kept no per-row files. Raises EvalRowsError when their
+    rows differ."""
     mine = rows.get((a["arm"], a["seed"]), {}).get("holdout")
     theirs = rows.get((other, a["seed"]), {}).get("holdout")
     if mine is None or theirs is None:
@@ -557,9 +568,23 @@ def _after_against(a: Dict, other: str, rows: Dict) -> Optional[Dict]:
     _same_rows(mine[1], theirs[1])
     before_a, before_o = mine[0].by_id(), theirs[0].by_id()
     differ = sum(before_a[i] != before_o[i] for i in before_o)
-    if differ:
-        return {"numerics_differ": differ}
+    la, lo = a.get("resp_len_before"), (other_arm or {}).get("resp_len_before")
+    lengths_differ = la is not None and lo is not None and abs(la - lo) > 1e-9
+    if differ or lengths_differ:
+        return {"numerics_differ": differ, "lengths_differ": lengths_differ}
     return paired_diff(mine[1].by_id(), theirs[1].by_id())
+
+
+def _other_numerics(p: Optional[Dict]) -> bool:
+    """Whether an :func:`_after_against` result (or a stored ``vs_dense``) found other arithmetic."""
+    return bool(p) and bool(p.get("numerics_differ") or p.get("lengths_differ"))
+
+
+def _numerics_cell(p: Dict) -> str:
+    """The table cell of a comparison that :func:`_other_numerics` refused."""
+    if p.get("numerics_differ"):
+        return f"other numerics ({p['numerics_differ']} rows differ before training)"
+    return "other numerics (answers before training differ in length)"
 
 
 def base_arm(name: str, names) -> Optional[str]:
@@ -594,11 +619,12 @@ def compare_with_base(arms: Sequence[Dict], rows: Dict, mids: Optional[Dict] = N
     held-out gain per wall-minute). One entry per (variant, seed) whose base finished at that seed:
     ``{"arm", "seed", "base", "gain", "base_gain", "train_s", "base_train_s", "gain_per_hour",
     "base_gain_per_hour", "gen_rounds_mean", "diff", "se", "z", "rows", "arm_only", "base_only",
-    "numerics_differ", "same_step"}``: gains in accuracy (after - before), ``train_s`` the sum of ``timing_s/step``
-    (training only: the evaluations, the same in both, are left out), gain per hour of it,
-    ``gen_rounds_mean`` the variant's mean ``batch/num_gen_batches`` (None without dynamic sampling),
-    the paired fields as :func:`_after_against` (None without per-row files; ``numerics_differ`` n
-    and the paired fields None when the two ran with other arithmetic). ``rows``: as in
+    "numerics_differ", "lengths_differ", "same_step"}``: gains in accuracy (after - before),
+    ``train_s`` the sum of ``timing_s/step`` (training only: the evaluations, the same in both, are
+    left out), gain per hour of it, ``gen_rounds_mean`` the variant's mean ``batch/num_gen_batches``
+    (None without dynamic sampling), the paired fields as :func:`_after_against` (None without
+    per-row files; ``numerics_differ`` n, ``lengths_differ`` and the paired fields None when the two
+    ran with other arithmetic). ``rows``: as in
     :func:`compare_with_dense`. ``same_step``: where the base ran longer and scored the held-out rows
     at the variant's last iteration (``mids``: ``{(arm, seed): {step: EvalRows}}``, :func:`mid_rows`),
     the variant's after against the base's at that step, ``{"step", "base_acc", "diff", "se", "z",
@@ -617,10 +643,10 @@ def compare_with_base(arms: Sequence[Dict], rows: Dict, mids: Optional[Dict] = N
              "train_s": a.get("train_s"), "base_train_s": b.get("train_s"), "gain_per_hour": _gain_per_hour(a),
              "base_gain_per_hour": _gain_per_hour(b), "gen_rounds_mean": a.get("gen_rounds_mean"),
              "diff": None, "se": None, "z": None, "rows": None, "arm_only": None, "base_only": None,
-             "numerics_differ": None, "same_step": None}
-        p = None if a.get("logs_lost") or b.get("logs_lost") else _after_against(a, base, rows)
-        if p and p.get("numerics_differ"):
-            e["numerics_differ"] = p["numerics_differ"]
+             "numerics_differ": None, "lengths_differ": None, "same_step": None}
+        p = None if a.get("logs_lost") or b.get("logs_lost") else _after_against(a, base, rows, b)
+        if _other_numerics(p):
+            e["numerics_differ"], e["lengths_differ"] = p["numerics_differ"], p["lengths_differ"]
         elif p:
             e.update(_against_base(p))
             at = (mids or {}).get((base, seed), {}).get(a.get("iterations"))
@@ -638,20 +664,23 @@ def compare_with_dense(arms: Sequence[Dict], rows: Dict) -> None:
     same seed, on the same rows (:func:`paired_diff` of the two after-evaluations: ``diff`` =
     arm - dense, ``se``, ``z``, ``rows``, ``arm_only`` / ``dense_only`` right). None for dense
     itself and where either run kept no per-row files (an arm whose logs are lost keeps the value
-    of the earlier summary). ``{"dense_seed", "numerics_differ": n}`` instead when the two runs'
-    evaluations BEFORE training (the same weights, greedy) disagree on n rows: they ran with other
-    arithmetic (bf16 on another CPU: AMX vs AVX512-BF16 kernels round differently), so their
-    after-accuracies are not paired measurements of the same model. ``rows``: ``{(arm, seed): {data
+    of the earlier summary). ``{"dense_seed", "numerics_differ": n, "lengths_differ"}`` instead when
+    the two runs' evaluations BEFORE training (the same weights, greedy) disagree on n rows or in
+    their answers' mean length (:func:`_after_against`): they ran with other arithmetic (bf16 on
+    another CPU: AMX vs AVX512-BF16 kernels round differently), so their after-accuracies are not
+    paired measurements of the same model. ``rows``: ``{(arm, seed): {data
     set: (before, after)}}`` (:func:`run_rows`). Raises EvalRowsError when the two runs' rows differ."""
+    dense_at = {a["seed"]: a for a in arms if a["arm"] == DENSE_ARM}
     for a in arms:
         if a.get("logs_lost"):
             continue  # its row is kept as the earlier summary had it
         a["vs_dense"] = None
-        p = None if a["arm"] == DENSE_ARM else _after_against(a, DENSE_ARM, rows)
+        p = None if a["arm"] == DENSE_ARM else _after_against(a, DENSE_ARM, rows, dense_at.get(a["seed"]))
         if p is None:
             continue
-        if p.get("numerics_differ"):
-            a["vs_dense"] = {"dense_seed": a["seed"], "numerics_differ": p["numerics_differ"]}
+        if _other_numerics(p):
+            a["vs_dense"] = {"dense_seed": a["seed"], "numerics_differ": p["numerics_differ"],
+                             "lengths_differ": p["lengths_differ"]}
             continue
         a["vs_dense"] = {"dense_seed": a["seed"], "diff": p["diff"], "se": p["se"], "z": p["z"], "rows": p["rows"],
                          "arm_only": p["a_only"], "dense_only": p["b_only"]}
@@ -680,8 +709,8 @@ def fractions_of_dense(arms: Sequence[Dict], rows: Dict, resamples: int = BOOTST
         left_out = [a["seed"] for a in finished if a.get("anchor_lost_step") is not None]
         runs = [a for a in kept if a["seed"] in dense_at]
         no_dense = [a["seed"] for a in kept if a["seed"] not in dense_at]
-        if not kept:
-            continue
+        if not finished:
+            continue  # (an arm whose every seed lost its anchor stays: its row names them)
         dense = [dense_at[a["seed"]] for a in runs]
         dense_gain = sum(a["gain"] for a in dense) / len(dense) if dense else None
         mean = sum(a["gain"] for a in runs) / len(runs) if runs else None
@@ -701,6 +730,19 @@ def fractions_of_dense(arms: Sequence[Dict], rows: Dict, resamples: int = BOOTST
                      dense_nonpositive=b["dense_nonpositive"])
         out.append(e)
     return out
+
+
+def _strict_json(v):
+    """``v`` with every infinite float as the string ``"inf"`` / ``"-inf"`` and NaN as None, so that
+    ``summary.json`` is JSON every parser reads (``json.dump`` writes ``Infinity`` otherwise, which
+    jq and JavaScript refuse); the bootstrap's open interval ends are the infinities."""
+    if isinstance(v, float):
+        return None if math.isnan(v) else ("inf" if v > 0 else "-inf") if math.isinf(v) else v
+    if isinstance(v, dict):
+        return {k: _strict_json(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_strict_json(x) for x in v]
+    return v
 
 
 def _carried_arms(summary_path: str, have: Sequence[Dict]) -> List[Dict]:
@@ -820,6 +862,16 @@ def plot_accuracy(arms: Sequence[Dict], out_dir: str) -> Optional[str]:
     return path
 
 
+def _kept_title(md_path: str) -> Optional[str]:
+    """The title (first line ``# ...``) of the report already at ``md_path``; None without one. A
+    rewrite keeps it unless ``--title`` is given."""
+    if not os.path.isfile(md_path):
+        return None
+    with open(md_path, encoding="utf-8") as f:
+        first = f.readline().rstrip("\n")
+    return first[2:] if first.startswith("# ") else None
+
+
 def _kept_notes(md_path: str) -> str:
     if not os.path.isfile(md_path):
         return "(no interpretation written yet)"
@@ -849,8 +901,8 @@ def paired_table(arms: Sequence[Dict]) -> str:
             vs = ["-"] * 4
         elif v is None:
             vs = [NA] * 4
-        elif v.get("numerics_differ"):
-            vs = [f"other numerics ({v['numerics_differ']} rows differ before training)"] + ["-"] * 3
+        elif _other_numerics(v):
+            vs = [_numerics_cell(v)] + ["-"] * 3
         else:
             vs = [_fmt(v["diff"], "{:+.3f}"), _fmt(v["se"]), _fmt(v["z"], "{:+.1f}"),
                   f"{_fmt(v['arm_only'], '{:d}')} / {_fmt(v['dense_only'], '{:d}')}"]
@@ -892,8 +944,8 @@ def variant_table(variants: Sequence[Dict]) -> str:
         same = ("-" if st is None else f"iteration {st['step']}: {st['base_acc']:.3f}, {st['diff']:+.3f} "
                 f"({_fmt(st['se'])}, {_fmt(st['z'], '{:+.1f}')})")
         mins = [None if x is None else x / 60 for x in (e["train_s"], e["base_train_s"])]
-        if e.get("numerics_differ"):
-            paired = [f"other numerics ({e['numerics_differ']} rows differ before training)", "-", "-", "-"]
+        if _other_numerics(e):
+            paired = [_numerics_cell(e), "-", "-", "-"]
         elif e["rows"] is None:
             paired = [NA] * 4
         else:
@@ -965,7 +1017,8 @@ def method_lines() -> List[str]:
         "run at a seed drawn together), then the held-out rows "
         f"(`numpy.random.default_rng({BOOTSTRAP_SEED})`), one draw shared by every run of the comparison; the "
         "2.5 % and 97.5 % points of the resampled fractions (a resample in which dense did not gain counts "
-        "as an infinite fraction). With three seeds it covers the seed-to-seed spread coarsely (10 distinct "
+        "as an infinite fraction, +inf, or -inf where the arm's resampled gain is below 0; `inf` in "
+        "summary.json). With three seeds it covers the seed-to-seed spread coarsely (10 distinct "
         "seed draws) as well as the rows; n/a unless every one of those runs kept per-row files.",
         "- Other data sets: their lines add the paired SE and z of the gain where the run kept per-row files.",
         "",
@@ -981,6 +1034,10 @@ def _summarize_archive(runs: Sequence[str], root: str, summary_path: str) -> Tup
         kept: Dict = {}
         mid: Dict = {}
         a = summarize_run(d, kept, mid)
+        twin = next((b for b in arms if (b["arm"], b["seed"]) == (a["arm"], a["seed"])), None)
+        if twin is not None:  # the comparisons key runs by (arm, seed): one would silently stand for both
+            raise ValueError(f"{d}: arm {a['arm']!r} seed {a['seed']} again (also {twin['run_dir']}); fix: keep one "
+                             "of the two runs in the study folder and the archive")
         mids[(a["arm"], a["seed"])] = mid
         a["run_dir"] = os.path.relpath(os.path.abspath(d), root)  # the archived copy, from the repo root
         a["logs_lost"] = False
@@ -996,12 +1053,13 @@ DEFAULT_NAME, DEFAULT_TITLE = "study", "CPU study: does it learn? (issue 11)"
 
 
 def write_report(study_dir: Optional[str], docs_dir: str, name: str = DEFAULT_NAME,
-                 title: str = DEFAULT_TITLE) -> Dict:
+                 title: Optional[str] = None) -> Dict:
     """Archive every finished run under ``study_dir`` into ``<docs>/study/runs/`` (:func:`archive_runs`),
     summarize every archived run, carry the arms of the earlier ``summary.json`` whose logs are
     gone (:func:`_carried_arms`), compare every arm with dense on the same rows
     (:func:`compare_with_dense`, :func:`fractions_of_dense`) and write ``<docs>/study/summary.json``,
-    the PNGs and ``<docs>/study.md``. Only finished arms (a ``DONE`` file, written by study_cpu.sh when the
+    the PNGs and ``<docs>/study.md`` (titled ``title``, else the existing report's title, else
+    :data:`DEFAULT_TITLE`; its notes section is kept). Only finished arms (a ``DONE`` file, written by study_cpu.sh when the
     run exits cleanly) are archived: an arm still running or stopped is left out of the report
     (else its row, with no "after" value, would be committed and carried on). ``study_dir`` None
     or missing: the archive alone. Returns the summary dict plus ``unfinished`` (the live folders
@@ -1029,9 +1087,11 @@ def write_report(study_dir: Optional[str], docs_dir: str, name: str = DEFAULT_NA
                "fields": list(FIELDS), "arms": arms, "fraction_of_dense": fractions,
                "variants": variants,
                "bootstrap": {"resamples": BOOTSTRAP_RESAMPLES, "seed": BOOTSTRAP_SEED,
-                             "interval": "percentile, 2.5 % and 97.5 %", "resampled": "held-out rows"}}
+                             "interval": "percentile, 2.5 % and 97.5 %", "resampled": "seeds, then held-out rows",
+                             "infinite": "a resample where dense's gain is <= 0: \"inf\" (\"-inf\" when the arm's is "
+                                         "below 0)"}}
     with open(os.path.join(out_dir, "summary.json"), "w", encoding="utf-8") as f:
-        json.dump(summary, f, indent=2)
+        json.dump(_strict_json(summary), f, indent=2, allow_nan=False)
         f.write("\n")
     drawn = [a for a in arms if not a["logs_lost"]]
     labels = [f"{a['arm']} s{a['seed']}" for a in drawn]
@@ -1039,6 +1099,7 @@ def write_report(study_dir: Optional[str], docs_dir: str, name: str = DEFAULT_NA
     acc = plot_accuracy(arms, out_dir)
     figs += [acc] if acc else []
     md = os.path.join(docs_dir, f"{name}.md")
+    title = title or _kept_title(md) or DEFAULT_TITLE
     lines = _report_lines(arms, fractions, figs, os.path.relpath(archive, docs_dir), _kept_notes(md), name, title,
                           variants)
     with open(md, "w", encoding="utf-8") as f:
@@ -1260,7 +1321,8 @@ def main(argv=None) -> int:
     p.add_argument("--docs", default=os.path.join(os.path.dirname(_HERE), "docs"), help="docs folder to write")
     p.add_argument("--name", default=DEFAULT_NAME,
                    help="the study's name: writes <docs>/<name>.md and <docs>/<name>/ (default: study)")
-    p.add_argument("--title", default=DEFAULT_TITLE, help="the report's title")
+    p.add_argument("--title", default=None,
+                   help=f"the report's title (default: the existing report's, else {DEFAULT_TITLE!r})")
     p.add_argument("--show", action="store_true",
                    help="print the table of the committed <docs>/<name>/summary.json, after a line saying which "
                         "study it is, and exit (reads no run, writes nothing)")

@@ -262,6 +262,8 @@ def test_show_run_prints_the_runs_gain_then_the_study(study, tmp_path, capsys):
                         "iterations an arm, side by side:")
     assert "\n".join(lines[2:]) == mod.table(summary["arms"])
     assert mod.gain_z(0.08, 0.015, 0.11, 0.018) == (pytest.approx(0.03, abs=1e-15), pytest.approx(z, rel=1e-12))
+    # one error missing: no z (taking it as 0 would give 0.03 / 0.018 = 1.7, inflated)
+    assert mod.gain_z(0.08, None, 0.11, 0.018)[1] is None and mod.gain_z(0.08, 0.015, 0.11, None)[1] is None
 
     big = tmp_path / "long"
     _trainer_summary(big, (0.08, 0.015), (0.18, 0.022), 48)
@@ -423,7 +425,11 @@ def test_report_with_per_row_files(paired_study, tmp_path):
                                [[x - y for x, y in zip(_AFTER[("dense", k)], _BEFORE)] for k in (1, 2)])
     assert (fa["low"], fa["high"], fa["dense_nonpositive"]) == (b["low"], b["high"], b["dense_nonpositive"])
     assert frac["lowrank"]["fraction"] == 0.0 and frac["lowrank"]["low"] is None  # no per-row files: no interval
-    assert s["bootstrap"]["resamples"] == 2000
+    assert s["bootstrap"]["resamples"] == 2000 and s["bootstrap"]["resampled"] == "seeds, then held-out rows"
+    # strict JSON (no Infinity / NaN tokens): an open interval's end is written "inf" / "-inf"
+    json.loads((docs / "study" / "summary.json").read_text(), parse_constant=lambda c: pytest.fail(c))
+    assert mod._strict_json({"a": [math.inf, -math.inf, math.nan, 0.5, "x"], "b": (1, math.inf)}) == {
+        "a": ["inf", "-inf", None, 0.5, "x"], "b": [1, "inf"]}
 
     md = (docs / "study.md").read_text()
     z1 = 0.4 / math.sqrt(2.4 / 90)
@@ -539,6 +545,8 @@ def test_a_named_study_beside_the_first(study, tmp_path):
     assert mod.main([str(study), "--docs", str(docs), "--name", "study_bf16", "--title", "CPU study in bf16"]) == 0
     md = (docs / "study_bf16.md").read_text()
     assert md.startswith("# CPU study in bf16\n") and "](study_bf16/reward.png)" in md
+    assert mod.main([str(study), "--docs", str(docs), "--name", "study_bf16"]) == 0  # a rewrite keeps the title
+    assert (docs / "study_bf16.md").read_text().startswith("# CPU study in bf16\n")
     assert sorted(p.name for p in (docs / "study_bf16" / "runs").iterdir()) == ["dense-s1", "mask_anchor-s1"]
     assert not (docs / "study.md").exists() and not (docs / "study").exists()
     summary = json.loads((docs / "study_bf16" / "summary.json").read_text())
@@ -579,10 +587,45 @@ def test_an_arm_run_with_other_numerics_is_not_paired_with_dense(paired_study, t
     _rows_file(run, "holdout", 0, other)
     s = mod.write_report(str(paired_study), str(tmp_path / "docs"))
     arms = {(a["arm"], a["seed"]): a for a in s["arms"]}
-    assert arms[("mask_anchor", 2)]["vs_dense"] == {"dense_seed": 2, "numerics_differ": 2}
+    assert arms[("mask_anchor", 2)]["vs_dense"] == {"dense_seed": 2, "numerics_differ": 2, "lengths_differ": False}
     assert arms[("mask_anchor", 1)]["vs_dense"]["rows"] == 10  # the same numerics: paired as before
     md = (tmp_path / "docs" / "study.md").read_text()
     assert "| other numerics (2 rows differ before training) | - | - | - |" in md
+
+
+def test_answers_of_another_length_before_training_are_other_numerics(paired_study, tmp_path):
+    """Every row scored alike before training, but the base model's greedy answers had another mean
+    length (``val/holdout/response_length/mean`` at step 0): other kernels that only changed rows
+    both got wrong; not paired with dense. The same length, or none logged, pairs as before."""
+    mod = _tool()
+
+    def set_len(run, value):
+        recs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
+        recs[0]["val/holdout/response_length/mean"] = value
+        (run / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in recs) + "\n")
+
+    set_len(paired_study / "dense-s2", 35.7)
+    set_len(paired_study / "mask_anchor-s2", 36.1)
+    set_len(paired_study / "mask_anchor-s1", 35.7)  # dense-s1 logged none: no fingerprint to compare
+    s = mod.write_report(str(paired_study), str(tmp_path / "docs"))
+    arms = {(a["arm"], a["seed"]): a for a in s["arms"]}
+    assert arms[("mask_anchor", 2)]["resp_len_before"] == 36.1
+    assert arms[("mask_anchor", 2)]["vs_dense"] == {"dense_seed": 2, "numerics_differ": 0, "lengths_differ": True}
+    assert arms[("mask_anchor", 1)]["vs_dense"]["rows"] == 10
+    md = (tmp_path / "docs" / "study.md").read_text()
+    assert "| other numerics (answers before training differ in length) | - | - | - |" in md
+
+
+def test_two_runs_of_one_arm_and_seed_are_refused(paired_study, tmp_path):
+    """The comparisons key runs by (arm, seed): a second folder of mask_anchor seed 1 would silently
+    stand for both, so the report stops with a line naming the two."""
+    import shutil
+
+    mod = _tool()
+    shutil.copytree(paired_study / "mask_anchor-s1", paired_study / "mask_anchor-s1-again")
+    with pytest.raises(ValueError, match=r"mask_anchor-s1-again: arm 'mask_anchor' seed 1 again \(also "
+                                         r".*mask_anchor-s1\); fix: keep one"):
+        mod.write_report(str(paired_study), str(tmp_path / "docs"))
 
 
 def test_the_fraction_pairs_seeds_and_names_a_seed_dense_lacks():
@@ -622,6 +665,11 @@ def test_a_seed_whose_anchor_was_lost_is_left_out_of_the_fraction(paired_study):
     assert frac["mean_gain"] == pytest.approx(0.1) and frac["fraction"] == pytest.approx(0.1 / 0.4)
     assert frac["dense_seeds"] == [1] and frac["dense_mean_gain"] == pytest.approx(0.4)
     assert "| mask_anchor | 1 (2 left out: anchor lost) | +0.100 |" in mod.fraction_table([frac])
+    # every seed lost: the arm keeps its row, naming them, with nothing to divide
+    (e,) = mod.fractions_of_dense([{"arm": "dense", "seed": 1, "gain": 0.4},
+                                   {"arm": "x", "seed": 1, "gain": 0.1, "anchor_lost_step": 3}], {})
+    assert (e["seeds"], e["left_out"], e["fraction"]) == ([], [1], None)
+    assert "| x | (1 left out: anchor lost) | - | - | - | - |" in mod.fraction_table([e])
 
 
 def test_the_anchor_cell_states_c_and_k(tmp_path):
