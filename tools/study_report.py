@@ -668,7 +668,9 @@ def compare_with_dense(arms: Sequence[Dict], rows: Dict) -> None:
     the two runs' evaluations BEFORE training (the same weights, greedy) disagree on n rows or in
     their answers' mean length (:func:`_after_against`): they ran with other arithmetic (bf16 on
     another CPU: AMX vs AVX512-BF16 kernels round differently), so their after-accuracies are not
-    paired measurements of the same model. ``rows``: ``{(arm, seed): {data
+    paired measurements of the same model. ``dense_iterations``: dense's iteration count, only where
+    it is not the arm's (their after-evaluations are then at other steps; the table says so).
+    ``rows``: ``{(arm, seed): {data
     set: (before, after)}}`` (:func:`run_rows`). Raises EvalRowsError when the two runs' rows differ."""
     dense_at = {a["seed"]: a for a in arms if a["arm"] == DENSE_ARM}
     for a in arms:
@@ -684,6 +686,9 @@ def compare_with_dense(arms: Sequence[Dict], rows: Dict) -> None:
             continue
         a["vs_dense"] = {"dense_seed": a["seed"], "diff": p["diff"], "se": p["se"], "z": p["z"], "rows": p["rows"],
                          "arm_only": p["a_only"], "dense_only": p["b_only"]}
+        d = dense_at.get(a["seed"])
+        if d is not None and d.get("iterations") != a.get("iterations"):  # after-evaluations at other steps
+            a["vs_dense"]["dense_iterations"] = d.get("iterations")
 
 
 def fractions_of_dense(arms: Sequence[Dict], rows: Dict, resamples: int = BOOTSTRAP_RESAMPLES,
@@ -904,7 +909,8 @@ def paired_table(arms: Sequence[Dict]) -> str:
         elif _other_numerics(v):
             vs = [_numerics_cell(v)] + ["-"] * 3
         else:
-            vs = [_fmt(v["diff"], "{:+.3f}"), _fmt(v["se"]), _fmt(v["z"], "{:+.1f}"),
+            at = f" (dense after {v['dense_iterations']} iterations)" if v.get("dense_iterations") is not None else ""
+            vs = [_fmt(v["diff"], "{:+.3f}") + at, _fmt(v["se"]), _fmt(v["z"], "{:+.1f}"),
                   f"{_fmt(v['arm_only'], '{:d}')} / {_fmt(v['dense_only'], '{:d}')}"]
         counts = NA if not a.get("per_row") else f"{_fmt(a['rows_gained'], '{:d}')} / {_fmt(a['rows_lost'], '{:d}')}"
         cells = [str(a["arm"]), str(a["seed"]), _fmt(a.get("gain"), "{:+.3f}"),

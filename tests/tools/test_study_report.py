@@ -764,7 +764,12 @@ def test_a_shorter_variant_is_also_paired_at_its_own_last_iteration(tmp_path):
                arm={"arm": "dense_filter", "seed": 1, "codec": "dense", "anchor": False})
     for t, scores in ((0, _BEFORE), (2, filt)):
         _rows_file(run, "holdout", t, scores)
-    (e,) = mod.write_report(str(root), str(tmp_path / "docs"))["variants"]
+    s = mod.write_report(str(root), str(tmp_path / "docs"))
+    (e,) = s["variants"]
+    # against dense's after, which is at another step: said in vs_dense and in the paired table
+    (f,) = [a for a in s["arms"] if a["arm"] == "dense_filter"]
+    assert f["vs_dense"]["dense_iterations"] == 4 and f["vs_dense"]["diff"] == pytest.approx(-0.1)
+    assert "| -0.100 (dense after 4 iterations) | 0.100 | -1.0 | 0 / 1 |" in (tmp_path / "docs" / "study.md").read_text()
     # against dense's after: filt - after = [0, 0, 0, -1, 0, ...]
     assert (e["diff"], e["arm_only"], e["base_only"]) == (pytest.approx(-0.1), 0, 1)
     # at iteration 2: filt - mid = [0, 0, 1, 0, ...]: mean 0.1, sample variance 0.9 / 9, SE sqrt(0.1 / 10)
