@@ -196,12 +196,18 @@ def _training_records(run_dir: str) -> Tuple[List[dict], List[dict], int]:
     return records, train, max((int(_num(r.get("step")) or 0) for r in train), default=0)
 
 
+def _holdout_at(records: Sequence[dict], step: int, key: str) -> Optional[float]:
+    """``val/holdout/<key>`` of the held-out evaluation at ``step`` (the last one logged there; None
+    where it was not logged)."""
+    v = [_num(r.get(f"val/holdout/{key}")) for r in records
+         if "val/holdout/acc" in r and int(_num(r.get("step")) or 0) == step]
+    return v[-1] if v else None
+
+
 def _truncated_at(records: Sequence[dict], step: int) -> Optional[float]:
     """The share of held-out answers cut at ``--eval-max-new-tokens`` in the evaluation at ``step``
     (``val/holdout/response_length/clip_ratio``; None where it was not logged)."""
-    v = [_num(r.get("val/holdout/response_length/clip_ratio")) for r in records
-         if "val/holdout/acc" in r and int(_num(r.get("step")) or 0) == step]
-    return v[-1] if v else None
+    return _holdout_at(records, step, "response_length/clip_ratio")
 
 
 def _kl_to_base_by(train: Sequence[dict], step: float) -> Optional[Tuple[int, float]]:
@@ -439,9 +445,8 @@ def summarize_run(run_dir: str, rows_out: Optional[Dict] = None, mid_out: Option
         return b, a
 
     out = dict(_identity(run_dir))
-    lengths = [_num(r.get("val/holdout/response_length/mean")) for r in records
-               if "val/holdout/acc" in r and int(_num(r.get("step")) or 0) == 0]
-    out["resp_len_before"] = lengths[-1] if lengths else None  # a fingerprint of the arithmetic (_after_against)
+    # a fingerprint of the arithmetic (_after_against)
+    out["resp_len_before"] = _holdout_at(records, 0, "response_length/mean")
     out.update(truncated_before=_truncated_at(records, 0),
                truncated_after=_truncated_at(records, iterations) if iterations > 0 else None)
     b, a = before_after("holdout")
@@ -677,7 +682,8 @@ def compare_with_dense(arms: Sequence[Dict], rows: Dict) -> None:
         if a.get("logs_lost"):
             continue  # its row is kept as the earlier summary had it
         a["vs_dense"] = None
-        p = None if a["arm"] == DENSE_ARM else _after_against(a, DENSE_ARM, rows, dense_at.get(a["seed"]))
+        d = dense_at.get(a["seed"])
+        p = None if a["arm"] == DENSE_ARM else _after_against(a, DENSE_ARM, rows, d)
         if p is None:
             continue
         if _other_numerics(p):
@@ -686,7 +692,6 @@ def compare_with_dense(arms: Sequence[Dict], rows: Dict) -> None:
             continue
         a["vs_dense"] = {"dense_seed": a["seed"], "diff": p["diff"], "se": p["se"], "z": p["z"], "rows": p["rows"],
                          "arm_only": p["a_only"], "dense_only": p["b_only"]}
-        d = dense_at.get(a["seed"])
         if d is not None and d.get("iterations") != a.get("iterations"):  # after-evaluations at other steps
             a["vs_dense"]["dense_iterations"] = d.get("iterations")
 
