@@ -701,7 +701,8 @@ def fractions_of_dense(arms: Sequence[Dict], rows: Dict, resamples: int = BOOTST
     """For every arm other than dense with a finished seed: its mean held-out gain over its
     finished seeds as a fraction of dense's mean gain over THE SAME seeds (dense's carried arms
     included), ``{"arm", "seeds", "mean_gain", "dense_seeds", "dense_mean_gain", "fraction",
-    "low", "high", "resamples", "bootstrap_seed", "dense_nonpositive", "left_out", "no_dense"}``.
+    "low", "high", "resamples", "bootstrap_seed", "dense_nonpositive", "left_out", "no_dense",
+    "dense_iterations"}``.
     Matching the seeds keeps the comparison paired: dense's gain varies from seed to seed as much
     as the arms differ (+0.013 to +0.097 on the AMX host), so a one-seed arm over dense's mean of
     three would rank the seed, not the arm. A seed whose anchor was lost during the run
@@ -709,8 +710,10 @@ def fractions_of_dense(arms: Sequence[Dict], rows: Dict, resamples: int = BOOTST
     is a seed dense has not finished (``no_dense``). ``fraction`` None without a dense mean gain
     > 0 at those seeds; the interval (:func:`bootstrap_fraction`: seeds, then rows) only with a
     fraction and when every one of those runs kept its held-out per-row files (``rows`` as in
-    :func:`compare_with_dense`), else ``low``, ``high`` ... None. Raises EvalRowsError when the
-    runs' rows differ."""
+    :func:`compare_with_dense`), else ``low``, ``high`` ... None. ``dense_iterations``: the seeds
+    whose dense run trained another number of iterations than the arm's, ``{seed: dense's count}``
+    (the gains are then at other steps; the table says so), else None. Raises EvalRowsError when
+    the runs' rows differ."""
     dense_at = {a["seed"]: a for a in arms if a["arm"] == DENSE_ARM and a.get("gain") is not None}
     out = []
     for name in sorted({a["arm"] for a in arms if a["arm"] != DENSE_ARM}):
@@ -728,7 +731,9 @@ def fractions_of_dense(arms: Sequence[Dict], rows: Dict, resamples: int = BOOTST
              "mean_gain": mean,
              "dense_seeds": [a["seed"] for a in dense], "dense_mean_gain": dense_gain,
              "fraction": mean / dense_gain if dense_gain is not None and dense_gain > 0 else None,
-             "low": None, "high": None, "resamples": None, "bootstrap_seed": None, "dense_nonpositive": None}
+             "low": None, "high": None, "resamples": None, "bootstrap_seed": None, "dense_nonpositive": None,
+             "dense_iterations": {a["seed"]: d.get("iterations") for a, d in zip(runs, dense)
+                                  if d.get("iterations") != a.get("iterations")} or None}
         got = [rows.get((a["arm"], a["seed"]), {}).get("holdout") for a in runs + dense]
         if e["fraction"] is not None and all(g is not None for g in got):
             for g in got[1:]:
@@ -974,7 +979,8 @@ def variant_table(variants: Sequence[Dict]) -> str:
 def fraction_table(fractions: Sequence[Dict]) -> str:
     """The markdown table of :func:`fractions_of_dense`: each arm's mean gain over its seeds as a
     fraction of dense's at the same seeds, with the bootstrap interval ("n/a" where a run kept no
-    per-row files); the seeds left out (anchor lost, no dense run) are named."""
+    per-row files); the seeds left out (anchor lost, no dense run) are named, and so is a dense run of
+    another iteration count."""
     head = ("| arm | seeds | mean gain | dense's mean gain (same seeds) | fraction of dense's gain | "
             "95 % interval |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
@@ -987,6 +993,9 @@ def fraction_table(fractions: Sequence[Dict]) -> str:
         seeds = seeds.strip()
         dense = (f"{_fmt(e['dense_mean_gain'], '{:+.3f}')} ({', '.join(str(x) for x in e['dense_seeds'])})"
                  if e["dense_seeds"] else "-")
+        if e.get("dense_iterations"):
+            dense += " (dense after " + ", ".join(f"{n} iterations at {s}" for s, n in
+                                                 e["dense_iterations"].items()) + ")"
         ci = "-" if e["fraction"] is None else NA if e["low"] is None else f"{e['low']:.2f} to {e['high']:.2f}"
         lines.append(f"| {e['arm']} | {seeds} | {_fmt(e['mean_gain'], '{:+.3f}')} | {dense} | "
                      f"{_fmt(e['fraction'], '{:.2f}')} | {ci} |")

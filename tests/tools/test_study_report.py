@@ -645,6 +645,20 @@ def test_the_fraction_pairs_seeds_and_names_a_seed_dense_lacks():
     assert "| x | (3 left out: no dense run) | - | - | - | - |" in mod.fraction_table([e])
 
 
+def test_the_fraction_names_a_dense_run_of_another_length():
+    """Dense at seed 2 ran 160 iterations, the arm 48: its gain is at another step, so the entry
+    names dense's count at that seed and the table cell says so; equal counts name nothing."""
+    mod = _tool()
+    arms = [{"arm": "dense", "seed": 1, "gain": 0.4, "iterations": 48},
+            {"arm": "dense", "seed": 2, "gain": 0.2, "iterations": 160},
+            {"arm": "x", "seed": 1, "gain": 0.1, "iterations": 48}, {"arm": "x", "seed": 2, "gain": 0.1, "iterations": 48}]
+    (e,) = mod.fractions_of_dense(arms, {})
+    assert e["dense_iterations"] == {2: 160} and e["fraction"] == pytest.approx(0.1 / 0.3)
+    assert "| +0.300 (1, 2) (dense after 160 iterations at 2) | 0.33 |" in mod.fraction_table([e])
+    (e,) = mod.fractions_of_dense(arms[:1] + arms[2:3], {})
+    assert e["dense_iterations"] is None and "dense after" not in mod.fraction_table([e])
+
+
 def test_a_seed_whose_anchor_was_lost_is_left_out_of_the_fraction(paired_study):
     """mask + anchor seed 2 lost its anchor (``anchor/alive`` 0 from step 2): it does not measure
     the arm, so the fraction of dense's gain is seed 1's alone against dense's at seed 1 (0.1 / 0.4),
