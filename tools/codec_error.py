@@ -95,9 +95,9 @@ def main(argv=None) -> int:
                     help="MAWPS jsonl (default: mawps/singleop.jsonl under $CEGRPO_DATA_ROOT or ../shared/data)")
     ap.add_argument("--out", help="also write the numbers as JSON here")
     a = ap.parse_args(argv)
-    from megatron_cegrpo.data.datasets import DATASETS, DatasetError, default_data_root, load_prompts
+    from megatron_cegrpo.data.datasets import DatasetError, dataset_file, load_prompts
     if a.data is None:
-        a.data = os.path.join(default_data_root(), DATASETS["mawps/singleop"])
+        a.data = dataset_file("mawps/singleop")
     if not os.path.isfile(a.data):
         print(f"error: --data {a.data}: no such file; fix: pass a MAWPS jsonl (../shared/data/mawps/singleop.jsonl)",
               file=sys.stderr)

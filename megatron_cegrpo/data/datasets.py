@@ -108,22 +108,34 @@ def available_datasets() -> List[str]:
     return sorted(DATASETS)
 
 
-def dataset_path(name: str, root: Optional[str] = None) -> str:
-    """Absolute path of the file behind short name ``name`` (see :data:`DATASETS`) under
-    ``root`` (default: :func:`default_data_root`).
-
-    Unknown name -> ``ValueError`` listing the names; a missing file ->
-    ``FileNotFoundError`` naming the path and ``$CEGRPO_DATA_ROOT``.
-    """
+def dataset_file(name: str, root: Optional[str] = None) -> str:
+    """Absolute path where the file behind short name ``name`` (see :data:`DATASETS`) belongs under
+    ``root`` (default: :func:`default_data_root`), whether or not it exists: what an error about a
+    missing data set names. Unknown name -> ``ValueError`` listing the names."""
     if name not in DATASETS:
         raise ValueError(
             f"unknown data set {name!r}; valid names: {', '.join(available_datasets())}"
         )
-    root = os.path.abspath(os.path.expanduser(root)) if root else default_data_root()
-    path = os.path.join(root, DATASETS[name])
+    return os.path.join(resolve_data_root(root), DATASETS[name])
+
+
+def resolve_data_root(root: Optional[str] = None) -> str:
+    """``root`` (``--data-root``) as an absolute path, ``~`` expanded, or :func:`default_data_root`
+    when it is None or empty."""
+    return os.path.abspath(os.path.expanduser(root)) if root else default_data_root()
+
+
+def dataset_path(name: str, root: Optional[str] = None) -> str:
+    """Absolute path of the file behind short name ``name`` (see :data:`DATASETS`) under
+    ``root`` (default: :func:`default_data_root`), checked to exist (:func:`dataset_file`).
+
+    Unknown name -> ``ValueError`` listing the names; a missing file ->
+    ``FileNotFoundError`` naming the path and ``$CEGRPO_DATA_ROOT``.
+    """
+    path = dataset_file(name, root)
     if not os.path.isfile(path):
         raise FileNotFoundError(
-            f"data set {name!r} not found at {path}; the data root is {root} "
+            f"data set {name!r} not found at {path}; the data root is {resolve_data_root(root)} "
             f"(set ${DATA_ROOT_ENV} to the folder holding gsm8k/, mawps/, ...)"
         )
     return path

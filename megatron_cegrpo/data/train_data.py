@@ -19,9 +19,10 @@ from megatron_cegrpo.data.datasets import (
     DATASETS,
     PromptRecord,
     available_datasets,
+    dataset_file,
     dataset_path,
-    default_data_root,
     load_prompts,
+    resolve_data_root,
     split_holdout,
 )
 from megatron_cegrpo.errors import ConfigError, one_line
@@ -54,8 +55,7 @@ def question_key(question: str) -> str:
 
 
 def _root_hint(data_root: Optional[str]) -> str:
-    root = os.path.abspath(os.path.expanduser(data_root)) if data_root else default_data_root()
-    return f"the data root is {root} (--data-root, or ${DATA_ROOT_ENV})"
+    return f"the data root is {resolve_data_root(data_root)} (--data-root, or ${DATA_ROOT_ENV})"
 
 
 def resolve_train_data(spec: str, data_root: Optional[str] = None) -> str:
@@ -80,8 +80,7 @@ def resolve_train_data(spec: str, data_root: Optional[str] = None) -> str:
         try:
             return dataset_path(spec, root=data_root)
         except FileNotFoundError:
-            where = os.path.join(os.path.abspath(os.path.expanduser(data_root)) if data_root
-                                 else default_data_root(), DATASETS[spec])
+            where = dataset_file(spec, root=data_root)
             raise ConfigError(f"--train-data {spec}: the data set file {where} does not exist; "
                               f"{_root_hint(data_root)}; fix: point --data-root at the folder holding "
                               "gsm8k/, mawps/, ...") from None
@@ -182,8 +181,7 @@ def check_eval_data(names: Sequence[str], data_root: Optional[str] = None) -> No
         try:
             dataset_path(name, root=data_root)
         except FileNotFoundError:
-            where = os.path.join(os.path.abspath(os.path.expanduser(data_root)) if data_root
-                                 else default_data_root(), DATASETS[name])
+            where = dataset_file(name, root=data_root)
             raise ConfigError(f"--eval-datasets: the file of {name!r} ({where}) does not exist; "
                               f"{_root_hint(data_root)}; fix: point --data-root at the folder holding "
                               f"gsm8k/, mawps/, ... or drop {name} from --eval-datasets") from None
