@@ -62,7 +62,8 @@ import torch
 
 from .codecs import _check_shape
 from .halves import DirectionCodec, register_half
-from .quant import allocate_bits, dequantize_columns, quantize_columns
+from .quant import (allocate_bits, dequantize_columns, dequantize_columns_rd, quantize_columns,
+                    quantize_columns_rd)
 from .wire import ByteReader, bytes_to_wire, packed_nbytes, tensor_bytes, wire_numel, wire_to_bytes
 
 __all__ = ["SubspaceQuantHalf", "PcaQuantHalf", "LowRankQuantHalf", "top_basis", "warm_basis", "MAX_WARM"]
@@ -343,6 +344,13 @@ class SubspaceQuantHalf(_WarmBasisFitting, DirectionCodec):
             outliers do); where they are not (other first tokens), flag 0 and those rows are
             coded like any token. Use with ``outliers=0`` (the sink was the outlier): the
             b (2 d + 4) outlier bytes become 2 d + 1.
+        rd: 0 (default) or 1: the coefficient bits allocated by the quantiser's own distortion,
+            ``min(lambda_j, a_j**2 / (3 * 4**b))`` from the column scales a_j the payload carries
+            (``quant.allocate_bits_rd``), instead of the high-rate ``lambda_j * 4**(-b)``; the same
+            bytes. It lowers the per-token L2 error of SmolLM2's bf16 boundary states by a third but
+            RAISES the log-prob mismatch (1.26 against 1.03 nats/token) without raising the
+            gradient cosine: the heavy-tailed columns it drops matter to the next layers more than
+            their L2 share (``docs/codecs.md``, "Bits by the quantiser's range"). Off by default.
     Raises:
         ValueError: parameters out of range (the message names the parameter); at
         encode/decode, a shape whose budget leaves no coefficient bits.
@@ -354,10 +362,11 @@ class SubspaceQuantHalf(_WarmBasisFitting, DirectionCodec):
     tp_splittable = True
 
     PARAMS = {"rank": int, "share": float, "max_bits": int, "outliers": int, "warm": int, "lag": int, "every": int,
-              "sink": int, "basis_bits": int}
+              "sink": int, "basis_bits": int, "rd": int}
 
     def __init__(self, keep_ratio: float = 0.05, rank: int = 128, share: float = 0.12, max_bits: int = 8,
-                 outliers: int = 1, warm: int = 0, lag: int = 0, every: int = 1, sink: int = 0, basis_bits: int = 16):
+                 outliers: int = 1, warm: int = 0, lag: int = 0, every: int = 1, sink: int = 0, basis_bits: int = 16,
+                 rd: int = 0):
         if not 0.0 < float(keep_ratio) <= 1.0:
             raise ValueError(f"keep_ratio must lie in (0, 1], got {keep_ratio}")
         if int(rank) < 1 or not 0.0 <= float(share) < 1.0 or not 1 <= int(max_bits) <= 16 or int(outliers) < 0:
@@ -386,6 +395,10 @@ class SubspaceQuantHalf(_WarmBasisFitting, DirectionCodec):
             raise ValueError(f"{self.name}/basis_bits={basis_bits}: the basis rows go as fp16 (16) or as int8 with "
                              f"a scale a row (8, the forward half pcaq only); fix: pcaq/basis_bits=8 (or 16)")
         self.basis_bits = int(basis_bits)
+        if int(rd) not in (0, 1):
+            raise ValueError(f"{self.name}/rd={rd}: rd=1 allocates the coefficient bits by the quantiser's range "
+                             f"(the column scales), rd=0 by the variances; fix: {self.name}/rd=1 (or rd=0)")
+        self.rd = int(rd)
         self._state = {"send": OrderedDict(), "recv": OrderedDict()}  # (boundary, step) -> (v fp32, lam list)
         # warm > 0: boundary -> fp32 [r, d]: lag=0, the last basis sent there; lag=1, the next one to send
         self._warm_basis = {}
@@ -543,10 +556,13 @@ class SubspaceQuantHalf(_WarmBasisFitting, DirectionCodec):
                 self._remember("send", key, (v, lam_list))
         else:
             v, lam_list = self._state["send"][key]
-        bits = allocate_bits(lam_list, self.coef_bits(t.shape, elem), self.max_bits)
         if coef is None:
             coef = (x @ v.t()).index_fill_(0, idx, 0.0)
-        payload, _ = quantize_columns(coef, bits, return_hat=False)
+        if self.rd:
+            payload, _ = quantize_columns_rd(coef, lam_list, self.coef_bits(t.shape, elem), self.max_bits)
+        else:
+            bits = allocate_bits(lam_list, self.coef_bits(t.shape, elem), self.max_bits)
+            payload, _ = quantize_columns(coef, bits, return_hat=False)
         return bytes_to_wire(parts + [payload], t.dtype)
 
     def decode(self, payload, ctx, shape):
@@ -583,8 +599,12 @@ class SubspaceQuantHalf(_WarmBasisFitting, DirectionCodec):
                 self._remember("recv", key, (v, lam_list))
         else:
             v, lam_list = self._state[role][key]
-        bits = allocate_bits(lam_list, self.coef_bits(shape, elem), self.max_bits)
-        c_hat = dequantize_columns(reader, s * b, bits, device=payload.device)
+        if self.rd:
+            c_hat = dequantize_columns_rd(reader, s * b, lam_list, self.coef_bits(shape, elem), self.max_bits,
+                                          device=payload.device)
+        else:
+            bits = allocate_bits(lam_list, self.coef_bits(shape, elem), self.max_bits)
+            c_hat = dequantize_columns(reader, s * b, bits, device=payload.device)
         out = (c_hat @ v).index_copy_(0, idx, rows)
         if sink_row is not None:
             out[:b] = sink_row
@@ -647,12 +667,12 @@ class LowRankQuantHalf(SubspaceQuantHalf):
 
     refresh = "microbatch"
 
-    PARAMS = {"rank": int, "max_bits": int, "outliers": int, "warm": int, "lag": int}
+    PARAMS = {"rank": int, "max_bits": int, "outliers": int, "warm": int, "lag": int, "rd": int}
 
     def __init__(self, keep_ratio: float = 0.05, rank: int = 48, max_bits: int = 8, outliers: int = 0,
-                 warm: int = 0, lag: int = 0):
+                 warm: int = 0, lag: int = 0, rd: int = 0):
         super().__init__(keep_ratio=keep_ratio, rank=rank, share=0.0, max_bits=max_bits, outliers=outliers,
-                         warm=warm, lag=lag)
+                         warm=warm, lag=lag, rd=rd)
 
     def basis_rows(self, shape, elem):
         s, b, d = _check_shape(shape)
