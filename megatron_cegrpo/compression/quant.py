@@ -37,7 +37,7 @@ import torch
 from .wire import ByteReader, pack_values, packed_nbytes, unpack_values
 
 __all__ = ["allocate_bits", "allocate_bits_rd", "quantize_columns", "dequantize_columns", "quantize_columns_rd",
-           "dequantize_columns_rd", "coefficient_nbytes"]
+           "dequantize_columns_rd", "quantize_coefficients", "dequantize_coefficients", "coefficient_nbytes"]
 
 
 def allocate_bits(variances: Sequence[float], total_bits: int, max_bits: int = 8) -> List[int]:
@@ -246,3 +246,21 @@ def dequantize_columns_rd(reader: ByteReader, rows: int, variances: Sequence[flo
     scales = reader.take_as((len(variances),), torch.float32)
     bits = allocate_bits_rd(variances, scales.tolist(), total_bits, max_bits)
     return _dequantize(reader, rows, bits, scales.to(device), device)
+
+
+def quantize_coefficients(c: torch.Tensor, variances: Sequence[float], total_bits: int, max_bits: int = 8,
+                          rd: int = 0) -> torch.Tensor:
+    """The codecs' coefficient payload of ``c`` [N, r]: ``total_bits`` bits a row allocated by the
+    variances (:func:`allocate_bits`, ``rd=0``) or by the quantiser's distortion from the column
+    scales (:func:`allocate_bits_rd`, ``rd=1``); uint8 [coefficient_nbytes(N, bits)] either way."""
+    if rd:
+        return quantize_columns_rd(c, variances, total_bits, max_bits)[0]
+    return quantize_columns(c, allocate_bits(variances, total_bits, max_bits), return_hat=False)[0]
+
+
+def dequantize_coefficients(reader: ByteReader, rows: int, variances: Sequence[float], total_bits: int,
+                            max_bits: int = 8, rd: int = 0, device=None) -> torch.Tensor:
+    """Read one :func:`quantize_coefficients` payload; fp32 [rows, len(variances)]."""
+    if rd:
+        return dequantize_columns_rd(reader, rows, variances, total_bits, max_bits, device=device)
+    return dequantize_columns(reader, rows, allocate_bits(variances, total_bits, max_bits), device=device)

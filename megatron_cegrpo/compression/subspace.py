@@ -62,8 +62,7 @@ import torch
 
 from .codecs import _check_shape
 from .halves import DirectionCodec, register_half
-from .quant import (allocate_bits, dequantize_columns, dequantize_columns_rd, quantize_columns,
-                    quantize_columns_rd)
+from .quant import dequantize_coefficients, quantize_coefficients
 from .wire import ByteReader, bytes_to_wire, packed_nbytes, tensor_bytes, wire_numel, wire_to_bytes
 
 __all__ = ["SubspaceQuantHalf", "PcaQuantHalf", "LowRankQuantHalf", "top_basis", "warm_basis", "MAX_WARM"]
@@ -344,13 +343,8 @@ class SubspaceQuantHalf(_WarmBasisFitting, DirectionCodec):
             outliers do); where they are not (other first tokens), flag 0 and those rows are
             coded like any token. Use with ``outliers=0`` (the sink was the outlier): the
             b (2 d + 4) outlier bytes become 2 d + 1.
-        rd: 0 (default) or 1: the coefficient bits allocated by the quantiser's own distortion,
-            ``min(lambda_j, a_j**2 / (3 * 4**b))`` from the column scales a_j the payload carries
-            (``quant.allocate_bits_rd``), instead of the high-rate ``lambda_j * 4**(-b)``; the same
-            bytes. It lowers the per-token L2 error of SmolLM2's bf16 boundary states by a third but
-            RAISES the log-prob mismatch (1.26 against 1.03 nats/token) without raising the
-            gradient cosine: the heavy-tailed columns it drops matter to the next layers more than
-            their L2 share (``docs/codecs.md``, "Bits by the quantiser's range"). Off by default.
+        rd: 0 (default) or 1: bits by the quantiser's distortion (``quant.allocate_bits_rd``), same bytes;
+            measured worse on SmolLM2 bf16 (``docs/codecs.md``, "Bits by the quantiser's range").
     Raises:
         ValueError: parameters out of range (the message names the parameter); at
         encode/decode, a shape whose budget leaves no coefficient bits.
@@ -396,8 +390,8 @@ class SubspaceQuantHalf(_WarmBasisFitting, DirectionCodec):
                              f"a scale a row (8, the forward half pcaq only); fix: pcaq/basis_bits=8 (or 16)")
         self.basis_bits = int(basis_bits)
         if int(rd) not in (0, 1):
-            raise ValueError(f"{self.name}/rd={rd}: rd=1 allocates the coefficient bits by the quantiser's range "
-                             f"(the column scales), rd=0 by the variances; fix: {self.name}/rd=1 (or rd=0)")
+            raise ValueError(f"{self.name}/rd={rd}: rd=1 allocates bits by the quantiser's range, rd=0 by the "
+                             f"variances; fix: {self.name}/rd=1 (or rd=0)")
         self.rd = int(rd)
         self._state = {"send": OrderedDict(), "recv": OrderedDict()}  # (boundary, step) -> (v fp32, lam list)
         # warm > 0: boundary -> fp32 [r, d]: lag=0, the last basis sent there; lag=1, the next one to send
@@ -558,11 +552,7 @@ class SubspaceQuantHalf(_WarmBasisFitting, DirectionCodec):
             v, lam_list = self._state["send"][key]
         if coef is None:
             coef = (x @ v.t()).index_fill_(0, idx, 0.0)
-        if self.rd:
-            payload, _ = quantize_columns_rd(coef, lam_list, self.coef_bits(t.shape, elem), self.max_bits)
-        else:
-            bits = allocate_bits(lam_list, self.coef_bits(t.shape, elem), self.max_bits)
-            payload, _ = quantize_columns(coef, bits, return_hat=False)
+        payload = quantize_coefficients(coef, lam_list, self.coef_bits(t.shape, elem), self.max_bits, self.rd)
         return bytes_to_wire(parts + [payload], t.dtype)
 
     def decode(self, payload, ctx, shape):
@@ -599,12 +589,8 @@ class SubspaceQuantHalf(_WarmBasisFitting, DirectionCodec):
                 self._remember("recv", key, (v, lam_list))
         else:
             v, lam_list = self._state[role][key]
-        if self.rd:
-            c_hat = dequantize_columns_rd(reader, s * b, lam_list, self.coef_bits(shape, elem), self.max_bits,
-                                          device=payload.device)
-        else:
-            bits = allocate_bits(lam_list, self.coef_bits(shape, elem), self.max_bits)
-            c_hat = dequantize_columns(reader, s * b, bits, device=payload.device)
+        c_hat = dequantize_coefficients(reader, s * b, lam_list, self.coef_bits(shape, elem), self.max_bits, self.rd,
+                                        device=payload.device)
         out = (c_hat @ v).index_copy_(0, idx, rows)
         if sink_row is not None:
             out[:b] = sink_row
