@@ -62,6 +62,7 @@ import torch
 
 from .codecs import _check_shape
 from .halves import DirectionCodec, register_half
+from .history import BasisHistory
 from .quant import dequantize_coefficients, quantize_coefficients
 from .wire import ByteReader, bytes_to_wire, packed_nbytes, tensor_bytes, wire_numel, wire_to_bytes
 
@@ -239,7 +240,9 @@ class _WarmBasisFitting:
         thread built from the previous message (``lag`` = 1); remembers the fp16-rounded result
         per boundary when ``warm`` > 0. ``x`` itself is not written. Returns (v fp16 [r, d],
         lam fp32 [r], coefficients fp32 [N, r] with zero rows at ``idx``, or None when the
-        caller has to project)."""
+        caller has to project); with ``ema`` > 0 the sender's history's basis (``history.py``)."""
+        if self.ema:
+            return self._fit_history(x, idx, r, boundary)
         if not self.warm:
             return top_basis(_zero_rows(x, idx), r) + (None,)
         boundary = int(boundary)
@@ -295,7 +298,7 @@ class _WarmBasisFitting:
                 self.background_jobs += 1
 
 
-class SubspaceQuantHalf(_WarmBasisFitting, DirectionCodec):
+class SubspaceQuantHalf(_WarmBasisFitting, BasisHistory, DirectionCodec):
     """Sent PCA basis + bit-allocated coefficients (module docstring for layout and bytes).
 
     Args:
@@ -309,27 +312,21 @@ class SubspaceQuantHalf(_WarmBasisFitting, DirectionCodec):
             (``warm_basis``) started at the previous basis it sent at this boundary, and a fresh
             ``top_basis`` only when it has none (the first message of a run, after ``reset``, or
             another d). The basis is still sent, so the wire layout, the bytes and the receiver
-            are unchanged; the sender keeps one [r, d] fp32 basis per boundary (``state_dict``).
-            A basis that depends on earlier messages is not ``replica_invariant``.
-        lag: 0 (default) or 1 (needs warm >= 1). With ``lag=1`` the basis a message carries
-            is the one the sender finished BEFORE the message: after each basis-carrying
-            message a background thread runs ``warm`` subspace iterations on that message's
-            data (started at the basis it carried) and the next message at this boundary sends
-            the result, so no basis work is on the critical path (issue 10 item 6) but every
-            basis lags the data by one message. The column variances ``lam`` (sent, and the
-            bit allocation's input) are those of the message's own coefficients, and the rows
-            are sent sorted by them. The first
-            message at a boundary (and the first after ``reset`` or a change of d) fits a fresh
-            ``top_basis`` on the critical path. Wire layout, bytes and receiver unchanged.
+            are unchanged; the sender keeps one [r, d] fp32 basis per boundary (``state_dict``); not ``replica_invariant``.
+        lag: 0 (default) or 1 (needs warm >= 1): each message carries the basis a background
+            thread finished BEFORE it (``warm`` iterations on the previous basis-carrying
+            message's data), so no basis work is on the critical path (issue 10 item 6) but the
+            basis lags the data by one message; ``lam`` is the message's own coefficients'
+            variances, the rows sorted by it. The first message at a boundary (or after
+            ``reset``, or at another d) fits ``top_basis``. Wire layout, bytes, receiver unchanged.
         every: (pcaq) steps one basis serves, >= 1 (issue 32 item 3: a basis fitted to the
             model's activations and kept, its bytes amortised). 1 (default): a basis per step.
             R > 1: one basis per (boundary, window of R steps: ``step // R``), fitted from the
             window's first message and sent with it, then held at both ends (``state_dict``:
             a resume inside a window decodes with the same basis) for every message of the
             window; its bytes are amortised over R steps (``step_nbytes``), so ``share`` can
-            shrink by R and the coefficients get the bits. The seeds' warning applies: a basis
-            held for R steps throws away the same subspace on each of them
-            (``codec/error_persistence``), so R is judged over a long horizon, not on fidelity.
+            shrink by R and the coefficients get the bits. The seeds' warning applies: a held basis
+            discards the same subspace each step (``codec/error_persistence``): judge R over a long horizon.
         basis_bits: (pcaq) 16 (default: fp16 rows) or 8: rows as int8 with an fp32 scale each
             (:func:`quantize_rows_int8`), d + 8 bytes a row with its variance instead of 2 d + 4;
             both ends code with the dequantised rows, so the decodes stay bit-identical
@@ -345,6 +342,8 @@ class SubspaceQuantHalf(_WarmBasisFitting, DirectionCodec):
             b (2 d + 4) outlier bytes become 2 d + 1.
         rd: 0 (default) or 1: bits by the quantiser's distortion (``quant.allocate_bits_rd``), same bytes;
             measured worse on SmolLM2 bf16 (``docs/codecs.md``, "Bits by the quantiser's range").
+        ema: (pcaq, warm=0) 0 (default) or the decay in (0, 1) per message of the sender's
+            second-moment history the basis is fitted to (``history.py``); same bytes and receiver.
     Raises:
         ValueError: parameters out of range (the message names the parameter); at
         encode/decode, a shape whose budget leaves no coefficient bits.
@@ -356,11 +355,11 @@ class SubspaceQuantHalf(_WarmBasisFitting, DirectionCodec):
     tp_splittable = True
 
     PARAMS = {"rank": int, "share": float, "max_bits": int, "outliers": int, "warm": int, "lag": int, "every": int,
-              "sink": int, "basis_bits": int, "rd": int}
+              "sink": int, "basis_bits": int, "rd": int, "ema": float}
 
     def __init__(self, keep_ratio: float = 0.05, rank: int = 128, share: float = 0.12, max_bits: int = 8,
                  outliers: int = 1, warm: int = 0, lag: int = 0, every: int = 1, sink: int = 0, basis_bits: int = 16,
-                 rd: int = 0):
+                 rd: int = 0, ema: float = 0.0):
         if not 0.0 < float(keep_ratio) <= 1.0:
             raise ValueError(f"keep_ratio must lie in (0, 1], got {keep_ratio}")
         if int(rank) < 1 or not 0.0 <= float(share) < 1.0 or not 1 <= int(max_bits) <= 16 or int(outliers) < 0:
@@ -393,6 +392,7 @@ class SubspaceQuantHalf(_WarmBasisFitting, DirectionCodec):
             raise ValueError(f"{self.name}/rd={rd}: rd=1 allocates bits by the quantiser's range, rd=0 by the "
                              f"variances; fix: {self.name}/rd=1 (or rd=0)")
         self.rd = int(rd)
+        self._init_history(ema)
         self._state = {"send": OrderedDict(), "recv": OrderedDict()}  # (boundary, step) -> (v fp32, lam list)
         # warm > 0: boundary -> fp32 [r, d]: lag=0, the last basis sent there; lag=1, the next one to send
         self._warm_basis = {}
@@ -421,6 +421,7 @@ class SubspaceQuantHalf(_WarmBasisFitting, DirectionCodec):
         if self.every > 1:
             out["window_basis"] = {role: {k: (v.clone(), list(lam)) for k, (v, lam) in store.items()}
                                    for role, store in self._state.items()}
+        out.update(self._history_state())
         return out
 
     def load_state_dict(self, state: dict) -> None:
@@ -433,6 +434,7 @@ class SubspaceQuantHalf(_WarmBasisFitting, DirectionCodec):
         state = dict(state or {})
         bases = state.pop("warm_basis", None)
         windows = state.pop("window_basis", None)
+        self._load_history(state.pop("history", None))
         if windows is not None and self.every == 1:
             raise ValueError(f"the checkpoint's {self.name} half holds a basis over several steps, this run's has "
                              f"every=1; fix: resume with the checkpoint's {self.name}/every=R in --boundary-codec")
@@ -518,7 +520,7 @@ class SubspaceQuantHalf(_WarmBasisFitting, DirectionCodec):
         for store in self._state.values():
             store.clear()
         self._settle()
-        self._warm_basis = {}
+        self._warm_basis, self._history = {}, {}
 
     # ---- codec ---------------------------------------------------------------------------
     def encode(self, t, ctx):
@@ -539,6 +541,7 @@ class SubspaceQuantHalf(_WarmBasisFitting, DirectionCodec):
         # outliers (and a shared sink) leave the basis and the column scales: the basis is fit with
         # their rows zeroed and their coefficient rows are zero (rows of x v^T are independent)
         idx = torch.cat([sink, idx]) if self.sink else idx
+        self._observe(x, idx, ctx.boundary)
         coef = None
         if self._carries_basis(key, "send"):
             v16, lam, coef = self._fit_basis(x, idx, self.basis_rows(t.shape, elem), ctx.boundary)
