@@ -14,9 +14,9 @@ variances and the message shape.
 Two refresh policies:
 
 * ``pcaq`` (refresh="step", the forward half): one basis per (boundary, step), computed from
-  the first micro-batch that crosses the boundary in that step and carried by that message
-  only; every later message of the step (other micro-batches, the reference and update
-  passes) reuses it. Its cost is amortised over the step's messages and counted by the meter.
+  the first micro-batch that crosses the boundary in that step (with ``ema``, from the sender's
+  history of every message: ``history.py``) and carried by that message only; every later
+  message of the step (other micro-batches, the reference and update passes) reuses it. Its cost is amortised over the step's messages and counted by the meter.
 * ``lrq`` (refresh="microbatch", the backward half): a fresh basis of each message's own
   data in every message (PowerSGD's rank-r projection without warm start; Vogels et al.,
   NeurIPS 2019), so nothing is kept across messages.
@@ -312,7 +312,7 @@ class SubspaceQuantHalf(_WarmBasisFitting, BasisHistory, DirectionCodec):
             (``warm_basis``) started at the previous basis it sent at this boundary, and a fresh
             ``top_basis`` only when it has none (the first message of a run, after ``reset``, or
             another d). The basis is still sent, so the wire layout, the bytes and the receiver
-            are unchanged; the sender keeps one [r, d] fp32 basis per boundary (``state_dict``); not ``replica_invariant``.
+            are unchanged; the sender keeps an fp32 [r, d] basis a boundary (``state_dict``), not replica-invariant.
         lag: 0 (default) or 1 (needs warm >= 1): each message carries the basis a background
             thread finished BEFORE it (``warm`` iterations on the previous basis-carrying
             message's data), so no basis work is on the critical path (issue 10 item 6) but the
@@ -428,8 +428,8 @@ class SubspaceQuantHalf(_WarmBasisFitting, BasisHistory, DirectionCodec):
         """Restore :meth:`state_dict` output (``{}``: no warm basis, the next one is a fresh eigh).
 
         Raises:
-            ValueError: keys other than ``warm_basis`` / ``window_basis``, a warm basis for a half with
-                warm = 0, or a window basis for a half with every = 1.
+            ValueError: keys other than ``warm_basis`` / ``window_basis`` / ``history``, a warm basis for
+                a half with warm = 0, a window basis for a half with every = 1, or a history for ema = 0.
         """
         state = dict(state or {})
         bases = state.pop("warm_basis", None)

@@ -93,7 +93,8 @@ def test_resume_codes_bit_for_bit(every):
     resumed.load_state_dict(state)
     for ids, p in zip(((0, 1), (2, 3)), last):
         # as raw bits: a payload's bytes viewed as fp32 can spell a NaN, which equals nothing
-        assert torch.equal(resumed.encode_forward(_data(30 + ids[0]), _ctx(3, ids)).view(torch.int32), p.view(torch.int32))
+        again = resumed.encode_forward(_data(30 + ids[0]), _ctx(3, ids))
+        assert torch.equal(again.view(torch.int32), p.view(torch.int32))
     assert torch.equal(resumed.fwd._history[0], straight.fwd._history[0])
 
 
@@ -104,9 +105,10 @@ def test_a_history_does_not_load_into_a_half_without_one():
         build_codec("pcaq/rank=10:lrq/rank=6", 0.25).load_state_dict(src.state_dict())
 
 
-@pytest.mark.parametrize("spec, msg", [("pcaq/ema=1:lrq", r"pcaq/ema=1.0: ema is the decay .* fix: pcaq/every=2/ema=0.9"),
-                                       ("pcaq/warm=1/ema=0.9:lrq", r"pcaq/ema=0.9: .*with warm=0"),
-                                       ("pcaq:lrq/ema=0.9", r"lrq takes no parameter 'ema'")])
+@pytest.mark.parametrize("spec, msg", [
+    ("pcaq/ema=1:lrq", r"pcaq/ema=1.0: ema is the decay .*fix: pcaq/every=2/ema=0.9"),
+    ("pcaq/warm=1/ema=0.9:lrq", r"pcaq/ema=0.9: .*with warm=0"),
+    ("pcaq:lrq/ema=0.9", r"lrq takes no parameter 'ema'")])
 def test_bad_ema_names_the_fix(spec, msg):
     with pytest.raises(ValueError, match=msg):
         build_codec(spec, 0.05)
