@@ -18,7 +18,9 @@ basis fit sees them)::
 and a basis-carrying message sends the top-r eigenvectors of C_b after its own update. The basis
 is still sent (same bytes, same receiver); only where it comes from changes. The sender's state is
 one fp32 [d, d] matrix per boundary (``state_dict``: a resume codes bit for bit as the run would
-have). beta is per message: at 8 messages a step, 0.9 remembers about 1.2 steps, 0.98 about 6.
+have). beta is per message, a memory of about 1 / (1 - beta) messages: 10 at 0.9, 50 at 0.98; the
+main job's step codes 8 forward messages (the fidelity probe's 16: its old-logprob pass codes each
+micro-batch once more).
 
 The seeds' warning applies with more force than to ``every``: a basis of a long history changes
 slowly, so it discards nearly the same subspace step after step (``codec/error_persistence``; on
@@ -70,16 +72,22 @@ class BasisHistory:
 
     def _observe(self, x: torch.Tensor, idx: torch.Tensor, boundary: int) -> None:
         """Fold message ``x`` [N, d] fp32 (rows ``idx``, int64, zeroed) into the history of
-        ``boundary``."""
+        ``boundary``: one [d, d] Gram, N d^2 multiply-adds, on every message (a basis without
+        ``ema`` computes one on basis-carrying messages only). Raises FloatingPointError, leaving
+        the history unchanged, if that Gram is not finite (a NaN/inf message)."""
         if not self.ema or x.shape[0] == 0:
             return
         xz = x.index_fill(0, idx, 0.0) if idx.numel() else x
         g = (xz.t() @ xz) / x.shape[0]
+        if not bool(torch.isfinite(g).all()):  # checked before it joins: one bad message would poison every later basis
+            raise FloatingPointError(f"pcaq/ema: a [{x.shape[0]}, {x.shape[1]}] boundary message holds NaN/inf values "
+                                     "(or its second moment overflows fp32); the second-moment history is left as it "
+                                     "was (a diverged step: lower --lr or check the loss)")
         prev = self._history.get(int(boundary))
         if prev is None or prev.shape != g.shape:
             self._history[int(boundary)] = g
-        else:
-            self._history[int(boundary)] = prev.mul_(self.ema).add_(g, alpha=1.0 - self.ema)
+        else:  # a history loaded from a checkpoint lies on the CPU
+            self._history[int(boundary)] = prev.to(g.device).mul_(self.ema).add_(g, alpha=1.0 - self.ema)
 
     def _fit_history(self, x: torch.Tensor, idx: torch.Tensor, r: int, boundary: int
                      ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

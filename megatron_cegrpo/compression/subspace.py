@@ -16,7 +16,8 @@ Two refresh policies:
 * ``pcaq`` (refresh="step", the forward half): one basis per (boundary, step), computed from
   the first micro-batch that crosses the boundary in that step (with ``ema``, from the sender's
   history of every message: ``history.py``) and carried by that message only; every later
-  message of the step (other micro-batches, the reference and update passes) reuses it. Its cost is amortised over the step's messages and counted by the meter.
+  message of the step (other micro-batches, the reference and update passes) reuses it. Its
+  cost is amortised over the step's messages and counted by the meter.
 * ``lrq`` (refresh="microbatch", the backward half): a fresh basis of each message's own
   data in every message (PowerSGD's rank-r projection without warm start; Vogels et al.,
   NeurIPS 2019), so nothing is kept across messages.
@@ -412,8 +413,8 @@ class SubspaceQuantHalf(_WarmBasisFitting, BasisHistory, DirectionCodec):
     def state_dict(self) -> dict:
         """Checkpointable state that outlives a step: ``{"warm_basis": {boundary: fp32 [r, d]}}``
         when ``warm`` > 0, ``{"window_basis": {role: {(boundary, window): (v fp32 [r, d], lam
-        list)}}}`` when ``every`` > 1 (the per-step bases of ``every`` = 1 are rebuilt each step);
-        ``{}`` otherwise."""
+        list)}}}`` when ``every`` > 1 (the per-step bases of ``every`` = 1 are rebuilt each step),
+        ``{"history": {boundary: fp32 [d, d]}}`` when ``ema`` > 0 (``history.py``); ``{}`` otherwise."""
         out = {}
         if self.warm:
             self._settle()
@@ -425,7 +426,7 @@ class SubspaceQuantHalf(_WarmBasisFitting, BasisHistory, DirectionCodec):
         return out
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore :meth:`state_dict` output (``{}``: no warm basis, the next one is a fresh eigh).
+        """Restore :meth:`state_dict` output (``{}``: no basis and no history, the next one is fitted fresh).
 
         Raises:
             ValueError: keys other than ``warm_basis`` / ``window_basis`` / ``history``, a warm basis for
@@ -516,7 +517,7 @@ class SubspaceQuantHalf(_WarmBasisFitting, BasisHistory, DirectionCodec):
             store.popitem(last=False)
 
     def reset(self):
-        """Forget every basis, the warm-start one included (a pending background one too)."""
+        """Forget every basis, the warm-start one and the history included (a pending background one too)."""
         for store in self._state.values():
             store.clear()
         self._settle()
@@ -552,7 +553,7 @@ class SubspaceQuantHalf(_WarmBasisFitting, BasisHistory, DirectionCodec):
             if self.refresh == "step":
                 self._remember("send", key, (v, lam_list))
         else:
-            v, lam_list = self._state["send"][key]
+            v, lam_list = _held(self._state["send"], key, x.device)
         if coef is None:
             coef = (x @ v.t()).index_fill_(0, idx, 0.0)
         payload = quantize_coefficients(coef, lam_list, self.coef_bits(t.shape, elem), self.max_bits, self.rd)
@@ -591,7 +592,7 @@ class SubspaceQuantHalf(_WarmBasisFitting, BasisHistory, DirectionCodec):
             if self.refresh == "step" and role == "recv":
                 self._remember("recv", key, (v, lam_list))
         else:
-            v, lam_list = self._state[role][key]
+            v, lam_list = _held(self._state[role], key, payload.device)
         c_hat = dequantize_coefficients(reader, s * b, lam_list, self.coef_bits(shape, elem), self.max_bits, self.rd,
                                         device=payload.device)
         out = (c_hat @ v).index_copy_(0, idx, rows)
@@ -631,6 +632,13 @@ def dequantize_rows_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """fp32 [r, d] rows ``q * scale`` from :func:`quantize_rows_int8`'s int8 ``q`` [r, d] and
     fp32 ``scale`` [r]."""
     return q.float() * scale[:, None]
+
+
+def _held(store, key, device) -> Tuple[torch.Tensor, list]:
+    """(basis fp32 [r, d] on ``device``, variances) held in ``store`` under ``key``: a basis
+    restored from a checkpoint lies on the CPU (the stage files load with map_location="cpu")."""
+    v, lam = store[key]
+    return v.to(device), lam
 
 
 def _zero_rows(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:

@@ -6,7 +6,7 @@ resume bit for bit, lower error than a first-message basis on messages that diff
 import pytest
 import torch
 
-from megatron_cegrpo.compression import BoundaryContext, build_codec
+from megatron_cegrpo.compression import build_codec
 
 from test_window_basis import SHAPE, _ctx, _data  # the held-basis tests' shape ([32, 2, 48]), context and data
 
@@ -40,10 +40,15 @@ def test_history_is_the_moving_average_and_the_basis_its_eigenvectors():
 
 
 def test_bytes_are_those_of_the_first_message_basis():
-    a, b = build_codec(SPEC, 0.25).fwd, build_codec("pcaq/rank=10:lrq/rank=6", 0.25).fwd
-    for first in (True, False):
-        assert a.nbytes(SHAPE, 4, first) == b.nbytes(SHAPE, 4, first)
-        assert a.nbytes(SHAPE, 2, first) == b.nbytes(SHAPE, 2, first)
+    """The payloads themselves (basis-carrying or not, fp32 and bf16 wires) are as long as the
+    ``ema=0`` codec's on the same messages, and as ``nbytes`` says."""
+    for dtype, elem in ((torch.float32, 4), (torch.bfloat16, 2)):
+        a, b = build_codec(SPEC, 0.25), build_codec("pcaq/rank=10:lrq/rank=6", 0.25)
+        for step in range(2):
+            for ids in ((0, 1), (2, 3)):
+                ctx, x = _ctx(step, ids), _data(10 * step + ids[0]).to(dtype)
+                pa, pb = a.encode_forward(x, ctx), b.encode_forward(x, ctx)
+                assert pa.numel() * elem == pb.numel() * elem == a.fwd.nbytes(SHAPE, elem, ids == (0, 1))
 
 
 def _mixed(seed):
@@ -114,9 +119,14 @@ def test_bad_ema_names_the_fix(spec, msg):
         build_codec(spec, 0.05)
 
 
-def test_a_non_finite_history_names_the_cause():
+def test_a_non_finite_message_is_refused_before_it_joins_the_history():
+    """A NaN/inf message that carries no basis stops the run with one line and leaves the history
+    as it was (folded in, it would make every later basis of the run, and the checkpoint, unusable)."""
     c = build_codec(SPEC, 0.25)
-    x = _data(1)
+    c.encode_forward(_data(1), _ctx(0, (0, 1)))  # carries the step's basis
+    before = c.fwd._history[0].clone()
+    x = _data(2)
     x[3:6, 0, 5] = float("inf")  # 3 tokens: more than the 2 outliers, which leave the history
-    with pytest.raises(FloatingPointError, match="diverged step"):
-        c.encode_forward(x, BoundaryContext(seed=1, boundary=0, step=0, sample_ids=torch.tensor([0, 1])))
+    with pytest.raises(FloatingPointError, match=r"pcaq/ema: .* the second-moment history is left as it was"):
+        c.encode_forward(x, _ctx(0, (2, 3)))
+    assert torch.equal(c.fwd._history[0], before)
