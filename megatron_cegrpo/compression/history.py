@@ -33,7 +33,20 @@ from typing import Dict, Tuple
 
 import torch
 
-__all__ = ["BasisHistory", "gram_basis"]
+__all__ = ["BasisHistory", "gram_basis", "project_sorted"]
+
+
+def project_sorted(x: torch.Tensor, idx: torch.Tensor, v16: torch.Tensor
+                   ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(v fp16 [r, d], lam fp32 [r], coefficients fp32 [N, r]) of message ``x`` [N, d] fp32 on a
+    basis ``v16`` fp16 [r, d] fitted elsewhere (a history, a previous message): the coefficients
+    ``x v^T`` with rows ``idx`` (int64) zero, their column variances lam_j = mean_i c_ij^2 (the
+    bit allocation's input), rows and columns sorted by lam, descending, so that equal bit widths
+    form contiguous column runs."""
+    coef = (x @ v16.float().t()).index_fill_(0, idx, 0.0)
+    lam = coef.square().mean(dim=0) if x.shape[0] else torch.zeros(v16.shape[0])
+    order = torch.argsort(lam, descending=True, stable=True)
+    return v16[order], lam[order], coef[:, order]
 
 
 def gram_basis(gram: torch.Tensor, r: int) -> torch.Tensor:
@@ -95,11 +108,7 @@ class BasisHistory:
         (already observed): the history's top-r eigenvectors, with the message's own column
         variances lam_j = mean_i c_ij^2 (the bit allocation's input, as ``top_basis``'s) and the
         rows sorted by them, descending; coefficient rows ``idx`` are zero."""
-        v16 = gram_basis(self._history[int(boundary)], r)
-        coef = (x @ v16.float().t()).index_fill_(0, idx, 0.0)
-        lam = coef.square().mean(dim=0) if x.shape[0] else torch.zeros(int(r))
-        order = torch.argsort(lam, descending=True, stable=True)
-        return v16[order], lam[order], coef[:, order]
+        return project_sorted(x, idx, gram_basis(self._history[int(boundary)], r))
 
     def _history_state(self) -> dict:
         """``{"history": {boundary: fp32 [d, d]}}`` when ``ema`` > 0, else ``{}``."""

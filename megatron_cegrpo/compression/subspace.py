@@ -63,7 +63,7 @@ import torch
 
 from .codecs import _check_shape
 from .halves import DirectionCodec, register_half
-from .history import BasisHistory
+from .history import BasisHistory, project_sorted
 from .quant import dequantize_coefficients, quantize_coefficients
 from .wire import ByteReader, bytes_to_wire, packed_nbytes, tensor_bytes, wire_numel, wire_to_bytes
 
@@ -270,12 +270,8 @@ class _WarmBasisFitting:
             v16, lam = top_basis(_zero_rows(x, idx), r)
             coef, v_prev = None, v16.float()
         else:
-            v16, v_prev = nxt[:r].half(), nxt
-            coef = (x @ v16.float().t()).index_fill_(0, idx, 0.0)
-            lam = coef.square().mean(dim=0) if x.shape[0] else torch.zeros(r)
-            # rows sorted by this message's variance: equal bit widths form contiguous column runs
-            order = torch.argsort(lam, descending=True, stable=True)
-            v16, lam, coef = v16[order], lam[order], coef[:, order]
+            v_prev = nxt
+            v16, lam, coef = project_sorted(x, idx, nxt[:r].half())  # sorted by this message's variances
         warm, r_job = self.warm, max(int(r), min(self.rank, d))
 
         def job():
