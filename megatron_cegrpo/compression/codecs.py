@@ -146,6 +146,23 @@ class BoundaryCodec:
         return any(h.precomputes for h in self._halves)
 
     @property
+    def wants_prepass(self) -> bool:
+        """The forward half fits its basis to the step's own boundary states (``pcaq/prepass=1``):
+        the first stage runs a forward over the batch first (``PipelineRunner.boundary_prepass``)."""
+        return bool(getattr(self.fwd, "prepass", 0))
+
+    def prepass_due(self, ctx: BoundaryContext) -> bool:
+        """A prepass would fit a basis at ``ctx``'s (boundary, step): ``prepass`` = 1 and the
+        sender holds no basis of that step's window yet (``every`` = R: the window's first step)."""
+        return self.wants_prepass and self.fwd.prepass_due(ctx)
+
+    def observe_prepass(self, x: torch.Tensor, ctx: BoundaryContext) -> None:
+        """The prepass's boundary state ``x`` [s, b, d] of one micro-batch, before any crossing of
+        ``ctx``'s step (``SubspaceQuantHalf.observe_prepass``); a no-op for other codecs."""
+        if self.wants_prepass:
+            self.fwd.observe_prepass(x, ctx)
+
+    @property
     def is_chain_rule(self) -> bool:
         """The backward is the exact chain rule of the forward map (module docstring)."""
         if self.fwd.coupled:

@@ -1,4 +1,5 @@
-"""pcaq's basis from the sender's history (``pcaq/ema=beta``; issue 32 item 3).
+"""pcaq's basis from the sender's history (``pcaq/ema=beta``) or from the step's own boundary
+states (``pcaq/prepass=1``; issue 32 item 3).
 
 Today's per-step basis is fitted on the step's first message alone: at the main job's shape that
 is the G / 2 = 4 responses of one prompt, and the basis then codes the other prompts' messages of
@@ -22,6 +23,18 @@ have). beta is per message, a memory of about 1 / (1 - beta) messages: 10 at 0.9
 main job's step codes 8 forward messages (the fidelity probe's 16: its old-logprob pass codes each
 micro-batch once more).
 
+With ``prepass`` = 1 the basis comes from the step itself: before the step's passes the first
+stage runs its forward over the whole batch (no gradient, no communication:
+``PipelineRunner.boundary_prepass``) and folds each micro-batch's boundary state into
+
+    C = sum over the step's messages of x^T x      (the rows each message codes)
+
+and the step's (window's) first message sends C's top-r eigenvectors, sorted by that message's
+own variances. Same bytes and receiver; the Gram is forgotten once the basis is fitted, so nothing
+is checkpointed. It costs one forward of the first stage per basis window and reaches only the
+boundary that stage sends (a later stage's inputs arrive message by message); other boundaries fit
+their first message's basis as before. Measured: ``docs/codecs.md``, "The step's own basis".
+
 The seeds' warning applies with more force than to ``every``: a basis of a long history changes
 slowly, so it discards nearly the same subspace step after step (``codec/error_persistence``; on
 the 4-batch probe above it did not rise: 0.20 at ``ema=0.9`` against 0.26).
@@ -29,7 +42,7 @@ the 4-batch probe above it did not rise: 0.20 at ``ema=0.9`` against 0.26).
 
 from __future__ import annotations
 
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 
@@ -75,13 +88,59 @@ class BasisHistory:
     ema: float
     _history: Dict[int, torch.Tensor]
 
-    def _init_history(self, ema: float) -> None:
-        """Validate and set ``ema``. Raises ValueError: ema outside [0, 1), or ema > 0 on a half
-        without a per-step basis (lrq, rpq) or with a warm-started basis (warm > 0)."""
+    def _init_history(self, ema: float, prepass: int = 0) -> None:
+        """Validate and set ``ema`` and ``prepass``. Raises ValueError: ema outside [0, 1), or ema > 0
+        on a half without a per-step basis (lrq, rpq) or with a warm-started basis (warm > 0);
+        prepass not 0 or 1, or 1 on such a half or with ema > 0 (two sources for one basis)."""
         if not 0.0 <= float(ema) < 1.0 or (float(ema) > 0 and (self.refresh != "step" or self.warm)):
             raise ValueError(f"{self.name}/ema={ema}: ema is the decay per message of the sender's second-moment "
                              f"history, in [0, 1), for pcaq's basis with warm=0; fix: pcaq/every=2/ema=0.9 (or ema=0)")
+        if int(prepass) not in (0, 1) or (int(prepass) and (self.refresh != "step" or self.warm or float(ema))):
+            raise ValueError(f"{self.name}/prepass={prepass}: prepass=1 fits pcaq's basis (warm=0, ema=0) to the "
+                             f"step's own boundary states; fix: pcaq/prepass=1 (or prepass=0)")
         self.ema, self._history = float(ema), {}
+        self.prepass, self._prepass = int(prepass), {}
+
+    def prepass_due(self, ctx) -> bool:
+        """``prepass`` = 1 and no basis of ``ctx``'s (boundary, window) is held at the sender yet."""
+        return bool(self.prepass) and self._carries_basis(self._key(ctx), "send")
+
+    def observe_prepass(self, t: torch.Tensor, ctx) -> None:
+        """``prepass`` = 1, at the sender before the step's passes: fold one micro-batch's boundary
+        state ``t`` [s, b, d] (what the pass will send; any float dtype) into the second moment the
+        basis of ``ctx``'s (boundary, window) is fitted to, with the rows the message codes
+        (outliers, a shared sink and prefix copies left out: ``prefix.py``). A no-op where the
+        window's basis is already held or ``prepass`` = 0. Raises FloatingPointError as
+        :meth:`_add_prepass`."""
+        if not self.prepass_due(ctx):
+            return
+        x = t.detach().reshape(-1, t.shape[-1]).float()
+        self._add_prepass(self._key(ctx), x, self._select_rows(x, t.shape)[3])
+
+    def _add_prepass(self, key: Tuple[int, int], x: torch.Tensor, idx: torch.Tensor) -> None:
+        """``prepass`` = 1: add x^T x of one message ``x`` [N, d] fp32 (rows ``idx`` zeroed) to the
+        second moment of ``key`` = (boundary, window); another window's at that boundary is dropped.
+        Raises FloatingPointError, adding nothing, if it is not finite (a diverged step)."""
+        xz = x.index_fill(0, idx, 0.0) if idx.numel() else x
+        g = xz.t() @ xz
+        if not bool(torch.isfinite(g).all()):
+            raise FloatingPointError(f"pcaq/prepass: a [{x.shape[0]}, {x.shape[1]}] boundary state of the prepass "
+                                     "holds NaN/inf values (a diverged step: lower --lr or check the loss)")
+        self._prepass = {k: v for k, v in self._prepass.items() if k[0] != key[0] or k == key}
+        prev = self._prepass.get(key)
+        self._prepass[key] = g if prev is None else prev.add_(g)
+
+    def _fit_window(self, x: torch.Tensor, idx: torch.Tensor, r: int, boundary: int, key: Tuple[int, int]
+                    ) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+        """The basis a window's first message ``x`` [N, d] fp32 sends (rows ``idx`` zeroed): the top-r
+        eigenvectors of the second moment the prepass gathered for ``key`` (forgotten once used) with
+        ``x``'s own variances (:func:`project_sorted`), or, without one (prepass = 0, a boundary the
+        prepass does not reach), ``_fit_basis``'s. Returns (v fp16 [r, d], lam fp32 [r], coefficients
+        fp32 [N, r] or None)."""
+        gram = self._prepass.pop(key, None)
+        if gram is None:
+            return self._fit_basis(x, idx, r, boundary)
+        return project_sorted(x, idx, gram_basis(gram, r))
 
     def _observe(self, x: torch.Tensor, idx: torch.Tensor, boundary: int) -> None:
         """Fold message ``x`` [N, d] fp32 (rows ``idx``, int64, zeroed) into the history of

@@ -27,10 +27,12 @@ elem = the wire dtype's element size (everything padded once to whole elements):
 
     basis (pcaq: first message of the step; lrq: every message)   r * (2 d + 4)
       (pcaq/basis_bits=8: int8 rows, an fp32 scale each)           r * (d + 8)
+    common prefix length p (pcaq/prefix=1: int32, ``prefix.py``)  4
     shared sink (pcaq/sink=1: a flag byte + position 0 in fp16)   2 d + 1
     outlier tokens (index int32 + the token in fp16)              K * (2 d + 4)
     column scales (fp32)                                          4 r
     coefficients                                                  ceil(N * B / 8)
+      (pcaq/prefix=1: N' = p + (s - p) b coded rows share these bytes, ``prefix.py``)
 
 Outliers: the K = outliers * b tokens of largest norm in the message (``outliers`` per
 sequence: default 1 for pcaq, 0 for lrq) are sent whole in fp16 and left out of the basis and
@@ -64,7 +66,7 @@ import torch
 from .codecs import _check_shape
 from .halves import DirectionCodec, register_half
 from .history import BasisHistory, project_sorted
-from .quant import dequantize_coefficients, quantize_coefficients
+from .prefix import PrefixRows
 from .wire import ByteReader, bytes_to_wire, packed_nbytes, tensor_bytes, wire_numel, wire_to_bytes
 
 __all__ = ["SubspaceQuantHalf", "PcaQuantHalf", "LowRankQuantHalf", "top_basis", "warm_basis", "MAX_WARM"]
@@ -295,7 +297,7 @@ class _WarmBasisFitting:
                 self.background_jobs += 1
 
 
-class SubspaceQuantHalf(_WarmBasisFitting, BasisHistory, DirectionCodec):
+class SubspaceQuantHalf(_WarmBasisFitting, BasisHistory, PrefixRows, DirectionCodec):
     """Sent PCA basis + bit-allocated coefficients (module docstring for layout and bytes).
 
     Args:
@@ -341,6 +343,11 @@ class SubspaceQuantHalf(_WarmBasisFitting, BasisHistory, DirectionCodec):
             measured worse on SmolLM2 bf16 (``docs/codecs.md``, "Bits by the quantiser's range").
         ema: (pcaq, warm=0) 0 (default) or the decay in (0, 1) per message of the sender's
             second-moment history the basis is fitted to (``history.py``); same bytes and receiver.
+        prefix: (pcaq, sink=0) 0 (default) or 1: the b sequences' common prefix (a group's prompt)
+            coded once, its coefficient bytes given to the other rows; same bytes (``prefix.py``).
+        prepass: (pcaq, warm=0, ema=0) 0 (default) or 1: the basis fitted to the step's own boundary
+            states, gathered by the first stage's no-gradient forward before the step's passes
+            (``history.py``, ``PipelineRunner.boundary_prepass``); same bytes and receiver.
     Raises:
         ValueError: parameters out of range (the message names the parameter); at
         encode/decode, a shape whose budget leaves no coefficient bits.
@@ -352,11 +359,11 @@ class SubspaceQuantHalf(_WarmBasisFitting, BasisHistory, DirectionCodec):
     tp_splittable = True
 
     PARAMS = {"rank": int, "share": float, "max_bits": int, "outliers": int, "warm": int, "lag": int, "every": int,
-              "sink": int, "basis_bits": int, "rd": int, "ema": float}
+              "sink": int, "basis_bits": int, "rd": int, "ema": float, "prefix": int, "prepass": int}
 
     def __init__(self, keep_ratio: float = 0.05, rank: int = 128, share: float = 0.12, max_bits: int = 8,
                  outliers: int = 1, warm: int = 0, lag: int = 0, every: int = 1, sink: int = 0, basis_bits: int = 16,
-                 rd: int = 0, ema: float = 0.0):
+                 rd: int = 0, ema: float = 0.0, prefix: int = 0, prepass: int = 0):
         if not 0.0 < float(keep_ratio) <= 1.0:
             raise ValueError(f"keep_ratio must lie in (0, 1], got {keep_ratio}")
         if int(rank) < 1 or not 0.0 <= float(share) < 1.0 or not 1 <= int(max_bits) <= 16 or int(outliers) < 0:
@@ -389,7 +396,8 @@ class SubspaceQuantHalf(_WarmBasisFitting, BasisHistory, DirectionCodec):
             raise ValueError(f"{self.name}/rd={rd}: rd=1 allocates bits by the quantiser's range, rd=0 by the "
                              f"variances; fix: {self.name}/rd=1 (or rd=0)")
         self.rd = int(rd)
-        self._init_history(ema)
+        self._init_prefix(prefix)
+        self._init_history(ema, prepass)
         self._state = {"send": OrderedDict(), "recv": OrderedDict()}  # (boundary, step) -> (v fp32, lam list)
         # warm > 0: boundary -> fp32 [r, d]: lag=0, the last basis sent there; lag=1, the next one to send
         self._warm_basis = {}
@@ -466,7 +474,7 @@ class SubspaceQuantHalf(_WarmBasisFitting, BasisHistory, DirectionCodec):
         s, b, d = _check_shape(shape)
         r = self.basis_rows(shape, elem)
         avail = (self.budget(shape, elem) * (1.0 - self.share) - 4 * r - self.outlier_count(shape) * (2 * d + 4)
-                 - self.sink * (2 * d + 1))
+                 - self.sink * (2 * d + 1) - 4 * self.prefix)
         bits = math.floor(8 * avail / max(s * b, 1))
         if bits < 1:
             raise ValueError(f"{self.name}: keep ratio {self.keep_ratio} leaves no coefficient bits for shape {shape}")
@@ -495,7 +503,7 @@ class SubspaceQuantHalf(_WarmBasisFitting, BasisHistory, DirectionCodec):
         s, b, d = _check_shape(shape)
         r = self.basis_rows(shape, elem)
         raw = (4 * r + packed_nbytes(s * b, self.coef_bits(shape, elem)) + self.outlier_count(shape) * (2 * d + 4)
-               + self.sink * (2 * d + 1))
+               + self.sink * (2 * d + 1) + 4 * self.prefix)
         if first_of_step or self.refresh == "microbatch":
             raw += r * self.basis_row_nbytes(d)
         return wire_numel(raw, _dtype_of(elem)) * elem
@@ -517,7 +525,7 @@ class SubspaceQuantHalf(_WarmBasisFitting, BasisHistory, DirectionCodec):
         for store in self._state.values():
             store.clear()
         self._settle()
-        self._warm_basis, self._history = {}, {}
+        self._warm_basis, self._history, self._prepass = {}, {}, {}
 
     # ---- codec ---------------------------------------------------------------------------
     def encode(self, t, ctx):
@@ -525,23 +533,17 @@ class SubspaceQuantHalf(_WarmBasisFitting, BasisHistory, DirectionCodec):
         elem = t.element_size()
         x = t.detach().reshape(-1, d).float()
         key, parts = self._key(ctx), []
-        norms, sink = x.norm(dim=-1), torch.zeros(0, dtype=torch.long, device=x.device)
-        if self.sink:  # rows 0..b-1 of the s-major [N, d] view: position 0 of each sequence
-            shared = bool((x[:b] == x[0]).all())  # checked, not assumed
+        p, shared, out_idx, idx = self._select_rows(x, t.shape)
+        if self.prefix:
+            parts.append(tensor_bytes(torch.tensor([p], dtype=torch.int32, device=x.device)))
+        if self.sink:
             parts += [torch.tensor([int(shared)], dtype=torch.uint8, device=x.device),
                       tensor_bytes((x[0] if shared else torch.zeros_like(x[0])).half())]
-            if shared:
-                sink = torch.arange(b, device=x.device)
-                norms = norms.index_fill(0, sink, -1.0)  # not outliers too
-        idx = torch.sort(torch.topk(norms, self.outlier_count(t.shape)).indices).values
-        parts += [tensor_bytes(idx.to(torch.int32)), tensor_bytes(x[idx].half())]
-        # outliers (and a shared sink) leave the basis and the column scales: the basis is fit with
-        # their rows zeroed and their coefficient rows are zero (rows of x v^T are independent)
-        idx = torch.cat([sink, idx]) if self.sink else idx
+        parts += [tensor_bytes(out_idx.to(torch.int32)), tensor_bytes(x[out_idx].half())]
         self._observe(x, idx, ctx.boundary)
         coef = None
         if self._carries_basis(key, "send"):
-            v16, lam, coef = self._fit_basis(x, idx, self.basis_rows(t.shape, elem), ctx.boundary)
+            v16, lam, coef = self._fit_window(x, idx, self.basis_rows(t.shape, elem), ctx.boundary, key)
             fields, v = _basis_fields(v16, self.basis_bits)
             parts += fields + [tensor_bytes(lam)]
             coef = coef if self.basis_bits == 16 else None  # int8: project onto what the receiver decodes with
@@ -552,8 +554,7 @@ class SubspaceQuantHalf(_WarmBasisFitting, BasisHistory, DirectionCodec):
             v, lam_list = _held(self._state["send"], key, x.device)
         if coef is None:
             coef = (x @ v.t()).index_fill_(0, idx, 0.0)
-        payload = quantize_coefficients(coef, lam_list, self.coef_bits(t.shape, elem), self.max_bits, self.rd)
-        return bytes_to_wire(parts + [payload], t.dtype)
+        return bytes_to_wire(parts + self._quantize_rows(coef, lam_list, t.shape, elem, p), t.dtype)
 
     def decode(self, payload, ctx, shape):
         return self._decode(payload, ctx, shape, "recv")
@@ -575,7 +576,7 @@ class SubspaceQuantHalf(_WarmBasisFitting, BasisHistory, DirectionCodec):
         else:
             carries = self._carries_basis(key, "recv")
         reader = ByteReader(wire_to_bytes(payload))
-        sink_row = None
+        sink_row, p = None, self._read_prefix(reader, s)
         if self.sink:
             shared = bool(reader.take_as((1,), torch.uint8)[0])
             row = reader.take_as((d,), torch.float16).to(payload.device).float()
@@ -589,9 +590,9 @@ class SubspaceQuantHalf(_WarmBasisFitting, BasisHistory, DirectionCodec):
                 self._remember("recv", key, (v, lam_list))
         else:
             v, lam_list = _held(self._state[role], key, payload.device)
-        c_hat = dequantize_coefficients(reader, s * b, lam_list, self.coef_bits(shape, elem), self.max_bits, self.rd,
-                                        device=payload.device)
-        out = (c_hat @ v).index_copy_(0, idx, rows)
+        out = self._dequantize_rows(reader, lam_list, v, shape, elem, p).index_copy_(0, idx, rows)
+        if p:
+            out.view(s, b, d)[:p, 1:] = out.view(s, b, d)[:p, :1]  # the prefix (an outlier there too) copied
         if sink_row is not None:
             out[:b] = sink_row
         return out.view(s, b, d).to(payload.dtype)

@@ -96,6 +96,36 @@ class PipelineRunner:
         _, seq_length, _, ids = self.plan(batch)
         return self.comm.prefetch(step, ids, seq_length)
 
+    @torch.no_grad()
+    def boundary_prepass(self, model: torch.nn.Module, batch: RolloutBatch, *, step: int) -> int:
+        """``pcaq/prepass=1`` (``compression/history.py``): on the first stage, a forward of every
+        micro-batch of ``batch`` (no gradient, no communication, the pass's own layout and
+        precision) whose boundary states the codec folds into the basis it will send with the
+        step's first message. The first stage holds its inputs (the tokens); a later stage's
+        inputs arrive message by message, so its boundary fits as without the prepass.
+
+        Returns:
+            the micro-batches observed: 0 at PP = 1, on later stages, for a codec without
+            ``prepass``, or where the step's window already has its basis (then nothing runs).
+        """
+        from megatron_cegrpo.compression import BoundaryContext
+
+        codec = getattr(self.comm, "codec", None)
+        if self.pp_size == 1 or self.comm.pp_rank != 0 or codec is None or not codec.wants_prepass:
+            return 0
+        items, _, _, ids = self.plan(batch)
+        if not codec.prepass_due(BoundaryContext(seed=self.comm.seed, boundary=0, step=int(step), sample_ids=ids[0])):
+            return 0  # the basis of this step's window is held (every = R: not its first step)
+        with compute_precision(model):
+            for item, sids in zip(items, ids):
+                if self.group:
+                    out = packed_forward(model, item[1])
+                else:
+                    out = model(input_ids=item["tokens"], position_ids=item["position_ids"], attention_mask=None)
+                codec.observe_prepass(out, BoundaryContext(seed=self.comm.seed, boundary=0, step=int(step),
+                                                           sample_ids=sids))
+        return len(items)
+
     def run(self, model: torch.nn.Module, batch: RolloutBatch, *, step: int,
             forward_only: bool, loss_fn: LossFn) -> List[dict]:
         """One schedule call over every row of ``batch``.

@@ -142,10 +142,21 @@ class StageWorker:
         self.clip(optimizer, args, kwargs)
 
     # ------------------------------------------------------------------ passes
-    def prefetch_codec(self, batch: RolloutBatch, t: int) -> None:
+    def prefetch_codec(self, batch: RolloutBatch, t: int, timers=None) -> None:
         """Start the boundary codec's work for every pass of iteration t (the masks of its
-        micro-batches) on a background thread, off the critical path (issue 10 item 6)."""
+        micro-batches) on a background thread, off the critical path (issue 10 item 6); with
+        ``pcaq/prepass=1`` then the prepass (:meth:`boundary_prepass`, timed as ``timers``'
+        ``boundary_prepass`` phase when given)."""
         self.runner.prefetch(batch, step=t)
+        if self.comm is not None and self.comm.codec.wants_prepass:
+            with timers.phase("boundary_prepass") if timers is not None else contextlib.nullcontext():
+                self.boundary_prepass(batch, t)
+
+    def boundary_prepass(self, batch: RolloutBatch, t: int) -> int:
+        """``pcaq/prepass=1``: the first stage's no-gradient forward over the batch whose boundary
+        states fit the step's basis (``PipelineRunner.boundary_prepass``); the micro-batches it ran."""
+        self.tied.refresh_rows(batch["tokens"])
+        return self.runner.boundary_prepass(self.model, batch, step=t)
 
     def logprob_loss_fn(self, want_entropy: bool, mb, logits):
         """The schedule's loss function of a log-prob pass (no gradient): a zero loss and

@@ -152,7 +152,7 @@ class GRPOTrainer:
         full, received = self.rollout(t)  # the whole batch (driver only) and this replica's share
         batch = place_batch(received, self.ctx.device)  # on the stage's device (compat/placement.py)
         if not self.dense_steps.is_dense(t):  # masks of this iteration, on a background thread
-            stage.prefetch_codec(batch, t)
+            stage.prefetch_codec(batch, t, timers)  # and pcaq/prepass=1's forward (timing_s/boundary_prepass)
         for c in self.circuits:
             with timers.phase(c.phase):
                 c.after_rollout(t, full if full is not None else received)  # CPU tensors

@@ -94,6 +94,7 @@ def run_pipeline(args):
     batch = make_batch(hf_config.vocab_size)
     total = batch["loss_mask"].sum()
     queued = runner.prefetch(batch, step=STEP)  # as the trainer does once the batch is known
+    prepassed = runner.boundary_prepass(model, batch, step=STEP)  # pcaq/prepass=1 only, as the trainer does
     with torch.no_grad():
         fwd = runner.run(model, batch, step=STEP, forward_only=True, loss_fn=partial(loss_fn, total))
     upd = runner.run(model, batch, step=STEP, forward_only=False, loss_fn=partial(loss_fn, total))
@@ -102,7 +103,7 @@ def run_pipeline(args):
     grads = {global_name(n, offset): p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     torch.save({"grads": grads, "meter": meter.snapshot_and_reset(), "codec_state": comm.codec.state_dict(),
                 "losses": [o["loss"] for o in upd], "logprobs": [o["logprobs"] for o in upd],
-                "fwd_logprobs": [o["logprobs"] for o in fwd], "prefetch_queued": queued,
+                "fwd_logprobs": [o["logprobs"] for o in fwd], "prefetch_queued": queued, "prepassed": prepassed,
                 "derivations": comm.codec.derivations,
                 "k_d": (comm.codec.fwd.k(tf.hidden_size) if isinstance(comm.codec.fwd, MaskHalf) else None,
                         tf.hidden_size)},
@@ -126,13 +127,17 @@ def run_reference(args):
     ends = [stage_layer_range(tf_split, r, args.pp)[1] for r in range(args.pp - 1)]
     _, tf, model = build(0, 1, {})
     codec = codec_for(args.codec)
-    state = {"ids": None}
+    state = {"ids": None, "prepass": False}
 
     def hook_for(boundary):
         def hook(module, inputs, output):
             h = output[0] if isinstance(output, tuple) else output
-            h2 = codec.forward_map(h, BoundaryContext(seed=SEED, boundary=boundary, step=STEP,
-                                                      sample_ids=state["ids"]))
+            ctx = BoundaryContext(seed=SEED, boundary=boundary, step=STEP, sample_ids=state["ids"])
+            if state["prepass"]:  # the first stage's prepass: observe boundary 0's states, change nothing
+                if boundary == 0:
+                    codec.observe_prepass(h, ctx)
+                return output
+            h2 = codec.forward_map(h, ctx)
             return (h2,) + tuple(output[1:]) if isinstance(output, tuple) else h2
         return hook
 
@@ -140,6 +145,14 @@ def run_reference(args):
         model.decoder.layers[end - 1].register_forward_hook(hook_for(b))
     batch = make_batch(hf_config.vocab_size)
     total = batch["loss_mask"].sum()
+    if codec.wants_prepass:  # pcaq/prepass=1: every micro-batch's boundary states first (no gradient)
+        state["prepass"] = True
+        with torch.no_grad():
+            for i in range(0, N, MBS):
+                state["ids"] = batch["sample_ids"][i:i + MBS]
+                model(input_ids=batch["tokens"][i:i + MBS], position_ids=batch["position_ids"][i:i + MBS],
+                      attention_mask=None)
+        state["prepass"] = False
     losses, lps = [], []
     for i in range(0, N, MBS):
         mb = {k: v[i:i + MBS] for k, v in batch.items()}

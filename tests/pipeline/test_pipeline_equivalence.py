@@ -62,6 +62,7 @@ def test_dense_pipeline_equals_single_process(tmp_path):
     ranks, ref = _run(tmp_path, "dense", 2)
     _compare(ranks, ref, atol=1e-6)
     assert [r["prefetch_queued"] for r in ranks] == [0, 0]  # nothing to precompute
+    assert [r["prepassed"] for r in ranks] == [0, 0]  # and no prepass
     m = ranks[0]["meter"]
     assert m["comm/bytes_ratio"] == 1.0
 
@@ -112,6 +113,22 @@ def test_pair_pipeline_equals_single_process_map(tmp_path):
     assert b["comm/bwd_bytes"] == mbs * codec.bytes_per_message("bwd", shape, 4, False)
     assert f["comm/fwd_bytes"] <= 0.25 * 2 * mbs * 16 * 2 * 64 * 4  # within the claimed budget
     assert b["comm/bwd_bytes"] <= 0.25 * mbs * 16 * 2 * 64 * 4
+
+
+def test_prepass_basis_pipeline_equals_single_process_map(tmp_path):
+    """pcaq/prepass=1 in a real gloo pipeline: the first stage's prepass (a no-gradient forward of
+    the 4 micro-batches) fits the step's basis, which the first message carries and both passes
+    reuse; the pipeline equals one process that observes the same boundary states and then applies
+    forward_map; bytes as without the prepass; the last stage runs no prepass."""
+    ranks, ref = _run(tmp_path, "pcaq/rank=16/prepass=1:lrq", 2)
+    _compare(ranks, ref, atol=1e-5)
+    assert [r["prepassed"] for r in ranks] == [PAIR_MICRO_BATCHES, 0]
+    from megatron_cegrpo.compression import build_codec
+
+    codec, shape = build_codec("pcaq/rank=16/prepass=1:lrq", 0.25), PAIR_SHAPE
+    assert ranks[0]["meter"]["comm/fwd_bytes"] == (codec.bytes_per_message("fwd", shape, 4, True)
+                                                   + (2 * PAIR_MICRO_BATCHES - 1) * codec.bytes_per_message(
+                                                       "fwd", shape, 4, False))
 
 
 def test_lowrank_pipeline_equals_projected_reference(tmp_path):
