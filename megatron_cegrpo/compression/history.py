@@ -33,7 +33,8 @@ and the step's (window's) first message sends C's top-r eigenvectors, sorted by 
 own variances. Same bytes and receiver; the Gram is forgotten once the basis is fitted, so nothing
 is checkpointed. It costs one forward of the first stage per basis window and reaches only the
 boundary that stage sends (a later stage's inputs arrive message by message); other boundaries fit
-their first message's basis as before. Measured: ``docs/codecs.md``, "The step's own basis".
+their first message's basis as before. Measured: ``docs/codecs.md``, "The prompt once inside the
+codec, and the step's own basis".
 
 The seeds' warning applies with more force than to ``every``: a basis of a long history changes
 slowly, so it discards nearly the same subspace step after step (``codec/error_persistence``; on
