@@ -12,6 +12,7 @@ is appended and wins). For each of ``--batches`` iterations t = 1, 2, ... the dr
 generates and scores one rollout batch, once, and then, for every codec spec in turn, on
 that batch and the same (never updated) weights:
 
+0. for a codec with ``pcaq/prepass=1``, the first stage's prepass (as the trainer runs it);
 1. the old-logprob (and, with ``--kl-coef > 0``, reference) pass through the codec:
    ``mismatch`` = ``mismatch/abs_logprob_diff_mean``, the sampler vs trainer log-prob gap in
    nats/token exactly as the trainer logs it;
@@ -19,7 +20,9 @@ that batch and the same (never updated) weights:
    one per optimizer step of the first PPO epoch, no step taken) with the trainer's
    gradient-fidelity probe (``training/fidelity.py``): ``cos``, ``cos_stage<i>``,
    ``sign_agreement``, ``norm_ratio`` against the dense-boundary gradient;
-3. ``bytes_ratio``: every byte the codec put on the wire in those passes, both directions,
+3. ``bytes_ratio``: every byte the codec put on the wire in those passes, both directions
+   (so a per-step basis is amortised over two passes here, over one in a ``--kl-coef 0``
+   training run: compare a per-step codec's bytes with the trainer's start-up check),
    summed over the stages (whatever the codec bills to the communicator's ByteMeter: payloads,
    scales, basis or other side traffic), over the dense bytes of the same tensors — the
    trainer's ``comm/bytes_ratio``; ``bytes_per_response_token``: the same bytes over the
