@@ -180,7 +180,7 @@ def _measure_codec(trainer, probe, codec, tracker, batch, t: int, save: Optional
     stage.error_tracker = tracker
     n, gbs = batch["tokens"].shape[0], trainer.cfg.global_batch_size
     with stage.comm.using(codec, meter):
-        stage.boundary_prepass(batch, t)  # pcaq/prepass=1 only (a no-op for the other codecs)
+        stage.boundary_prepass(batch, t)  # pcaq/prepass=1's forward (the other codecs: only the tied rows' refresh)
         stats = stage.old_log_prob(batch, t)
         if stage.ref_model is not None:
             stage.ref_log_prob(batch, t)

@@ -108,10 +108,16 @@ class BoundaryCodec:
     """
 
     def __init__(self, fwd: "DirectionCodec", bwd: "DirectionCodec", spec: str = ""):
-        """Raises ValueError: a coupled half (``lowrank``) with any backward but its own view."""
+        """Raises ValueError: a coupled half (``lowrank``) with any backward but its own view; a
+        backward half with ``prefix`` or ``prepass`` (forward-only options: gradients differ per
+        sequence, and the prepass is a forward)."""
         for h in (fwd, bwd):
             if h.coupled and bwd is not fwd.own_backward():
                 raise ValueError(f"{h.name} couples its two directions (one basis for both): it only goes alone")
+        for opt in ("prefix", "prepass"):
+            if bwd is not fwd and getattr(bwd, opt, 0):
+                raise ValueError(f"{bwd.name}/{opt}=1 is a forward-half option (before the ':'); fix: "
+                                 f"{fwd.name}/{opt}=1:{bwd.name}")
         self.fwd, self.bwd, self.spec = fwd, bwd, spec or f"{fwd.name}:{bwd.name}"
         self.name = self.spec
         self._halves = (fwd,) if fwd is bwd else (fwd, bwd)
@@ -153,7 +159,8 @@ class BoundaryCodec:
 
     def prepass_due(self, ctx: BoundaryContext) -> bool:
         """A prepass would fit a basis at ``ctx``'s (boundary, step): ``prepass`` = 1 and the
-        sender holds no basis of that step's window yet (``every`` = R: the window's first step)."""
+        sender holds no basis of that step's window yet (``every`` = R: the window's first
+        compressed step)."""
         return self.wants_prepass and self.fwd.prepass_due(ctx)
 
     def observe_prepass(self, x: torch.Tensor, ctx: BoundaryContext) -> None:

@@ -24,8 +24,8 @@ main job's step codes 8 forward messages (the fidelity probe's 16: its old-logpr
 micro-batch once more).
 
 With ``prepass`` = 1 the basis comes from the step itself: before the step's passes the first
-stage runs its forward over the whole batch (no gradient, no communication:
-``PipelineRunner.boundary_prepass``) and folds each micro-batch's boundary state into
+stage runs its forward over the whole batch (no gradient, no boundary traffic; the tied embedding's
+rows are refreshed first as before any pass: ``PipelineRunner.boundary_prepass``) and folds each micro-batch's boundary state into
 
     C = sum over the step's messages of x^T x      (the rows each message codes)
 
@@ -83,8 +83,9 @@ def gram_basis(gram: torch.Tensor, r: int) -> torch.Tensor:
 
 class BasisHistory:
     """Mixin of :class:`~megatron_cegrpo.compression.subspace.SubspaceQuantHalf`: the sender's
-    per-boundary second-moment history (module docstring). ``ema`` = 0 turns every method into a
-    no-op except :meth:`_history_state` (``{}``)."""
+    per-boundary second-moment history and the prepass' second moment (module docstring). ``ema`` = 0
+    turns the history's methods into no-ops except :meth:`_history_state` (``{}``); ``prepass`` = 0
+    leaves :meth:`_fit_window` to ``_fit_basis``."""
 
     ema: float
     _history: Dict[int, torch.Tensor]

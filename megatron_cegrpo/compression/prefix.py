@@ -5,11 +5,11 @@ The b sequences of a forward boundary message are, in the main job, G / b respon
 prompt (``grpo/batch.py``: right-padded, the prompt at positions 0..P-1). Under causal attention
 their boundary states at the prompt's positions are the same vectors, bit for bit, yet an
 unshared pass sends them b times. With ``prefix`` = 1 the sender finds p, the number of leading
-positions at which every sequence's row is bit-identical to sequence 0's (checked, not assumed:
+positions at which every sequence's row equals sequence 0's (checked with ``==``, not assumed:
 0 when position 0 already differs), sends p (int32, 4 bytes) and codes those positions for
 sequence 0 only; the receiver copies them into the other b - 1 sequences, so they decode exactly
-alike. The message's bytes do not change (the header is paid from the coefficient bits,
-:meth:`PrefixRows.prefix_coef_bits`): its coefficient bytes are shared by the
+alike. The message's bytes do not change (the header is paid from the coefficient bits:
+``coef_bits`` subtracts it): its coefficient bytes are shared by the
 
     N' = p + (s - p) b        coded rows instead of s b,
 
@@ -39,8 +39,9 @@ __all__ = ["PrefixRows", "common_prefix"]
 
 
 def common_prefix(x: torch.Tensor) -> int:
-    """p, the number of leading positions of ``x`` [s, b, d] at which every sequence's row is
-    bit-identical to sequence 0's (s when all are; 0 when position 0 already differs)."""
+    """p, the number of leading positions of ``x`` [s, b, d] at which every sequence's row equals
+    sequence 0's under ``==`` (bit-identical but for +0.0 / -0.0, which decode alike; s when all
+    are; 0 when position 0 already differs)."""
     same = (x == x[:, :1]).flatten(1).all(dim=1)  # [s]
     differs = (~same).nonzero()
     return int(differs[0, 0]) if differs.numel() else int(x.shape[0])
@@ -68,7 +69,8 @@ class PrefixRows:
 
     def _init_prefix(self, prefix: int) -> None:
         """Validate and set ``prefix``. Raises ValueError: not 0 or 1, or 1 on a half without a
-        per-step basis (the backward halves: gradients differ per sequence) or with ``sink`` = 1."""
+        per-step basis (``lrq``, ``rpq``) or with ``sink`` = 1 (a pcaq backward half is refused by
+        ``BoundaryCodec``: gradients differ per sequence)."""
         if int(prefix) not in (0, 1) or (int(prefix) and (self.refresh != "step" or self.sink)):
             raise ValueError(f"{self.name}/prefix={prefix}: prefix=1 codes the sequences' common prefix once (the "
                              f"forward half pcaq; it sends position 0 once already, so not with sink=1); "
@@ -78,7 +80,8 @@ class PrefixRows:
     def prefix_coef_bits(self, shape, elem: int, p: int) -> Tuple[int, int]:
         """(N', B') for a message of ``shape`` whose first ``p`` positions are coded once: N' =
         p + (s - p) b coded rows sharing the coefficient bytes of s b rows at ``coef_bits``, B' =
-        min(max_bits r, floor(8 ceil(s b B / 8) / N')) bits a row (p = 0: N' = s b, B' = B)."""
+        min(max_bits r, floor(8 ceil(s b B / 8) / N')) bits a row (p = 0: N' = s b and B' = B when
+        s b >= 8)."""
         s, b, d = _check_shape(shape)
         bits = self.coef_bits(shape, elem)
         n = int(p) + (s - int(p)) * b

@@ -15,7 +15,8 @@ Two refresh policies:
 
 * ``pcaq`` (refresh="step", the forward half): one basis per (boundary, step), computed from
   the first micro-batch that crosses the boundary in that step (with ``ema``, from the sender's
-  history of every message: ``history.py``) and carried by that message only; every later
+  history of every message; with ``prepass``, from every message of the step: ``history.py``)
+  and carried by that message only; every later
   message of the step (other micro-batches, the reference and update passes) reuses it. Its
   cost is amortised over the step's messages and counted by the meter.
 * ``lrq`` (refresh="microbatch", the backward half): a fresh basis of each message's own
@@ -42,7 +43,8 @@ on a SmolLM2 batch: relative error of the other tokens 0.11-0.18 without, 0.02-0
 
 Budget (per message, ``budget = floor(keep_ratio * N * d * elem)`` bytes):
 
-* pcaq: B = min(max_bits r, floor(8 * (budget * (1 - share) - 4 r - K (2 d + 4)) / N)); the basis is paid from the reserved
+* pcaq: B = min(max_bits r, floor(8 * (budget * (1 - share) - 4 r - K (2 d + 4) - sink (2 d + 1) - 4 prefix) / N));
+  with ``prefix`` = 1 the N' coded rows share those bytes (``prefix.py``); the basis is paid from the reserved
   ``share`` of the budget of the step's other messages (start-up check: ``spec.py``).
 * lrq:  r = min(rank, d, N, floor(budget / (2 (2 d + 8)))),
   B = min(max_bits r, floor(8 * (budget - r (2 d + 8) - K (2 d + 4)) / N)).

@@ -90,6 +90,9 @@ def test_prefix_bad_specs_and_corrupt_header():
         build_codec("pcaq/prefix=1/sink=1/outliers=0:lrq", 0.05)
     with pytest.raises(ValueError, match=r"lrq takes no parameter 'prefix'"):
         build_codec("pcaq:lrq/prefix=1", 0.05)
+    for opt in ("prefix", "prepass"):  # a pcaq backward half: gradients differ per sequence, the prepass is a forward
+        with pytest.raises(ValueError, match=rf"^pcaq/{opt}=1 is a forward-half option .* fix: pcaq/{opt}=1:pcaq$"):
+            build_codec(f"pcaq:pcaq/{opt}=1", 0.05)
     sender, receiver = build_codec("pcaq/rank=10/prefix=1:lrq/rank=6", 0.05), build_codec("pcaq/rank=10/prefix=1:lrq/rank=6", 0.05)
     p = sender.encode_forward(_message(0), _ctx()).clone()
     p.view(torch.int32)[0] = S + 5

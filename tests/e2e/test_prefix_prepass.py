@@ -1,6 +1,6 @@
 """``pcaq/every=2/prefix=1/prepass=1:lrq`` in real runs (tiny random model, PP=2, the deepspeed
-launcher, the parity reward): it trains and bills under half the dense bytes with the prepass timed
-(``timing_s/boundary_prepass``), and a run resumed inside a basis window continues bit for bit (the
+launcher, the parity reward): it trains and bills under half the dense bytes with the prepass phase
+timed (``timing_s/boundary_prepass``), and a run resumed inside a basis window continues bit for bit (the
 window's basis comes from the checkpoint; the prepass' Gram is never needed across iterations).
 The codec's bytes and the prepass' basis are pinned by tests/compression/test_prefix.py and the gloo
 pipeline equivalence (tests/pipeline/test_pipeline_equivalence.py)."""
@@ -25,8 +25,10 @@ def test_prefix_prepass_runs_bills_and_resumes_bit_for_bit(tmp_path):
     (tmp_path / "reward.py").write_text(REWARD)
     straight = _run(tmp_path, "straight", "--save", str(tmp_path / "straight" / "ckpt"))
     assert sorted(straight) == [1, 2, 3]
-    # windows step // 2: iteration 1 (window 0) and 2 (window 1) fit a basis, 3 reuses 2's
-    assert all(straight[t]["timing_s/boundary_prepass"] > 0 for t in (1, 2, 3))
+    # the phase is timed every compressed iteration (the tied rows' refresh always; the forward on
+    # the window's first step: iterations 1 and 2 here, 3 reuses 2's basis; which steps ran it is
+    # pinned by tests/compression/test_prefix.py and the gloo pipeline test)
+    assert all("timing_s/boundary_prepass" in straight[t] for t in (1, 2, 3))
     for t in (1, 2, 3):
         assert 0 < straight[t]["comm/fwd_bytes"] + straight[t]["comm/bwd_bytes"] < straight[t]["comm/dense_equiv_bytes"] / 2
 

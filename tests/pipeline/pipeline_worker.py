@@ -22,9 +22,13 @@ STEP = 7
 N, S, MBS = 8, 16, 2
 
 
-def make_batch(vocab: int):
+def make_batch(vocab: int, prompt_len: int = 0):
+    """N random rows; with ``prompt_len`` the rows of each micro-batch share their first tokens
+    (one prompt's responses, as in the trainer's batches)."""
     g = torch.Generator().manual_seed(99)
     tokens = torch.randint(0, vocab, (N, S), generator=g)
+    for i in range(N):
+        tokens[i, :prompt_len] = tokens[i - i % MBS, :prompt_len]
     labels = torch.roll(tokens, -1, dims=1)
     mask = (torch.rand(N, S, generator=g) > 0.3).float()
     weights = torch.randn(N, S, generator=g)
@@ -91,8 +95,14 @@ def run_pipeline(args):
     meter = ByteMeter()
     comm = CompressedP2PCommunicator(ctx.pp_group, tf, codec_for(args.codec), meter, seed=SEED)
     runner = PipelineRunner(comm, ctx.pg_collection, MBS, ctx.pp_size)
-    batch = make_batch(hf_config.vocab_size)
+    batch = make_batch(hf_config.vocab_size, args.prompt_len)
     total = batch["loss_mask"].sum()
+    prefix_p = None
+    if ctx.pp_rank == 0 and args.prompt_len:  # the common prefix of micro-batch 0's boundary state
+        from megatron_cegrpo.compression.prefix import common_prefix
+        with torch.no_grad():
+            prefix_p = common_prefix(model(input_ids=batch["tokens"][:MBS], position_ids=batch["position_ids"][:MBS],
+                                           attention_mask=None))
     queued = runner.prefetch(batch, step=STEP)  # as the trainer does once the batch is known
     prepassed = runner.boundary_prepass(model, batch, step=STEP)  # pcaq/prepass=1 only, as the trainer does
     with torch.no_grad():
@@ -103,7 +113,7 @@ def run_pipeline(args):
     grads = {global_name(n, offset): p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     torch.save({"grads": grads, "meter": meter.snapshot_and_reset(), "codec_state": comm.codec.state_dict(),
                 "losses": [o["loss"] for o in upd], "logprobs": [o["logprobs"] for o in upd],
-                "fwd_logprobs": [o["logprobs"] for o in fwd], "prefetch_queued": queued, "prepassed": prepassed,
+                "fwd_logprobs": [o["logprobs"] for o in fwd], "prefetch_queued": queued, "prepassed": prepassed, "prefix_p": prefix_p,
                 "derivations": comm.codec.derivations,
                 "k_d": (comm.codec.fwd.k(tf.hidden_size) if isinstance(comm.codec.fwd, MaskHalf) else None,
                         tf.hidden_size)},
@@ -143,7 +153,7 @@ def run_reference(args):
 
     for b, end in enumerate(ends):
         model.decoder.layers[end - 1].register_forward_hook(hook_for(b))
-    batch = make_batch(hf_config.vocab_size)
+    batch = make_batch(hf_config.vocab_size, args.prompt_len)
     total = batch["loss_mask"].sum()
     if codec.wants_prepass:  # pcaq/prepass=1: every micro-batch's boundary states first (no gradient)
         state["prepass"] = True
@@ -172,6 +182,7 @@ if __name__ == "__main__":
     ap.add_argument("--codec", default="dense")
     ap.add_argument("--pp", type=int, default=2)
     ap.add_argument("--first-layers", type=int, default=None)
+    ap.add_argument("--prompt-len", type=int, default=0)
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     (run_pipeline if a.mode == "pipeline" else run_reference)(a)

@@ -17,8 +17,8 @@ from distributed_util import run_ranks, run_single
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "pipeline_worker.py")
 
 
-def _run(tmp_path, codec, pp, first_layers=None):
-    extra = ["--first-layers", str(first_layers)] if first_layers else []
+def _run(tmp_path, codec, pp, first_layers=None, prompt_len=0):
+    extra = (["--first-layers", str(first_layers)] if first_layers else []) + ["--prompt-len", str(prompt_len)]
     run_ranks([WORKER, "--mode", "pipeline", "--codec", codec, "--out", str(tmp_path)] + extra, pp)
     run_single([WORKER, "--mode", "reference", "--codec", codec, "--pp", str(pp), "--out", str(tmp_path)] + extra)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(pp)]
@@ -116,16 +116,20 @@ def test_pair_pipeline_equals_single_process_map(tmp_path):
 
 
 def test_prepass_basis_pipeline_equals_single_process_map(tmp_path):
-    """pcaq/prepass=1 in a real gloo pipeline: the first stage's prepass (a no-gradient forward of
-    the 4 micro-batches) fits the step's basis, which the first message carries and both passes
-    reuse; the pipeline equals one process that observes the same boundary states and then applies
-    forward_map; bytes as without the prepass; the last stage runs no prepass."""
-    ranks, ref = _run(tmp_path, "pcaq/rank=16/prepass=1:lrq", 2)
+    """pcaq/prefix=1/prepass=1 in a real gloo pipeline, each micro-batch's 2 rows sharing their
+    first 6 tokens: the boundary states there are equal (the prefix is found: p = 6); the first
+    stage's prepass (a no-gradient forward of the 4 micro-batches) fits the step's basis, which the
+    first message carries and both passes reuse; the pipeline equals one process that observes the
+    same boundary states and then applies forward_map; bytes as documented; the last stage runs no
+    prepass."""
+    spec = "pcaq/rank=16/prefix=1/prepass=1:lrq"
+    ranks, ref = _run(tmp_path, spec, 2, prompt_len=6)
     _compare(ranks, ref, atol=1e-5)
+    assert ranks[0]["prefix_p"] == 6
     assert [r["prepassed"] for r in ranks] == [PAIR_MICRO_BATCHES, 0]
     from megatron_cegrpo.compression import build_codec
 
-    codec, shape = build_codec("pcaq/rank=16/prepass=1:lrq", 0.25), PAIR_SHAPE
+    codec, shape = build_codec(spec, 0.25), PAIR_SHAPE
     assert ranks[0]["meter"]["comm/fwd_bytes"] == (codec.bytes_per_message("fwd", shape, 4, True)
                                                    + (2 * PAIR_MICRO_BATCHES - 1) * codec.bytes_per_message(
                                                        "fwd", shape, 4, False))
