@@ -24,6 +24,7 @@ from megatron.core.pipeline_parallel.schedules import (
     forward_backward_pipelining_without_interleaving,
 )
 
+from megatron_cegrpo.compression import BoundaryContext
 from megatron_cegrpo.grpo.batch import RolloutBatch, microbatches
 from megatron_cegrpo.grpo.shared_prefix import (pack_shared_prefix, packed_group_length, packed_microbatch,
                                                 rows_from_packed)
@@ -108,22 +109,20 @@ class PipelineRunner:
             the micro-batches observed: 0 at PP = 1, on later stages, for a codec without
             ``prepass``, or where the step's window already has its basis (then nothing runs).
         """
-        from megatron_cegrpo.compression import BoundaryContext
-
         codec = getattr(self.comm, "codec", None)
         if self.pp_size == 1 or self.comm.pp_rank != 0 or codec is None or not codec.wants_prepass:
             return 0
         items, _, _, ids = self.plan(batch)
-        if not codec.prepass_due(BoundaryContext(seed=self.comm.seed, boundary=0, step=int(step), sample_ids=ids[0])):
+        ctxs = [BoundaryContext(seed=self.comm.seed, boundary=0, step=int(step), sample_ids=sids) for sids in ids]
+        if not codec.prepass_due(ctxs[0]):
             return 0  # the basis of this step's window is held (every = R: not its first step)
         with compute_precision(model):
-            for item, sids in zip(items, ids):
+            for item, ctx in zip(items, ctxs):
                 if self.group:
                     out = packed_forward(model, item[1])
                 else:
                     out = model(input_ids=item["tokens"], position_ids=item["position_ids"], attention_mask=None)
-                codec.observe_prepass(out, BoundaryContext(seed=self.comm.seed, boundary=0, step=int(step),
-                                                           sample_ids=sids))
+                codec.observe_prepass(out, ctx)
         return len(items)
 
     def run(self, model: torch.nn.Module, batch: RolloutBatch, *, step: int,
