@@ -388,15 +388,44 @@ class GRPOConfig:
                                                  "--max-new-tokens tokens (verl overlong_buffer.penalty_factor, "
                                                  "1.0 there on +-1 scores: 0.5 is its size on 0/1 scores)")
 
+    rollout_is: Optional[str] = option(None, "verl's rollout correction (grpo/rollout_correction.py): importance "
+                                             "weights pi_train / pi_rollout of the sampler's tokens on the policy "
+                                             "gradient, per token or per sequence, truncated at "
+                                             "--rollout-is-threshold (default: none)", choices=("token", "sequence"))
+    rollout_is_threshold: float = option(2.0, "--rollout-is: the weights' upper truncation C (verl), and the "
+                                              "default upper bound of --rollout-rs")
+    rollout_rs: Optional[str] = option(None, "verl's rejection: tokens (token) or whole sequences (sequence: the "
+                                             "product of the ratios; geometric: their geometric mean) whose ratio "
+                                             "pi_train / pi_rollout lies outside [--rollout-rs-threshold-lower, "
+                                             "--rollout-rs-threshold] leave the loss (default: none)",
+                                       choices=("token", "sequence", "geometric"))
+    rollout_rs_threshold: Optional[float] = option(None, "--rollout-rs: the upper bound (default "
+                                                         "--rollout-is-threshold)")
+    rollout_rs_threshold_lower: Optional[float] = option(None, "--rollout-rs: the lower bound (default 1 / the "
+                                                               "upper)")
+    rollout_token_veto_threshold: Optional[float] = option(None, "verl's veto: a sequence with any token of ratio "
+                                                                 "pi_train / pi_rollout below this leaves the loss "
+                                                                 "(e.g. 1e-4; default: none)")
+
+    #: the rollout-correction options (recorded for resume only where one is on: ``resume_options``)
+    ROLLOUT_CORRECTION = ("rollout_is", "rollout_is_threshold", "rollout_rs", "rollout_rs_threshold",
+                          "rollout_rs_threshold_lower", "rollout_token_veto_threshold")
     RESUME = ("rollout_batch_size", "num_generations", "global_batch_size", "ppo_epochs", "clip_ratio_low",
               "clip_ratio_high", "kl_coef", "kl_loss_type", "loss_agg_mode", "norm_adv_by_std", "filter_groups",
-              "max_num_gen_batches", "gen_batch_size", "overlong_buffer_len", "overlong_penalty_factor")
+              "max_num_gen_batches", "gen_batch_size", "overlong_buffer_len", "overlong_penalty_factor",
+              *ROLLOUT_CORRECTION)
     #: the largest --max-num-gen-batches (grpo/dynamic_sampling.py: the round's generation seed)
     MAX_GEN_BATCHES = 64
 
     @property
     def sequences_per_iteration(self) -> int:
         return self.rollout_batch_size * self.num_generations
+
+    @property
+    def rollout_correction(self) -> bool:
+        """Whether any of verl's rollout corrections is on (``--rollout-is``, ``--rollout-rs``, the veto)."""
+        return (self.rollout_is is not None or self.rollout_rs is not None
+                or self.rollout_token_veto_threshold is not None)
 
     @property
     def prompts_per_round(self) -> int:
@@ -444,6 +473,7 @@ class GRPOConfig:
                    "e.g. --overlong-buffer-len 16 (tokens before --max-new-tokens; 0: off)")
         _check_float("--overlong-penalty-factor", self.overlong_penalty_factor, "e.g. --overlong-penalty-factor 1.0",
                      low=0.0)
+        self._validate_rollout_correction()
         if self.filter_groups and self.num_generations < 2:
             raise ConfigError(f"--filter-groups with --num-generations {self.num_generations}: a group of one "
                               "response is always tied, none would be kept; fix: --num-generations 2 or more, or "
@@ -452,6 +482,32 @@ class GRPOConfig:
             warnings.warn(
                 "--num-generations 1: every group-normalised advantage is 0, nothing will be learned"
             )
+
+    def _validate_rollout_correction(self) -> None:
+        """``--rollout-is`` / ``--rollout-rs`` levels (verl's), thresholds > 0 and lower < upper."""
+        from megatron_cegrpo.grpo.rollout_correction import IS_LEVELS, RS_LEVELS
+
+        if self.rollout_is is not None:
+            _check_choice("--rollout-is", self.rollout_is, IS_LEVELS, "token")
+        if self.rollout_rs is not None:
+            _check_choice("--rollout-rs", self.rollout_rs, RS_LEVELS, "token")
+        _check_float("--rollout-is-threshold", self.rollout_is_threshold, "e.g. --rollout-is-threshold 2.0",
+                     low=0.0, low_open=True)
+        upper = self.rollout_is_threshold
+        if self.rollout_rs_threshold is not None:
+            _check_float("--rollout-rs-threshold", self.rollout_rs_threshold, "e.g. --rollout-rs-threshold 2.0",
+                         low=0.0, low_open=True)
+            upper = self.rollout_rs_threshold
+        if self.rollout_rs_threshold_lower is not None:
+            _check_float("--rollout-rs-threshold-lower", self.rollout_rs_threshold_lower,
+                         f"a bound below the upper one ({upper:g}), e.g. {1 / upper:g}, or leave it out for 1 / upper",
+                         low=0.0, low_open=True, high=upper, high_open=True)
+        if self.rollout_token_veto_threshold is not None:
+            _check_float("--rollout-token-veto-threshold", self.rollout_token_veto_threshold,
+                         "e.g. --rollout-token-veto-threshold 1e-4", low=0.0, low_open=True)
+        if self.rollout_rs is None and (self.rollout_rs_threshold, self.rollout_rs_threshold_lower) != (None, None):
+            raise ConfigError("--rollout-rs-threshold(-lower) without --rollout-rs: the bounds would do nothing; "
+                              "fix: add --rollout-rs token (or sequence, geometric), or drop the bounds")
 
 
 @dataclass
@@ -966,7 +1022,8 @@ class TrainConfig:
         constant-LR run may be resumed with a larger ``--train-iters`` to train longer),
         ``--kl-loss-type`` with ``--kl-coef 0``, ``--max-num-gen-batches`` without
         ``--filter-groups`` (and ``--gen-batch-size``, recorded as its effective value),
-        ``--overlong-penalty-factor`` without ``--overlong-buffer-len``,
+        ``--overlong-penalty-factor`` without ``--overlong-buffer-len``, the rollout-correction
+        options when none of them is on,
         the anchor settings with ``--anchor-ranks 0`` and the drift
         controller's band and budget without ``--drift-controller`` (with it,
         ``--drift-probe-interval``, its cadence, is recorded too). ``--global-batch-size``,
@@ -982,6 +1039,8 @@ class TrainConfig:
             skip |= {("grpo", "max_num_gen_batches"), ("grpo", "gen_batch_size")}
         if not self.grpo.overlong_buffer_len:
             skip.add(("grpo", "overlong_penalty_factor"))
+        if not self.grpo.rollout_correction:
+            skip |= {("grpo", n) for n in GRPOConfig.ROLLOUT_CORRECTION}
         if self.anchor.anchor_ranks == 0:
             skip |= {("anchor", n) for n in AnchorConfig.RESUME if n != "anchor_ranks"}
         if not self.codec.drift_controller:

@@ -173,7 +173,7 @@ def test_reliability_doc_lists_every_resume_option():
     doc = open(os.path.join(os.path.dirname(__file__), "..", "docs", "reliability.md")).read()
     listed = doc[doc.index("Every checkpoint records in `meta.json`"):doc.index("Intended overrides:")]
     everything = cfg("--lr-decay-style", "cosine", "--kl-coef", "0.1", "--filter-groups", "--overlong-buffer-len", "4",
-                     "--drift-controller", "--drift-target-kl", "0.1", "--drift-probe-interval", "2",
+                     "--rollout-rs", "token", "--rollout-rs-threshold", "2", "--drift-controller", "--drift-target-kl", "0.1", "--drift-probe-interval", "2",
                      "--anchor-ranks", "1").resume_options()
     anchor = {flag_name(AnchorConfig, n) for n in AnchorConfig.RESUME} - {"--anchor-ranks"}
     band = {"--drift-target-kl", "--drift-target-kl-low", "--drift-max-boundary-ratio"}

@@ -4,7 +4,10 @@ the link benchmark all call :func:`grpo_token_loss` (DESIGN.md section 2, step 7
 loss = agg( max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high)) + beta KL(pi || pi_ref) ),
 r = exp(log pi(y) - log pi_old(y)) (the log-ratio clamped to [-20, 20] and 0 at masked positions
 before ``exp``: ``core_algos.bounded_log_ratio``), log-probs of the logits divided by the sampling
-temperature (the sampler's distribution), KL by ``kl_loss_type`` (k3 by default).
+temperature (the sampler's distribution), KL by ``kl_loss_type`` (k3 by default). With one of
+verl's rollout corrections on (``grpo/rollout_correction.py``) and the sampler's log-probs given,
+the policy-gradient term is multiplied by the importance weights w_t and the rejected tokens leave
+the aggregation mask: loss = agg_{kept}( w pg + beta KL ).
 Sources: PPO (Schulman et al. 2017) eq. (7), DAPO's clip-higher and token-mean
 aggregation (Yu et al. 2025), GRPO (Shao et al. 2024) eq. (3); ``grpo/core_algos.py``.
 """
@@ -16,6 +19,7 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from megatron_cegrpo.grpo import core_algos as ca
+from megatron_cegrpo.grpo.rollout_correction import rollout_correction
 
 __all__ = ["grpo_token_loss"]
 
@@ -30,6 +34,7 @@ def grpo_token_loss(
     num_seqs: float,
     old_logprobs: Optional[torch.Tensor] = None,
     ref_logprobs: Optional[torch.Tensor] = None,
+    rollout_logprobs: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
     """Clipped-ratio GRPO loss (+ KL to the reference) of one micro-batch.
 
@@ -46,11 +51,16 @@ def grpo_token_loss(
             own detached log-probs (ratio 1, gradient -A grad log pi: the anchor's replay).
         ref_logprobs: fp32 [b, s] of the frozen reference, or None for no KL term (the KL
             term is added only when ``grpo.kl_coef > 0`` and ``ref_logprobs`` is given).
+        rollout_logprobs: fp32 [b, s], the sampler's log-probs: with ``grpo.rollout_correction``
+            the ratio pi_old / pi_rollout (pi_old: ``old_logprobs``, else this pass's own) sets the
+            weights and the rejection (``grpo/rollout_correction.py``); None: no correction (the
+            anchor's dense replay).
 
     Returns:
         (loss, stats): the 0-dim loss, and detached sums over the micro-batch's response
         tokens: ``pg_loss_sum``, ``clip_sum`` (clipped tokens), ``ppo_kl_sum``, ``tokens``,
-        ``kl_sum`` when there is a KL term, and ``logprobs_detached`` (fp32 [b, s], this pass's
+        ``kl_sum`` when there is a KL term, ``rc_*`` with a rollout correction
+        (``rollout_correction``'s sums), and ``logprobs_detached`` (fp32 [b, s], this pass's
         log-probs at the temperature, every position).
     """
     logp = ca.logprobs_from_logits(logits.float() / temperature, mb["labels"])
@@ -60,9 +70,17 @@ def grpo_token_loss(
                                  clip_ratio_low=grpo.clip_ratio_low, clip_ratio_high=grpo.clip_ratio_high)
     loss_mat = pol["pg_losses"]
     ntok = mask.sum()
-    stats = {"pg_loss_sum": (pol["pg_losses"].detach() * mask).sum(),
+    rc = {}
+    if rollout_logprobs is not None and getattr(grpo, "rollout_correction", False):
+        weights, kept, rc = rollout_correction(
+            old.detach(), rollout_logprobs, mask, rollout_is=grpo.rollout_is,
+            rollout_is_threshold=grpo.rollout_is_threshold, rollout_rs=grpo.rollout_rs,
+            rollout_rs_threshold=grpo.rollout_rs_threshold, rollout_rs_threshold_lower=grpo.rollout_rs_threshold_lower,
+            rollout_token_veto_threshold=grpo.rollout_token_veto_threshold)
+        loss_mat, mask = loss_mat * weights, kept
+    stats = {"pg_loss_sum": (loss_mat.detach() * mask).sum(),
              "clip_sum": pol["pg_clipfrac"] * ntok, "ppo_kl_sum": pol["ppo_kl"] * ntok, "tokens": ntok,
-             "logprobs_detached": logp.detach()}
+             "logprobs_detached": logp.detach(), **rc}
     if ref_logprobs is not None and grpo.kl_coef > 0:
         kl = ca.kl_penalty(logp, ref_logprobs, grpo.kl_loss_type, mask)
         loss_mat = loss_mat + grpo.kl_coef * kl

@@ -17,6 +17,7 @@ from megatron_cegrpo.compression import ByteMeter
 from megatron_cegrpo.grpo import core_algos as ca
 from megatron_cegrpo.grpo.batch import RolloutBatch, slice_batch
 from megatron_cegrpo.grpo.loss import grpo_token_loss
+from megatron_cegrpo.grpo.rollout_correction import RC_SUMS, rollout_corr_metrics
 from megatron_cegrpo.models import hf_to_megatron, stage_layer_range
 from megatron_cegrpo.models.stage import PolicyStage
 from megatron_cegrpo.models.tp_shard import TPGatheredStage, is_tp_split
@@ -176,7 +177,8 @@ class StageWorker:
         own = "old_logprobs" not in mb
         loss, stats = grpo_token_loss(logits, mb, self.cfg.grpo, temperature=self.temperature,
                                       num_tokens=num_tokens, num_seqs=num_seqs, old_logprobs=mb.get("old_logprobs"),
-                                      ref_logprobs=mb.get("ref_logprobs") if self.ref_model is not None else None)
+                                      ref_logprobs=mb.get("ref_logprobs") if self.ref_model is not None else None,
+                                      rollout_logprobs=mb.get("sampler_logprobs"))
         if own:
             with torch.no_grad():
                 stats["logprobs"] = stats.pop("logprobs_detached")
@@ -227,7 +229,8 @@ class StageWorker:
         dense gradient before, and compares after, each codec backward; None: no probe."""
         cfg = self.cfg
         n, gbs = batch["tokens"].shape[0], cfg.global_batch_size // self.ctx.dp_size  # this replica's share
-        sums = {"pg_loss_sum": 0.0, "clip_sum": 0.0, "ppo_kl_sum": 0.0, "kl_sum": 0.0, "tokens": 0.0}
+        sums = dict.fromkeys(("pg_loss_sum", "clip_sum", "ppo_kl_sum", "kl_sum", "tokens")  # + the rollout_corr/ sums
+                             + (RC_SUMS if cfg.grpo.rollout_correction else ()), 0.0)
         norms, own = [], []
         self.model.train()
         for _ in range(cfg.grpo.ppo_epochs):
@@ -257,6 +260,7 @@ class StageWorker:
                         "actor/ppo_kl": sums["ppo_kl_sum"] / tok})
             if self.ref_model is not None:
                 out["actor/kl_loss"] = sums["kl_sum"] / tok
+            out.update(rollout_corr_metrics(sums) if cfg.grpo.rollout_correction else {})
         return out
 
     def accumulate_gradients(self, mini: Dict[str, torch.Tensor], start: int, t: int, probe=None) -> List[dict]:
