@@ -505,6 +505,11 @@ class GRPOConfig:
         if self.rollout_token_veto_threshold is not None:
             _check_float("--rollout-token-veto-threshold", self.rollout_token_veto_threshold,
                          "e.g. --rollout-token-veto-threshold 1e-4", low=0.0, low_open=True)
+        if self.rollout_rs is not None and self.rollout_rs_threshold_lower is None and not upper > 1:
+            flag = "--rollout-rs-threshold" if self.rollout_rs_threshold is not None else "--rollout-is-threshold"
+            raise ConfigError(f"--rollout-rs with an upper bound of {upper:g} ({flag}): its default lower bound 1 / "
+                              f"{upper:g} is not below it; fix: an upper bound > 1 (e.g. {flag} 2.0) or "
+                              "--rollout-rs-threshold-lower")
         if self.rollout_rs is None and (self.rollout_rs_threshold, self.rollout_rs_threshold_lower) != (None, None):
             raise ConfigError("--rollout-rs-threshold(-lower) without --rollout-rs: the bounds would do nothing; "
                               "fix: add --rollout-rs token (or sequence, geometric), or drop the bounds")

@@ -3,8 +3,8 @@
 The dense sampler draws the responses from pi_rollout (its log-probs: ``sampler_logprobs``),
 but the stages' update pass computes log-probs through the compressed boundary, pi_train,
 which differs from pi_rollout by 0.4-1.2 nats a token at 5 % of the bytes
-(``mismatch/abs_logprob_diff_mean``; docs/results.md) — hundreds of times the bf16-vs-fp32
-gap that makes other RL stacks collapse. The correction below is verl's rollout correction
+(``mismatch/abs_logprob_diff_mean``; docs/results.md), 20-60 times the 0.02-nat gap between
+the sampler and the dense bf16 stages. The correction below is verl's rollout correction
 (``algorithm.rollout_correction``, Liu, Li et al. 2025, "When Speed Kills Stability:
 Demystifying RL Collapse from the Training-Inference Mismatch"; the token-level truncated
 weights are Yao et al. 2025's TIS), with verl's names:
@@ -22,14 +22,19 @@ weights are Yao et al. 2025's TIS), with verl's names:
 * Veto, ``--rollout-token-veto-threshold`` v: a sequence with any token of rho_t < v leaves the
   loss (checked on the unbounded ratio).
 
-Log-ratios are bounded to [-20, 20] before ``exp`` (verl's safety bound); positions off the
-loss mask have weight 0. pi_train is the pass's own detached log-probs where the update gives
-the old ones (bypass mode: one optimizer step an iteration), else the old log-probs pass's.
+Log-ratios are bounded to [-20, 20] before ``exp`` (verl's safety bound; a sequence's log-ratio
+is the sum of its bounded token log-ratios, so an infinite log-prob cannot make it NaN); positions
+off the loss mask have weight 0. pi_train is the pass's own detached log-probs where the update
+gives the old ones (bypass mode: one optimizer step an iteration), else the old log-probs pass's
+(``--recompute-old-log-prob``, ``--ppo-epochs`` > 1 or several optimizer steps an iteration).
 
-The one difference from verl: rejected tokens stay in ``token-mean``'s denominator (the
-mini-batch's token count is fixed before its micro-batches run, and the ratio needs the
-pass's own log-probs), so a rejected token's share of the mean is dropped, not handed to the
-others; ``rollout_corr/rollout_is_masked_fraction`` says how much that is.
+Differences from verl: rejected tokens stay in ``token-mean``'s denominator (the mini-batch's
+token count is fixed before its micro-batches run, and the ratio needs the pass's own
+log-probs), so a rejected token's share of the mean is dropped, not handed to the others
+(``rollout_corr/rollout_is_masked_fraction`` says how much that is; in the ``seq-mean`` modes a
+rejected sequence still counts in the number of sequences); ``rollout_is_ratio_fraction_high`` /
+``_low`` count tokens by their own ratio at every level; ``pg_clipfrac`` and ``ppo_kl`` are over
+every response token.
 """
 
 from __future__ import annotations
@@ -77,7 +82,8 @@ def rollout_correction(train_logprobs: torch.Tensor, rollout_logprobs: torch.Ten
         ``rc_vetoed`` (of them vetoed).
 
     Raises:
-        ValueError: an unknown level, a threshold <= 0, or lower >= upper.
+        ValueError: an unknown level, C <= 0, a veto threshold <= 0, or (with ``rollout_rs``)
+            not 0 < lower < upper.
     """
     if rollout_is is not None and rollout_is not in IS_LEVELS:
         raise ValueError(f"--rollout-is must be one of {', '.join(IS_LEVELS)} (or left out); got {rollout_is!r}")
@@ -85,15 +91,18 @@ def rollout_correction(train_logprobs: torch.Tensor, rollout_logprobs: torch.Ten
         raise ValueError(f"--rollout-rs must be one of {', '.join(RS_LEVELS)} (or left out); got {rollout_rs!r}")
     upper = float(rollout_is_threshold if rollout_rs_threshold is None else rollout_rs_threshold)
     lower = 1.0 / upper if rollout_rs_threshold_lower is None and upper > 0 else rollout_rs_threshold_lower
-    if not rollout_is_threshold > 0 or not upper > 0 or lower is None or not 0 < float(lower) < upper:
-        raise ValueError(f"rollout correction needs thresholds > 0 and lower < upper; got C {rollout_is_threshold}, "
-                         f"rejection [{lower}, {upper}]")
+    if not rollout_is_threshold > 0 or (rollout_token_veto_threshold is not None
+                                        and not rollout_token_veto_threshold > 0):
+        raise ValueError(f"rollout correction needs thresholds > 0; got C {rollout_is_threshold}, veto "
+                         f"{rollout_token_veto_threshold}")
+    if rollout_rs is not None and (not upper > 0 or lower is None or not 0 < float(lower) < upper):
+        raise ValueError(f"rollout rejection needs 0 < lower < upper; got [{lower}, {upper}]")
     mask = mask.to(torch.float32)
     on = mask > 0
     log_ratio = torch.where(on, train_logprobs.float() - rollout_logprobs.float(), torch.zeros_like(mask))
     tok_lr = log_ratio.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
     ntok = mask.sum(dim=-1)  # [b]
-    seq_lr = log_ratio.sum(dim=-1)  # log prod_t rho_t, unbounded
+    seq_lr = tok_lr.sum(dim=-1)  # log prod_t rho_t (of the bounded token ratios: finite)
     geo_lr = seq_lr / ntok.clamp_min(1.0)
 
     if rollout_is == "token":
@@ -105,7 +114,7 @@ def rollout_correction(train_logprobs: torch.Tensor, rollout_logprobs: torch.Ten
         weights = mask.clone()
 
     reject = torch.zeros_like(on)
-    lo, hi = math.log(lower), math.log(upper)
+    lo, hi = (math.log(float(lower)), math.log(upper)) if rollout_rs is not None else (0.0, 0.0)
     if rollout_rs == "token":
         reject = on & ((tok_lr > hi) | (tok_lr < lo))
     elif rollout_rs in ("sequence", "geometric"):

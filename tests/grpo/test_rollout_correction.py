@@ -73,11 +73,29 @@ def test_veto_rejects_the_sequence_of_a_catastrophic_token_on_the_mask_only():
     assert w[0, 2] == pytest.approx(math.exp(-20.0), rel=1e-5)  # the weight is bounded at exp(-20)
 
 
+def test_a_truncation_at_or_below_one_is_legal_without_rejection():
+    # C <= 1 only caps the weights (the rejection band's default 1 / C is checked only with --rollout-rs)
+    w, kept, _ = rollout_correction(TRAIN, ROLLOUT, MASK, rollout_is="token", rollout_is_threshold=1.0,
+                                    rollout_token_veto_threshold=1e-4)
+    assert torch.equal(kept, MASK) and float(w.max()) == 1.0
+    assert w[0, 1] == pytest.approx(math.exp(-1.0), rel=1e-6)
+
+
+def test_an_infinite_log_prob_gives_a_finite_sequence_weight():
+    train = TRAIN.clone()
+    train[0, 0], train[0, 1] = float("inf"), float("-inf")
+    w, _, _ = rollout_correction(train, ROLLOUT, MASK, rollout_is="sequence", rollout_rs="sequence",
+                                 rollout_rs_threshold=1e9, rollout_rs_threshold_lower=1e-9)
+    assert torch.isfinite(w).all()
+
+
 @pytest.mark.parametrize("kwargs, match", [
     ({"rollout_is": "tok"}, "--rollout-is must be one of token, sequence"),
     ({"rollout_rs": "seq"}, "--rollout-rs must be one of token, sequence, geometric"),
     ({"rollout_is_threshold": 0.0}, "thresholds > 0"),
+    ({"rollout_is": "token", "rollout_token_veto_threshold": 0.0}, "thresholds > 0"),
     ({"rollout_rs": "token", "rollout_rs_threshold": 2.0, "rollout_rs_threshold_lower": 2.0}, "lower < upper"),
+    ({"rollout_rs": "geometric", "rollout_rs_threshold": 0.9}, "lower < upper"),
 ])
 def test_bad_levels_and_thresholds_raise(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -137,6 +155,24 @@ def test_loss_gradient_is_autograd_of_the_weighted_kept_token_mean():
     assert stats["rc_rejected"] == (mb["loss_mask"] - kept).sum()
 
 
+def test_the_weights_use_the_old_log_probs_when_they_are_given():
+    # --ppo-epochs > 1 or several optimizer steps: pi_train is the old-log-prob pass's, not this pass's
+    logits, mb, rollout = _micro_batch(seed=2)
+    old = (ca.logprobs_from_logits(logits, mb["labels"]) - 0.3) * mb["loss_mask"]
+    grpo = _grpo(rollout_is="token")
+    x = logits.clone().requires_grad_(True)
+    loss, stats = grpo_token_loss(x, mb, grpo, temperature=1.0, num_tokens=15.0, num_seqs=3.0, old_logprobs=old,
+                                  rollout_logprobs=rollout)
+    want_w = torch.exp((old - rollout) * mb["loss_mask"]).clamp(max=2.0) * mb["loss_mask"]
+    torch.testing.assert_close(stats["rc_weight_sum"], want_w.sum(), rtol=1e-6, atol=1e-6)
+    y = logits.clone().requires_grad_(True)
+    ref, _ = grpo_token_loss(y, mb, _grpo(), temperature=1.0, num_tokens=15.0, num_seqs=3.0, old_logprobs=old)
+    pol = ca.compute_policy_loss(old, ca.logprobs_from_logits(logits, mb["labels"]), mb["advantages"],
+                                 mb["loss_mask"], clip_ratio_low=0.2, clip_ratio_high=0.2)
+    torch.testing.assert_close(loss, (pol["pg_losses"] * want_w).sum() / 15.0, rtol=1e-6, atol=1e-7)
+    assert not torch.equal(loss, ref)
+
+
 def test_loss_without_a_correction_is_unchanged_bit_for_bit():
     logits, mb, rollout = _micro_batch(seed=1)
     grads = []
@@ -183,6 +219,7 @@ def test_flags_parse_validate_and_are_recorded_for_resume_only_when_on():
      "--rollout-rs-threshold-lower must be a finite number > 0 and < 2"),
     (("--rollout-token-veto-threshold", "0"), "--rollout-token-veto-threshold must be"),
     (("--rollout-rs-threshold", "2"), "without --rollout-rs"),
+    (("--rollout-rs", "token", "--rollout-is-threshold", "1"), "its default lower bound 1 / 1 is not below it"),
 ])
 def test_bad_flags_stop_with_one_line(flags, match):
     with pytest.raises(ConfigError, match=match) as e:
