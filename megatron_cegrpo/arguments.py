@@ -162,6 +162,9 @@ def _dest(f: dataclasses.Field) -> str:
 
 #: ``--tied-embedding-sync`` values (``pipeline/tied_embedding.py``); the first is the default.
 TIED_EMBEDDING_SYNC_MODES = ("sparse", "allreduce")
+#: verl's rollout-correction levels (``grpo/rollout_correction.py``): importance weights, rejection
+ROLLOUT_IS_LEVELS = ("token", "sequence")
+ROLLOUT_RS_LEVELS = ("token", "sequence", "geometric")
 
 # ----------------------------------------------------------------------------- configs
 # Each sub-config declares its fields (each with ``option()``: default, flag, help),
@@ -391,14 +394,14 @@ class GRPOConfig:
     rollout_is: Optional[str] = option(None, "verl's rollout correction (grpo/rollout_correction.py): importance "
                                              "weights pi_train / pi_rollout of the sampler's tokens on the policy "
                                              "gradient, per token or per sequence, truncated at "
-                                             "--rollout-is-threshold (default: none)", choices=("token", "sequence"))
+                                             "--rollout-is-threshold (default: none)", choices=ROLLOUT_IS_LEVELS)
     rollout_is_threshold: float = option(2.0, "--rollout-is: the weights' upper truncation C (verl), and the "
                                               "default upper bound of --rollout-rs")
     rollout_rs: Optional[str] = option(None, "verl's rejection: tokens (token) or whole sequences (sequence: the "
                                              "product of the ratios; geometric: their geometric mean) whose ratio "
                                              "pi_train / pi_rollout lies outside [--rollout-rs-threshold-lower, "
                                              "--rollout-rs-threshold] leave the loss (default: none)",
-                                       choices=("token", "sequence", "geometric"))
+                                       choices=ROLLOUT_RS_LEVELS)
     rollout_rs_threshold: Optional[float] = option(None, "--rollout-rs: the upper bound (default "
                                                          "--rollout-is-threshold)")
     rollout_rs_threshold_lower: Optional[float] = option(None, "--rollout-rs: the lower bound (default 1 / the "
@@ -485,12 +488,10 @@ class GRPOConfig:
 
     def _validate_rollout_correction(self) -> None:
         """``--rollout-is`` / ``--rollout-rs`` levels (verl's), thresholds > 0 and lower < upper."""
-        from megatron_cegrpo.grpo.rollout_correction import IS_LEVELS, RS_LEVELS
-
         if self.rollout_is is not None:
-            _check_choice("--rollout-is", self.rollout_is, IS_LEVELS, "token")
+            _check_choice("--rollout-is", self.rollout_is, ROLLOUT_IS_LEVELS, "token")
         if self.rollout_rs is not None:
-            _check_choice("--rollout-rs", self.rollout_rs, RS_LEVELS, "token")
+            _check_choice("--rollout-rs", self.rollout_rs, ROLLOUT_RS_LEVELS, "token")
         _check_float("--rollout-is-threshold", self.rollout_is_threshold, "e.g. --rollout-is-threshold 2.0",
                      low=0.0, low_open=True)
         upper = self.rollout_is_threshold

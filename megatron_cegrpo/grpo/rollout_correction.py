@@ -44,10 +44,10 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
+from megatron_cegrpo.arguments import ROLLOUT_IS_LEVELS as IS_LEVELS, ROLLOUT_RS_LEVELS as RS_LEVELS
+
 __all__ = ["IS_LEVELS", "RS_LEVELS", "LOG_RATIO_BOUND", "RC_SUMS", "rollout_correction", "rollout_corr_metrics"]
 
-IS_LEVELS = ("token", "sequence")
-RS_LEVELS = ("token", "sequence", "geometric")
 #: the sums :func:`rollout_correction` returns (added over micro-batches and replicas)
 RC_SUMS = ("rc_tokens", "rc_weight_sum", "rc_high", "rc_low", "rc_rejected", "rc_seqs", "rc_vetoed")
 #: verl's safety bound on log-ratios before ``exp`` (weights within [2e-9, 5e8])
