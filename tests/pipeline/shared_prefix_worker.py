@@ -5,7 +5,9 @@
 One rank of a real gloo pipeline (megatron-core 1F1B through CompressedP2PCommunicator, dense
 codec). For G = 2 and 4 it runs the same batch unshared, then with ``shared_prefix_group=G``: a
 forward-only pass (log-probs), then an update pass (GRPO loss with KL, backward), and saves the
-log-probs, losses, every gradient (global layer names) and the byte meter of each.
+log-probs, losses, every gradient (global layer names) and the byte meter of each. For G = 2 it
+then runs the first stage's ``pcaq/prepass=1`` prepass in the shared layout (``PREPASS_SPEC``, a
+forward-only pass after it) and saves what the codec observed and what the pass encoded.
 """
 
 import argparse
@@ -19,6 +21,24 @@ from shared_prefix_cases import add_policies, logprob_fn, loss_fn, make_batch
 
 SEED, STEP, MBS = 4321, 5, 4
 GROUPS = {2: 6, 4: 3}  # G -> prompts (12 rows each)
+PREPASS_SPEC = "pcaq/rank=16/prepass=1:lrq"
+
+
+def run_prepass(runner, model, batch, comm, spec):
+    """``PipelineRunner.boundary_prepass`` in the runner's layout, then one forward-only pass, with
+    ``spec``'s codec: (micro-batches prepassed, the boundary states the codec observed, the ones
+    the pass encoded for sending), the states on the first stage only (fp32 copies)."""
+    from megatron_cegrpo.compression import ByteMeter, build_codec
+
+    codec = build_codec(spec, 0.25)
+    observed, sent = [], []
+    observe, encode = codec.observe_prepass, codec.encode_forward
+    codec.observe_prepass = lambda t, ctx: (observed.append(t.detach().float().clone()), observe(t, ctx))[1]
+    codec.encode_forward = lambda t, ctx: (sent.append(t.detach().float().clone()), encode(t, ctx))[1]
+    with comm.using(codec, ByteMeter()), torch.no_grad():
+        prepassed = runner.boundary_prepass(model, batch, step=STEP)
+        runner.run(model, batch, step=STEP, forward_only=True, loss_fn=logprob_fn)
+    return prepassed, observed, sent
 
 
 def run_one(runner, model, batch, meter, ctx, offset, seed):
@@ -63,6 +83,8 @@ def main(args):
                   "shared": run_one(shared, model, batch, meter, ctx, offset, seed=None),
                   "seq": int(batch["tokens"].shape[1]), "packed": shared.plan(batch)[1], "rows": int(batch["tokens"].shape[0]),
                   "batch": {k: batch[k] for k in ("prompt_lengths", "response_lengths", "loss_mask")}}
+        if g == 2:
+            out[g]["prepass"] = run_prepass(shared, model, batch, comm, PREPASS_SPEC)
     torch.save(out, os.path.join(args.out, f"rank{ctx.rank}.pt"))
 
 

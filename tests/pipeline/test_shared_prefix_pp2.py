@@ -3,7 +3,9 @@ shared_prefix_worker.py): for G = 2 and 4, ragged prompts (12..23 tokens) and re
 the forward-only log-probs, the update's losses and log-probs and every gradient on both stages
 equal the unshared pipeline's within the fp32 tolerances measured at PP = 1
 (test_shared_prefix_pp1.py), and the boundary carries each group once: the forward and backward
-bytes are the packed tensors' ``[L, mbs / G, d]`` instead of ``[S, mbs, d]``, exactly.
+bytes are the packed tensors' ``[L, mbs / G, d]`` instead of ``[S, mbs, d]``, exactly. With
+``pcaq/prepass=1`` the first stage's prepass runs in the packed layout: it observes, micro-batch by
+micro-batch, exactly the ``[L, mbs / G, d]`` states the pass then sends.
 """
 
 import os
@@ -30,6 +32,7 @@ def _check_equal(plain, shared, ok):
 
 
 def test_shared_prefix_pipeline_equals_unshared_and_sends_each_prompt_once(tmp_path):
+    # (and pcaq/prepass=1's prepass observes, in the packed layout, what the shared pass sends)
     run_ranks([WORKER, "--out", str(tmp_path)], 2)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     d, elem = ranks[0]["hidden"], 4  # fp32 boundary tensors
@@ -58,3 +61,12 @@ def test_shared_prefix_pipeline_equals_unshared_and_sends_each_prompt_once(tmp_p
             assert shared_b * g * s == plain_b * packed  # the ratio L / (G S), exactly
         print(f"G={g}: S={s} L={packed} boundary bytes shared/unshared = {packed / (g * s):.4f}; real tokens "
               f"{int(p[::g].sum() + r.sum())}/{int((p + r).sum())}")
+
+    # pcaq/prepass=1 (G = 2): the first stage's prepass sees the packed states the pass sends
+    (prepassed, observed, sent), (last_prepassed, last_observed, _) = (r[2]["prepass"] for r in ranks)
+    micro_batches, packed, d = ranks[1][2]["rows"] // 4, ranks[0][2]["packed"], ranks[0]["hidden"]
+    assert (prepassed, last_prepassed, last_observed) == (micro_batches, 0, [])  # the last stage runs none
+    assert len(observed) == len(sent) == micro_batches
+    for seen, out in zip(observed, sent):
+        assert seen.shape == (packed, 2, d)  # [L, mbs / G, d]: each group's prompt once
+        torch.testing.assert_close(seen, out, rtol=0, atol=1e-6)
