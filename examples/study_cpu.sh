@@ -32,6 +32,9 @@
 #   <arm>_shared           any arm with shared-prefix passes (--shared-prefix, micro-  only in ARMS=
 #                          batches of one group: each prompt computed and sent once per group;
 #                          docs/shared_prefix.md)
+#   <arm>_lr<X>            any arm at learning rate X instead of LR (--lr X, after     only in ARMS=
+#                          the study's: argparse's last wins; e.g. pcaq/every=2:lrq_anchor_lr6e-6,
+#                          the folded arm at the step size that moves it as far as dense: docs/anchor.md)
 #   <codec>, <codec>_anchor  every other registered codec (lowrank, ...)             first seed
 #   lowrank_anchorq        lowrank + anchor, the basis Q refreshed by the anchor at   only in ARMS=
 #                          its fires (--lowrank-q-owner anchor): the seeds' persistent-
@@ -121,6 +124,10 @@ MULTI_SEED=${MULTI_SEED:-"dense mask_anchor ${BEST_PAIR}_anchor"}  # the control
 # arm -> "codec anchor_ranks extra flags..."; ARM_filter: ARM with DAPO's dynamic sampling
 # (--filter-groups, at most MAX_GEN_BATCHES generation rounds an iteration; docs/dynamic_sampling.md)
 arm_spec() {
+  if [[ "$1" =~ ^(.+)_lr([0-9][0-9.e+-]*)$ ]]; then
+    echo "$(arm_spec "${BASH_REMATCH[1]}") --lr ${BASH_REMATCH[2]}"
+    return
+  fi
   if [[ "$1" =~ ^(.+)_dense([0-9]+)$ ]]; then
     local base=${BASH_REMATCH[1]} every=${BASH_REMATCH[2]}
     echo "$(arm_spec "$base") --dense-step-interval $every"

@@ -89,10 +89,11 @@ def test_study_arm_suffixes_add_their_flags(tmp_path):
     """``<arm>_dense<N>`` adds ``--dense-step-interval N`` to the arm's command, ``_filter`` adds
     DAPO's dynamic sampling, ``_vllm`` the vLLM sampler, ``_shared`` shared-prefix passes over
     micro-batches of one group, ``_overlong`` DAPO's length penalty, ``_controller`` the drift
-    controller, ``_c2`` the seeds' fire-only fold at beta 0.5, ``lowrank_anchorq`` the anchor-owned
-    basis; the arm's folder keeps its whole name."""
+    controller, ``_c2`` the seeds' fire-only fold at beta 0.5, ``_lr<X>`` another learning rate,
+    ``lowrank_anchorq`` the anchor-owned basis; the arm's folder keeps its whole name."""
     env = _env(DRY_RUN="1", ARMS="mask_anchor_dense16 pcaq:lrq_anchor_dense8_filter dense_vllm mask_anchor_shared "
-                                 "dense_overlong mask_anchor_controller mask_anchor_c2 lowrank_anchorq",
+                                 "dense_overlong mask_anchor_controller mask_anchor_c2 lowrank_anchorq "
+                                 "pcaq/every=2:lrq_anchor_lr6e-6",
                SEEDS="1234",
                STUDY_DIR=str(tmp_path / "study"))
     study = subprocess.run(["bash", "examples/study_cpu.sh"], cwd=REPO, env=env, capture_output=True, text=True,
@@ -128,6 +129,12 @@ def test_study_arm_suffixes_add_their_flags(tmp_path):
     assert "--sign-fold" not in dense16
     q = _flags(lines["lowrank_anchorq"])
     assert (q["--boundary-codec"], q["--anchor-ranks"], q["--lowrank-q-owner"]) == ("lowrank", "1", "anchor")
+    lr = lines["pcaq/every=2:lrq_anchor_lr6e-6"]  # the study's --lr first, the arm's after it: argparse's last wins
+    assert (_flags(lr)["--boundary-codec"], _flags(lr)["--anchor-ranks"]) == ("pcaq/every=2:lrq", "1")
+    assert [lr[i + 1] for i, a in enumerate(lr) if a == "--lr"] == ["1e-5", "6e-6"]
+    assert _flags(lr)["--log-dir"] == str(tmp_path / "study" / "pcaq,every=2:lrq_anchor_lr6e-6-s1234")
+    plain = lines["mask_anchor_dense16"]
+    assert [plain[i + 1] for i, a in enumerate(plain) if a == "--lr"] == ["1e-5"]
 
 
 def test_the_scripts_launch_this_checkouts_code(tmp_path):
