@@ -930,16 +930,30 @@ def paired_table(arms: Sequence[Dict]) -> str:
     return "\n".join(lines)
 
 
+def movement_vs_dense(arm: Dict, arms: Sequence[Dict]) -> Optional[float]:
+    """``arm``'s relative weight movement over dense's at the same seed and number of iterations
+    (``weight_rel_change`` / dense's): above 1, the arm moved its weights further than dense at the same
+    ``--lr`` (the anchor's every-step fold does: docs/anchor.md, "What the fold does to Adam"). None
+    without such a dense run or where either run logged no movement."""
+    dense = next((d for d in arms if d["arm"] == "dense" and d["seed"] == arm["seed"]
+                  and d.get("iterations") == arm.get("iterations")), None)
+    if dense is None or not dense.get("weight_rel_change") or arm.get("weight_rel_change") is None:
+        return None
+    return arm["weight_rel_change"] / dense["weight_rel_change"]
+
+
 def damage_table(arms: Sequence[Dict]) -> str:
     """Damage to the base model per arm: KL to the base at the last probe, the weights' relative
-    movement at the end, the other data set before -> after ("-": not logged)."""
+    movement at the end and over dense's at the same seed (:func:`movement_vs_dense`), the other data
+    set before -> after ("-": not logged)."""
     others = sorted({n for a in arms for n in a["other"]})
-    head = "| arm | seed | KL to base (dense view, last probe) | at step | weight movement (relative) |"
+    head = ("| arm | seed | KL to base (dense view, last probe) | at step | weight movement (relative) | "
+            "movement / dense's (same seed) |")
     head += "".join(f" {n} before -> after |" for n in others)
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for a in arms:
         cells = [a["arm"], str(a["seed"]), _fmt(a.get("kl_to_base"), "{:.2e}"), _fmt(a.get("kl_to_base_step"), "{:d}"),
-                 _fmt(a.get("weight_rel_change"), "{:.2e}")]
+                 _fmt(a.get("weight_rel_change"), "{:.2e}"), _fmt(movement_vs_dense(a, arms), "{:.2f}")]
         for n in others:
             o = a["other"].get(n)
             cells.append(f"{_fmt(o['acc_before'])} -> {_fmt(o['acc_after'])}" if o else "-")
@@ -1178,7 +1192,8 @@ def _report_lines(arms: Sequence[Dict], fractions: Sequence[Dict], figs: Sequenc
     lines += ["## Damage to the base model", "",
               "KL(pi || pi_base) per response token on a training batch through dense boundaries "
               "(`probe/kl_to_base`, the drift probe of `--drift-probe-interval`), the weights' relative movement "
-              "(`actor/weight_rel_change`; the seeds report 0.03-0.13 %) and the other data set's accuracy.", "",
+              "(`actor/weight_rel_change`; the seeds report 0.03-0.13 %) and over dense's at the same seed and "
+              "iterations, and the other data set's accuracy.", "",
               damage_table(arms), ""]
     lines += method_lines()
     lines += ["## Figures", ""] + [f"![{os.path.basename(p)[:-4]}]({name}/{os.path.basename(p)})" for p in figs]

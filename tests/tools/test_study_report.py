@@ -104,8 +104,12 @@ def test_summary_values(study, tmp_path):
             "0.004 | 0.33 -> 0.87 |") in md  # 2 steps of 1000 + 1000 bytes: 0.004 MB
     assert "| 0.0500 | 0.0001 | - |" in md  # mask_anchor: 30 + 70 bytes; no truncation logged
     assert (dense["boundary_mb"], mask["boundary_mb"]) == (0.004, 1e-4)
-    assert "| dense | 1 | 2.00e-03 | 1 | 3.00e-04 | 0.250 -> 0.300 |" in md  # damage to the base model
-    assert "| mask_anchor-s1 | 1 | - | - | - | - |" in md
+    assert "| dense | 1 | 2.00e-03 | 1 | 3.00e-04 | 1.00 | 0.250 -> 0.300 |" in md  # damage to the base model
+    assert "| mask_anchor-s1 | 1 | - | - | - | - | - |" in md  # no movement logged (and 1 iteration, not dense's 2)
+    moved = dict(mask, weight_rel_change=6e-4)
+    assert mod.movement_vs_dense(moved, [dense, moved]) is None  # 1 iteration against dense's 2: not compared
+    assert mod.movement_vs_dense(dict(moved, iterations=2), [dense, moved]) == pytest.approx(2.0, rel=1e-12)
+    assert mod.movement_vs_dense(dict(moved, iterations=2, seed=2), [dense]) is None  # no dense at that seed
     assert f"{mod.NOTES_BEGIN}\nThe dense arm learns.\n{mod.NOTES_END}" in md and "old" not in md.splitlines()
     pngs = {p.name for p in (docs / "study").glob("*.png")}
     # no run scored the held-out rows between before and after: no curve (the bars hold both points)
