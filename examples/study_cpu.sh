@@ -34,7 +34,8 @@
 #                          docs/shared_prefix.md)
 #   <arm>_lr<X>            any arm at learning rate X instead of LR (--lr X, after     only in ARMS=
 #                          the study's: argparse's last wins; e.g. pcaq/every=2:lrq_anchor_lr6e-6,
-#                          the folded arm at the step size that moves it as far as dense: docs/anchor.md)
+#                          the folded arm at a step size expected to move it about as far as dense
+#                          over 48 iterations: docs/anchor.md)
 #   <codec>, <codec>_anchor  every other registered codec (lowrank, ...)             first seed
 #   lowrank_anchorq        lowrank + anchor, the basis Q refreshed by the anchor at   only in ARMS=
 #                          its fires (--lowrank-q-owner anchor): the seeds' persistent-
@@ -124,7 +125,7 @@ MULTI_SEED=${MULTI_SEED:-"dense mask_anchor ${BEST_PAIR}_anchor"}  # the control
 # arm -> "codec anchor_ranks extra flags..."; ARM_filter: ARM with DAPO's dynamic sampling
 # (--filter-groups, at most MAX_GEN_BATCHES generation rounds an iteration; docs/dynamic_sampling.md)
 arm_spec() {
-  if [[ "$1" =~ ^(.+)_lr([0-9][0-9.e+-]*)$ ]]; then
+  if [[ "$1" =~ ^(.+)_lr([0-9][0-9.eE+-]*)$ ]]; then
     echo "$(arm_spec "${BASH_REMATCH[1]}") --lr ${BASH_REMATCH[2]}"
     return
   fi

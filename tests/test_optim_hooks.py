@@ -174,12 +174,13 @@ def test_sign_agreement_counts_only_nonzero_gradient_coordinates():
     assert m == {"anchor/correction_applied": 1}  # no anchor/sign_agreement key
 
 
-def test_blend_sign_is_sign_m_so_adam_moves_ballistically_on_a_coin_toss_gradient():
+def test_blend_sign_is_sign_m_so_adam_moves_ballistically_on_a_directionless_gradient():
     """With alpha < beta every corrected coordinate's sign is sign(M) (|G| where G agrees, (beta -
     alpha) |G| where it does not), so between the anchor's fires Adam sees a gradient of fixed sign
     and moves each coordinate ~lr a step in one direction (a distance linear in the steps), where
-    the same coin-toss gradient uncorrected moves it like a random walk: why every anchor arm of the
-    study moves its weights 1.2-2x as far as dense (docs/anchor.md, "What the fold does to Adam")."""
+    the same directionless gradient (unit normal noise) uncorrected moves it like a random walk: why
+    every arm of the study that folds on every step moves its weights 1.3-2x as far as dense
+    (docs/anchor.md, "What the fold does to Adam")."""
     n, steps, lr = 20000, 32, 1e-3
     gen = torch.Generator().manual_seed(0)
     grads = [torch.randn(n, generator=gen) for _ in range(steps)]  # no direction at all

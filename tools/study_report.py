@@ -250,6 +250,7 @@ def _identity(run_dir: str) -> Dict:
         # git worktree imported the package of the venv's editable install, which may have been another checkout
         "commit": info.get("commit"),
         "host": info.get("host"),  # the CPU it ran on (lscpu's model name; None for older folders)
+        "lr": cfg.get("optim", {}).get("lr"),  # --lr (config.json; an `_lr<X>` arm's differs from dense's)
     }
 
 
@@ -932,10 +933,11 @@ def paired_table(arms: Sequence[Dict]) -> str:
 
 def movement_vs_dense(arm: Dict, arms: Sequence[Dict]) -> Optional[float]:
     """``arm``'s relative weight movement over dense's at the same seed and number of iterations
-    (``weight_rel_change`` / dense's): above 1, the arm moved its weights further than dense at the same
-    ``--lr`` (the anchor's every-step fold does: docs/anchor.md, "What the fold does to Adam"). None
-    without such a dense run or where either run logged no movement."""
-    dense = next((d for d in arms if d["arm"] == "dense" and d["seed"] == arm["seed"]
+    (``weight_rel_change`` / dense's): above 1, the arm moved its weights further than dense (at the
+    same ``--lr`` the anchor's every-step fold does: docs/anchor.md, "What the fold does to Adam"; an
+    ``_lr<X>`` arm's ratio includes its other learning rate, its ``lr`` field). None without such a
+    dense run or where either run logged no movement."""
+    dense = next((d for d in arms if d["arm"] == DENSE_ARM and d["seed"] == arm["seed"]
                   and d.get("iterations") == arm.get("iterations")), None)
     if dense is None or not dense.get("weight_rel_change") or arm.get("weight_rel_change") is None:
         return None

@@ -96,6 +96,7 @@ def test_summary_values(study, tmp_path):
     assert mask["gain"] is None and mask["gain_z"] is None and mask["other"] == {} and mask["launch_wall_s"] is None
     assert (dense["truncated_before"], dense["truncated_after"]) == (0.33, 0.87)
     assert (dense["kl_to_base"], dense["kl_to_base_step"], dense["weight_rel_change"]) == (2e-3, 1, 3e-4)
+    assert dense["lr"] is None and mask["lr"] is None  # no config.json's optim.lr in these folders
     assert (mask["kl_to_base"], mask["weight_rel_change"]) == (None, None)
     assert (mask["truncated_before"], mask["truncated_after"]) == (None, None)
 
