@@ -50,6 +50,7 @@ summary field                source in metrics.jsonl
 ``resp_len_before``          ``val/holdout/response_length/mean`` at step 0: the base model's
                              greedy answers' mean length, a fingerprint of the arithmetic (two
                              runs that differ there ran other kernels and are not paired)
+``lr``                       (not from the log) ``optim.lr`` of the run's ``config.json`` (``--lr``)
 ``launch_wall_s``            (not from the log) the sum of ``wall_seconds``, one line per
                              (re)start written by study_cpu.sh, start-up included; None
                              without that file
