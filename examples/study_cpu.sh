@@ -57,7 +57,9 @@
 # Needs `deepspeed` and `python` of the project's venv on PATH (PATH=$PWD/.venv/bin:$PATH).
 #
 #   ARMS="dense mask_anchor" SEEDS="1234" bash examples/study_cpu.sh    # a subset
-#   DRY_RUN=1 bash examples/study_cpu.sh                                # print the commands
+#   DRY_RUN=1 bash examples/study_cpu.sh    # print the commands, then put each through start-up's
+#                                           # checks: a mistyped arm fails here, not at its turn
+#   DRY_RUN=print bash examples/study_cpu.sh  # print the commands only
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # this checkout's code, also where the venv's editable install points at another checkout (a git
@@ -183,9 +185,7 @@ run_arm() {  # run_arm ARM SEED
     probe=$CONTROLLER_PROBE_INTERVAL
   fi
   # shellcheck disable=SC2086  # PRECISION_FLAGS is a word list
-  local cmd=(flock "$STUDY_LOCK" deepspeed --num_gpus "$((2 + anchor))" --master_port "$MASTER_PORT"
-    megatron_cegrpo/train.py
-    --model smollm2-135m-instruct --train-data "$TRAIN_DATA" --prompt-template "$TEMPLATE"
+  local flags=(--model smollm2-135m-instruct --train-data "$TRAIN_DATA" --prompt-template "$TEMPLATE"
     --num-holdout "$NUM_HOLDOUT" --holdout-seed "$HOLDOUT_SEED" --holdout-eval-interval "$HOLDOUT_EVAL_INTERVAL"
     --eval-datasets "$EVAL_DATA" --eval-limit "$EVAL_LIMIT" --eval-interval "$TRAIN_ITERS"
     --eval-max-new-tokens "$EVAL_MAX_NEW_TOKENS" --eval-batch-size "$EVAL_BATCH"
@@ -195,8 +195,11 @@ run_arm() {  # run_arm ARM SEED
     --boundary-codec "$codec" --boundary-keep-ratio "$KEEP_RATIO" "${anchor_flags[@]}" "${extra_flags[@]}"
     --seed "$seed" $PRECISION_FLAGS --log-weight-sample "$WEIGHT_SAMPLE" --drift-probe-interval "$probe" --deepspeed_config ds_configs/cpu_adamw.json --no-tqdm
     --log-dir "$dir" --save "$dir/ckpt" --save-interval "$SAVE_INTERVAL" --keep-last 1 "${load[@]}")
+  local cmd=(flock "$STUDY_LOCK" deepspeed --num_gpus "$((2 + anchor))" --master_port "$MASTER_PORT"
+    megatron_cegrpo/train.py "${flags[@]}")
   echo "[study] $arm seed $seed: ${cmd[*]}"
-  if [[ -n "${DRY_RUN:-}" ]]; then
+  if [[ -n "${DRY_RUN:-}" ]]; then  # checked after the last arm (check_dry_run) unless DRY_RUN=print
+    { printf '%s\t%s\t' "$arm seed $seed" "$((2 + anchor))"; printf '%q ' "${flags[@]}"; echo; } >>"$DRY_RUN_FLAGS"
     return 0
   fi
   mkdir -p "$dir"
@@ -218,6 +221,27 @@ run_arm() {  # run_arm ARM SEED
   fi
 }
 
+# DRY_RUN: every printed launch through every start-up check (train.check_flags: the flags, the codec
+# and its byte budget, the model, the data, --load), in one process; a mistyped arm fails here
+check_dry_run() {
+  "$PYTHON" - "$DRY_RUN_FLAGS" <<'PY'
+import shlex, sys
+from megatron_cegrpo.train import check_flags
+bad = 0
+for line in open(sys.argv[1]):
+    label, world, flags = line.rstrip("\n").split("\t")
+    if check_flags(shlex.split(flags), int(world)):  # its one line on stderr, then which arm
+        print(f"[study] {label}: would fail at start-up (the line above); fix the arm or its flags",
+              file=sys.stderr, flush=True)
+        bad += 1
+sys.exit(1 if bad else 0)
+PY
+}
+if [[ -n "${DRY_RUN:-}" ]]; then
+  DRY_RUN_FLAGS=$(mktemp)
+  trap 'rm -f "$DRY_RUN_FLAGS"' EXIT
+fi
+
 mkdir -p "$STUDY_DIR"
 echo "[study] $STUDY_DIR: arms $ARMS; seeds $SEEDS for $MULTI_SEED; $TRAIN_ITERS iterations," \
      "c = K = $ANCHOR_INTERVAL"
@@ -232,4 +256,11 @@ for seed in ${SEEDS#"$FIRST_SEED"}; do
     fi
   done
 done
+if [[ -n "${DRY_RUN:-}" ]]; then
+  if [[ "$DRY_RUN" != print ]]; then
+    check_dry_run
+    echo "[study] dry run: every launch above passes start-up's checks"
+  fi
+  exit 0
+fi
 echo "[study] all arms done; report: $PYTHON tools/study_report.py $STUDY_DIR"

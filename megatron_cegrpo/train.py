@@ -48,7 +48,7 @@ def _launch_world_size() -> int:
         return 1
 
 
-def preflight(cfg):
+def preflight(cfg, world_size=None):
     """Start-up checks that need files or the model config, run on every rank before any
     process group exists (each rank finds the same result, so no rank waits on another),
     ending in the run plan (``plan.resolve_plan``) they hand on.
@@ -69,6 +69,8 @@ def preflight(cfg):
       at least one prompt fits ``--max-prompt-length`` (``data.check_train_data``); every
       ``--eval-datasets`` file exists.
 
+    Args:
+        world_size: the launch's ranks (default: WORLD_SIZE, as the launcher set it).
     Returns:
         the :class:`~megatron_cegrpo.plan.RunPlan`.
     Raises:
@@ -106,7 +108,8 @@ def preflight(cfg):
     # the layout, the codec (built once, its parameters' ranges, capabilities and bytes checked) and
     # the resume decision (here also checking the listed checkpoint files' sizes): the run plan the
     # trainer gets, before the slower data checks below tokenize every prompt
-    plan = resolve_plan(cfg, _launch_world_size(), hf_config, verify_sizes=True)
+    plan = resolve_plan(cfg, _launch_world_size() if world_size is None else world_size, hf_config,
+                        verify_sizes=True)
     d = cfg.data
 
     encode = partial(encode_prompt, tokenizer, template=d.prompt_template)
@@ -152,6 +155,28 @@ def _configure(argv):
     plan = preflight(cfg)
     check_build_locks()
     return cfg, plan
+
+
+def check_flags(argv, world_size: int) -> int:
+    """Every start-up check of :func:`main` for the flags in ``argv`` (parse, ``validate(world_size)``,
+    :func:`preflight`), without starting anything: what ``DRY_RUN=1 examples/study_cpu.sh`` runs for
+    each arm, so that a mistyped arm or flag fails before a queue of arms starts, not at its turn.
+
+    Args:
+        argv: the flags after ``train.py``; world_size: the ranks the launch would start
+            (PP x DP x TP + anchor ranks).
+    Returns:
+        0 when a launch would pass start-up; :data:`EXIT_CONFIG_ERROR` after printing the
+        ConfigError's one line on stderr (``[cegrpo] error: ...``).
+    """
+    bootstrap(cpu_compat=True)
+    try:
+        cfg = build_config(parse_args(argv))
+        cfg.validate(world_size=world_size)
+        preflight(cfg, world_size)
+    except ConfigError as e:
+        return _report(e, 0, every_rank_knows=False)
+    return 0
 
 
 def _resume_on_restart(cfg) -> None:

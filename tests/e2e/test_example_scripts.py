@@ -56,10 +56,20 @@ def test_the_demo_runs_the_studys_configuration(tmp_path):
     assert f"the study (docs/{name}.md;" in demo.stdout
 
     # the main job is the study's pcaq/every=2:lrq + anchor arm (issue 33 item 7: its best paired gain in the budget)
-    env = _env(DRY_RUN="1", ARMS="pcaq/every=2:lrq_anchor", SEEDS="1234", STUDY_DIR=str(tmp_path / "study"))
+    # DRY_RUN=1 puts every printed launch through start-up's checks (train.check_flags) in one process: the
+    # main job's arm passes, a mistyped arm fails the dry run with the trainer's line and the arm's name
+    env = _env(DRY_RUN="1", ARMS="pcaq/every=2:lrq_anchor mask_ancor", SEEDS="1234",
+               STUDY_DIR=str(tmp_path / "study"))
     study = subprocess.run(["bash", "examples/study_cpu.sh"], cwd=REPO, env=env, capture_output=True, text=True,
                            timeout=120)
-    assert study.returncode == 0, study.stderr
+    assert study.returncode == 1, study.stderr
+    assert study.stderr.splitlines()[-2:] == [
+        "[cegrpo] error: --boundary-codec 'mask_ancor': unknown codec 'mask_ancor'; valid names: dense, lowrank, "
+        "mask, or FWD:BWD with halves from dense, lrq, mask, pcaq, rpq; fix: e.g. --boundary-codec mask, or "
+        "--boundary-codec pcaq:lrq",
+        "[study] mask_ancor seed 1234: would fail at start-up (the line above); fix the arm or its flags"]
+    assert "pcaq/every=2:lrq_anchor seed 1234: would fail" not in study.stderr
+    assert not (tmp_path / "study" / "mask_ancor-s1234").exists()  # nothing started, nothing written
     line = next(ln for ln in study.stdout.splitlines()
                 if ln.startswith("[study] pcaq/every=2:lrq_anchor seed 1234: flock"))
     study_argv = shlex.split(line.split(": ", 1)[1])
@@ -91,7 +101,7 @@ def test_study_arm_suffixes_add_their_flags(tmp_path):
     micro-batches of one group, ``_overlong`` DAPO's length penalty, ``_controller`` the drift
     controller, ``_c2`` the seeds' fire-only fold at beta 0.5, ``_lr<X>`` another learning rate,
     ``lowrank_anchorq`` the anchor-owned basis; the arm's folder keeps its whole name."""
-    env = _env(DRY_RUN="1", ARMS="mask_anchor_dense16 pcaq:lrq_anchor_dense8_filter dense_vllm mask_anchor_shared "
+    env = _env(DRY_RUN="print", ARMS="mask_anchor_dense16 pcaq:lrq_anchor_dense8_filter dense_vllm mask_anchor_shared "
                                  "dense_overlong mask_anchor_controller mask_anchor_c2 lowrank_anchorq "
                                  "pcaq/every=2:lrq_anchor_lr6e-6",
                SEEDS="1234",
