@@ -666,6 +666,12 @@ def compare_with_base(arms: Sequence[Dict], rows: Dict, mids: Optional[Dict] = N
     return out
 
 
+def _dense_by_seed(arms: Sequence[Dict]) -> Dict[int, Dict]:
+    """The dense control's run at each seed (``{seed: arm}``): what every comparison with dense pairs
+    an arm with (:func:`compare_with_dense`, :func:`fractions_of_dense`, :func:`movement_vs_dense`)."""
+    return {a["seed"]: a for a in arms if a["arm"] == DENSE_ARM}
+
+
 def compare_with_dense(arms: Sequence[Dict], rows: Dict) -> None:
     """Set every arm's ``vs_dense``: its held-out accuracy after training against dense's at the
     same seed, on the same rows (:func:`paired_diff` of the two after-evaluations: ``diff`` =
@@ -679,7 +685,7 @@ def compare_with_dense(arms: Sequence[Dict], rows: Dict) -> None:
     it is not the arm's (their after-evaluations are then at other steps; the table says so).
     ``rows``: ``{(arm, seed): {data
     set: (before, after)}}`` (:func:`run_rows`). Raises EvalRowsError when the two runs' rows differ."""
-    dense_at = {a["seed"]: a for a in arms if a["arm"] == DENSE_ARM}
+    dense_at = _dense_by_seed(arms)
     for a in arms:
         if a.get("logs_lost"):
             continue  # its row is kept as the earlier summary had it
@@ -716,7 +722,7 @@ def fractions_of_dense(arms: Sequence[Dict], rows: Dict, resamples: int = BOOTST
     whose dense run trained another number of iterations than the arm's, ``{seed: dense's count}``
     (the gains are then at other steps; the table says so), else None. Raises EvalRowsError when
     the runs' rows differ."""
-    dense_at = {a["seed"]: a for a in arms if a["arm"] == DENSE_ARM and a.get("gain") is not None}
+    dense_at = {seed: d for seed, d in _dense_by_seed(arms).items() if d.get("gain") is not None}
     out = []
     for name in sorted({a["arm"] for a in arms if a["arm"] != DENSE_ARM}):
         finished = [a for a in arms if a["arm"] == name and a.get("gain") is not None]
@@ -938,9 +944,9 @@ def movement_vs_dense(arm: Dict, arms: Sequence[Dict]) -> Optional[float]:
     same ``--lr`` the anchor's every-step fold does: docs/anchor.md, "What the fold does to Adam"; an
     ``_lr<X>`` arm's ratio includes its other learning rate, its ``lr`` field). None without such a
     dense run or where either run logged no movement."""
-    dense = next((d for d in arms if d["arm"] == DENSE_ARM and d["seed"] == arm["seed"]
-                  and d.get("iterations") == arm.get("iterations")), None)
-    if dense is None or not dense.get("weight_rel_change") or arm.get("weight_rel_change") is None:
+    dense = _dense_by_seed(arms).get(arm["seed"])
+    if (dense is None or dense.get("iterations") != arm.get("iterations") or not dense.get("weight_rel_change")
+            or arm.get("weight_rel_change") is None):
         return None
     return arm["weight_rel_change"] / dense["weight_rel_change"]
 
