@@ -58,7 +58,8 @@ def grpo_token_loss(
 
     Returns:
         (loss, stats): the 0-dim loss, and detached sums over the micro-batch's response
-        tokens: ``pg_loss_sum``, ``clip_sum`` (clipped tokens), ``ppo_kl_sum``, ``tokens``,
+        tokens: ``pg_loss_sum``, ``clip_sum`` (clipped tokens) and ``ppo_kl_sum`` (over the tokens a
+        rollout correction keeps, all without one), ``tokens``,
         ``kl_sum`` when there is a KL term, ``rc_*`` with a rollout correction
         (``rollout_correction``'s sums), and ``logprobs_detached`` (fp32 [b, s], this pass's
         log-probs at the temperature, every position).
@@ -66,20 +67,21 @@ def grpo_token_loss(
     logp = ca.logprobs_from_logits(logits.float() / temperature, mb["labels"])
     mask = mb["loss_mask"]
     old = logp.detach() if old_logprobs is None else old_logprobs
-    pol = ca.compute_policy_loss(old, logp, mb["advantages"], mask,
-                                 clip_ratio_low=grpo.clip_ratio_low, clip_ratio_high=grpo.clip_ratio_high)
-    loss_mat = pol["pg_losses"]
     ntok = mask.sum()
-    rc = {}
+    weights, rc = None, {}
     if rollout_logprobs is not None and getattr(grpo, "rollout_correction", False):
-        weights, kept, rc = rollout_correction(
+        weights, mask, rc = rollout_correction(  # mask: the kept tokens from here on (verl's modified mask)
             old.detach(), rollout_logprobs, mask, rollout_is=grpo.rollout_is,
             rollout_is_threshold=grpo.rollout_is_threshold, rollout_rs=grpo.rollout_rs,
             rollout_rs_threshold=grpo.rollout_rs_threshold, rollout_rs_threshold_lower=grpo.rollout_rs_threshold_lower,
             rollout_token_veto_threshold=grpo.rollout_token_veto_threshold)
-        loss_mat, mask = loss_mat * weights, kept
+    # pg_clipfrac and ppo_kl over the kept tokens, as verl's: a rejected token has no gradient
+    pol = ca.compute_policy_loss(old, logp, mb["advantages"], mask,
+                                 clip_ratio_low=grpo.clip_ratio_low, clip_ratio_high=grpo.clip_ratio_high)
+    loss_mat = pol["pg_losses"] if weights is None else pol["pg_losses"] * weights
+    nkept = mask.sum()
     stats = {"pg_loss_sum": (loss_mat.detach() * mask).sum(),
-             "clip_sum": pol["pg_clipfrac"] * ntok, "ppo_kl_sum": pol["ppo_kl"] * ntok, "tokens": ntok,
+             "clip_sum": pol["pg_clipfrac"] * nkept, "ppo_kl_sum": pol["ppo_kl"] * nkept, "tokens": ntok,
              "logprobs_detached": logp.detach(), **rc}
     if ref_logprobs is not None and grpo.kl_coef > 0:
         kl = ca.kl_penalty(logp, ref_logprobs, grpo.kl_loss_type, mask)

@@ -33,8 +33,8 @@ token count is fixed before its micro-batches run, and the ratio needs the pass'
 log-probs), so a rejected token's share of the mean is dropped, not handed to the others
 (``rollout_corr/rollout_is_masked_fraction`` says how much that is; in the ``seq-mean`` modes a
 rejected sequence still counts in the number of sequences); ``rollout_is_ratio_fraction_high`` /
-``_low`` count tokens by their own ratio at every level; ``pg_clipfrac`` and ``ppo_kl`` are over
-every response token.
+``_low`` count tokens by their own ratio at every level. ``pg_clipfrac`` and ``ppo_kl`` are over the
+kept tokens, as verl's (its modified response mask).
 """
 
 from __future__ import annotations

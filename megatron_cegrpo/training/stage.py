@@ -256,8 +256,9 @@ class StageWorker:
             if self.dp_group is not None:  # the whole batch's sums (every replica's last stage)
                 sums = dict(zip(sums, dpx.allreduce_sum(list(sums.values()), self.dp_group)))
             tok = max(sums["tokens"], 1.0)
-            out.update({"actor/pg_loss": sums["pg_loss_sum"] / tok, "actor/pg_clipfrac": sums["clip_sum"] / tok,
-                        "actor/ppo_kl": sums["ppo_kl_sum"] / tok})
+            kept = max(sums["tokens"] - sums.get("rc_rejected", 0.0), 1.0)  # clipfrac, ppo_kl: the kept tokens'
+            out.update({"actor/pg_loss": sums["pg_loss_sum"] / tok, "actor/pg_clipfrac": sums["clip_sum"] / kept,
+                        "actor/ppo_kl": sums["ppo_kl_sum"] / kept})
             if self.ref_model is not None:
                 out["actor/kl_loss"] = sums["kl_sum"] / tok
             out.update(rollout_corr_metrics(sums) if cfg.grpo.rollout_correction else {})

@@ -155,6 +155,25 @@ def test_loss_gradient_is_autograd_of_the_weighted_kept_token_mean():
     assert stats["rc_rejected"] == (mb["loss_mask"] - kept).sum()
 
 
+def test_clipfrac_and_ppo_kl_are_over_the_kept_tokens_as_verls():
+    # old log-probs 0.3 nats off on half the tokens: those clip (|log r| = 0.3 > log 1.2) and carry ppo_kl
+    logits, mb, rollout = _micro_batch(seed=3)
+    lp = ca.logprobs_from_logits(logits, mb["labels"])
+    shift = torch.zeros_like(lp)
+    shift[:, ::2] = 0.3
+    old = (lp - shift * torch.sign(mb["advantages"])) * mb["loss_mask"]  # r = e^{+-0.3}: the clipped side
+    grpo = _grpo(rollout_rs="token", rollout_rs_threshold=1.8)
+    _, stats = grpo_token_loss(logits.clone(), mb, grpo, temperature=1.0, num_tokens=15.0, num_seqs=3.0,
+                               old_logprobs=old, rollout_logprobs=rollout)
+    rho = torch.exp((old - rollout) * mb["loss_mask"])
+    kept = mb["loss_mask"] * ((rho <= 1.8) & (rho >= 1 / 1.8)).float()
+    clipped = kept * (shift > 0).float()
+    assert 0 < clipped.sum() < kept.sum() < mb["loss_mask"].sum()  # some clip, some rejected
+    assert stats["tokens"] == mb["loss_mask"].sum() and stats["rc_rejected"] == mb["loss_mask"].sum() - kept.sum()
+    torch.testing.assert_close(stats["clip_sum"], clipped.sum())  # metric = clip_sum / (tokens - rejected)
+    torch.testing.assert_close(stats["ppo_kl_sum"], ((old - lp) * kept).sum(), rtol=1e-5, atol=1e-6)
+
+
 def test_the_weights_use_the_old_log_probs_when_they_are_given():
     # --ppo-epochs > 1 or several optimizer steps: pi_train is the old-log-prob pass's, not this pass's
     logits, mb, rollout = _micro_batch(seed=2)
