@@ -124,7 +124,9 @@ import importlib.util
 import json
 import math
 import os
+import statistics
 import sys
+import time
 from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple
 
 if TYPE_CHECKING:
@@ -164,6 +166,11 @@ DENSE_ARM = "dense"
 #: The percentile bootstrap of each arm's fraction of dense's gain: resamples (the seeds, then the
 #: held-out rows drawn with replacement, one draw shared by every run of the comparison) and the
 #: seed of ``numpy.random.default_rng``.
+#: ``--progress``: an unfinished arm whose ``metrics.jsonl`` and ``train.log`` were last written longer
+#: ago than this (minutes) is said to be stopped (set-up and a 300-row evaluation write nothing for up to
+#: ~5 minutes here); ``PACE_STEPS``: its pace is the median ``timing_s/step`` of its last steps
+STALE_MIN = 15.0
+PACE_STEPS = 8
 BOOTSTRAP_RESAMPLES = 2000
 BOOTSTRAP_SEED = 0
 
@@ -1279,12 +1286,17 @@ def run_line(log_dir: str) -> str:
             f"{p['b_only']} broken; unpaired z {_fmt(z, '{:+.1f}')}): {verdict}")
 
 
-def progress(run_dir: str) -> Dict:
+def progress(run_dir: str, now: Optional[float] = None) -> Dict:
     """Where one arm folder stands, finished or not (``--progress``; a run of 160 iterations spans
-    sessions): ``{arm, seed, codec, iterations, train_iters, finished, acc_before, truncated_before,
-    train_min, heldout}``, where
+    sessions): ``{arm, seed, codec, iterations, train_iters, finished, state, idle_min, pace_s, eta_min,
+    acc_before, truncated_before, train_min, heldout}``, where
     ``iterations`` is the last training step logged, ``train_iters`` the run's ``--train-iters``
-    (config.json; None without it), ``finished`` whether study_cpu.sh wrote ``DONE``, ``acc_before``
+    (config.json; None without it), ``finished`` whether study_cpu.sh wrote ``DONE``; ``state``
+    ``finished``, ``running``, or ``stopped`` when ``metrics.jsonl`` and ``train.log`` were last written
+    more than :data:`STALE_MIN` minutes before ``now`` (default: the clock; ``idle_min``: minutes since);
+    ``pace_s`` the median ``timing_s/step`` of the last :data:`PACE_STEPS` steps (None before a step),
+    ``eta_min`` the training minutes left at that pace (None when finished or without ``train_iters``;
+    evaluations not counted); ``acc_before``
     the held-out accuracy at step 0 (None before it is logged), ``train_min``
     the sum of ``timing_s/step`` in minutes, and ``heldout`` one entry per held-out evaluation after
     step 0, ``{step, acc, gain, se, z, fixed, broken, truncated, kl_to_base, kl_to_base_step}``: the
@@ -1321,19 +1333,34 @@ def progress(run_dir: str) -> Dict:
             entry.update(se=d["se"], z=d["z"], fixed=d["a_only"], broken=d["b_only"])
         heldout.append(entry)
     ident = _identity(run_dir)
+    finished = os.path.isfile(os.path.join(run_dir, "DONE"))
+    written = max(os.path.getmtime(p) for p in (os.path.join(run_dir, n) for n in ("metrics.jsonl", "train.log"))
+                  if os.path.isfile(p))
+    idle_min = max(0.0, ((time.time() if now is None else now) - written) / 60.0)
+    paces = [_num(r["timing_s/step"]) for r in train[-PACE_STEPS:]]
+    pace_s = statistics.median(paces) if paces else None
+    eta_min = (None if finished or train_iters is None or pace_s is None
+               else max(0, train_iters - iterations) * pace_s / 60.0)
     return {"arm": ident["arm"], "seed": ident["seed"], "codec": ident["codec"], "iterations": iterations,
-            "train_iters": train_iters, "finished": os.path.isfile(os.path.join(run_dir, "DONE")),
+            "train_iters": train_iters, "finished": finished,
+            "state": "finished" if finished else ("stopped" if idle_min > STALE_MIN else "running"),
+            "idle_min": idle_min, "pace_s": pace_s, "eta_min": eta_min,
             "acc_before": points.get(0, (None,))[0], "truncated_before": _truncated_at(records, 0),
             "train_min": sum(_num(r["timing_s/step"]) for r in train) / 60.0, "heldout": heldout}
 
 
 def progress_line(run_dir: str) -> str:
-    """:func:`progress` as one line: ``dense s1234: 57/160 iterations (running or stopped), 58.3 min of
-    training; held-out 0.077 at 0 (cut 0.31), 0.150 at 40 (+0.073, paired SE 0.021, z +3.5: 32 fixed, 10 broken;
-    cut 0.17; KL to base 0.108 at 40)`` (cut: the share of answers cut at the length limit)."""
+    """:func:`progress` as one line: ``dense s1234: 57/160 iterations (running, 94.4 min of training left at
+    55 s an iteration), 58.3 min of training; held-out 0.077 at 0 (cut 0.31), 0.150 at 40 (+0.073, paired SE
+    0.021, z +3.5: 32 fixed, 10 broken; cut 0.17; KL to base 0.108 at 40)`` (cut: the share of answers cut at
+    the length limit); ``(stopped 42 min ago: rerun the study to resume it)`` for a stopped arm."""
     p = progress(run_dir)
     total = "?" if p["train_iters"] is None else p["train_iters"]
-    state = "finished" if p["finished"] else "running or stopped"
+    state = p["state"]
+    if state == "stopped":
+        state += f" {p['idle_min']:.0f} min ago: rerun the study to resume it"
+    elif state == "running" and p["eta_min"] is not None:
+        state += f", {p['eta_min']:.1f} min of training left at {p['pace_s']:.0f} s an iteration"
     parts = [f"{p['arm']} s{p['seed']}: {p['iterations']}/{total} iterations ({state}), "
              f"{p['train_min']:.1f} min of training"]
     evals = [] if p["acc_before"] is None else [f"{p['acc_before']:.3f} at 0" + (

@@ -2,6 +2,8 @@
 
 import json
 import math
+import os
+import time
 from pathlib import Path
 
 import pytest
@@ -816,7 +818,8 @@ def test_progress_reports_an_unfinished_arm_with_its_paired_gain_so_far(tmp_path
     _rows_file(run, "holdout", 0, _BEFORE)
     _rows_file(run, "holdout", 2, mid)
     p = mod.progress(str(run))
-    assert (p["iterations"], p["train_iters"], p["finished"]) == (3, 4, False)
+    assert (p["iterations"], p["train_iters"], p["finished"], p["state"]) == (3, 4, False, "running")
+    assert (p["pace_s"], p["eta_min"]) == (30.0, 0.5)  # median of 30, 30, 60 s; 1 iteration left
     assert p["train_min"] == pytest.approx(2.0)
     (e,) = p["heldout"]
     # d = mid - before = [1, 1, 1, 0, ...]: mean 0.3, sample variance (3 * 0.49 + 7 * 0.09) / 9 = 2.1 / 9
@@ -827,11 +830,23 @@ def test_progress_reports_an_unfinished_arm_with_its_paired_gain_so_far(tmp_path
     assert mod.main([str(root), "--progress"]) == 0
     out = capsys.readouterr().out.splitlines()
     se = f"{math.sqrt(2.1 / 9 / 10):.3f}"
-    assert out == [f"dense s1: 3/4 iterations (running or stopped), 2.0 min of training; held-out 0.200 at 0, "
+    assert out == [f"dense s1: 3/4 iterations (running, 0.5 min of training left at 30 s an iteration), 2.0 min "
+                   f"of training; held-out 0.200 at 0, "
                    f"0.500 at 2 (+0.300, paired SE {se}, z +{0.3 / math.sqrt(2.1 / 9 / 10):.1f}: 3 fixed, 0 broken)",
                    "mask_anchor s1: 2/? iterations (finished), 0.3 min of training; held-out 0.200 at 0, "
                    "0.500 at 2 (+0.300)"]
     assert sorted(p.name for p in tmp_path.rglob("*")) == before_files
+    # no line written for longer than STALE_MIN: stopped, and how long ago (the clock moved, not the files)
+    later = os.path.getmtime(run / "metrics.jsonl") + 60 * (mod.STALE_MIN + 27)
+    p = mod.progress(str(run), now=later)
+    assert (p["state"], round(p["idle_min"]), p["eta_min"]) == ("stopped", mod.STALE_MIN + 27, 0.5)
+    hour_ago = time.time() - 3600
+    for f in ("metrics.jsonl", "train.log"):
+        if (run / f).exists():
+            os.utime(run / f, (hour_ago, hour_ago))
+    assert mod.main([str(root), "--progress"]) == 0
+    assert capsys.readouterr().out.startswith("dense s1: 3/4 iterations (stopped 60 min ago: rerun the study "
+                                              "to resume it), 2.0 min of training;")
 
 
 def test_progress_shows_the_drift_signs_at_each_evaluation(tmp_path, capsys):
@@ -852,7 +867,7 @@ def test_progress_shows_the_drift_signs_at_each_evaluation(tmp_path, capsys):
     assert (e["truncated"], e["kl_to_base"], e["kl_to_base_step"]) == (0.1, 0.01, 1)
     assert mod.main([str(tmp_path / "live"), "--progress"]) == 0
     assert capsys.readouterr().out.splitlines() == [
-        "dense s1: 3/? iterations (running or stopped), 1.5 min of training; held-out 0.200 at 0 (cut 0.30), "
+        "dense s1: 3/? iterations (running), 1.5 min of training; held-out 0.200 at 0 (cut 0.30), "
         "0.500 at 2 (+0.300; cut 0.10; KL to base 0.01 at 1)"]
 
 
