@@ -199,7 +199,9 @@ run_arm() {  # run_arm ARM SEED
     megatron_cegrpo/train.py "${flags[@]}")
   echo "[study] $arm seed $seed: ${cmd[*]}"
   if [[ -n "${DRY_RUN:-}" ]]; then  # checked after the last arm (check_dry_run) unless DRY_RUN=print
-    { printf '%s\t%s\t' "$arm seed $seed" "$((2 + anchor))"; printf '%q ' "${flags[@]}"; echo; } >>"$DRY_RUN_FLAGS"
+    if [[ -n "${DRY_RUN_FLAGS:-}" ]]; then  # one record: label, ranks, flag count, flags, NUL after each
+      printf '%s\0' "$arm seed $seed" "$((2 + anchor))" "${#flags[@]}" "${flags[@]}" >>"$DRY_RUN_FLAGS"
+    fi
     return 0
   fi
   mkdir -p "$dir"
@@ -221,23 +223,30 @@ run_arm() {  # run_arm ARM SEED
   fi
 }
 
-# DRY_RUN: every printed launch through every start-up check (train.check_flags: the flags, the codec
-# and its byte budget, the model, the data, --load), in one process; a mistyped arm fails here
+# DRY_RUN=1: every printed launch through start-up's checks up to the run plan (train.check_flags: the
+# flags, the codec and its byte budget, the model, the data, --load), in one process; a mistyped arm fails here
 check_dry_run() {
   "$PYTHON" - "$DRY_RUN_FLAGS" <<'PY'
-import shlex, sys
+import sys
 from megatron_cegrpo.train import check_flags
+fields = open(sys.argv[1], "rb").read().decode().split("\0")[:-1]
 bad = 0
-for line in open(sys.argv[1]):
-    label, world, flags = line.rstrip("\n").split("\t")
-    if check_flags(shlex.split(flags), int(world)):  # its one line on stderr, then which arm
+while fields:
+    label, world, n = fields[:3]
+    flags, fields = fields[3:3 + int(n)], fields[3 + int(n):]
+    try:
+        failed = check_flags(flags, int(world))  # a ConfigError: its one line on stderr
+    except Exception as e:  # anything else: its type and message, and the next arm is still checked
+        print(f"[cegrpo] error: {type(e).__name__}: {e}", file=sys.stderr)
+        failed = True
+    if failed:
         print(f"[study] {label}: would fail at start-up (the line above); fix the arm or its flags",
               file=sys.stderr, flush=True)
         bad += 1
 sys.exit(1 if bad else 0)
 PY
 }
-if [[ -n "${DRY_RUN:-}" ]]; then
+if [[ -n "${DRY_RUN:-}" && "$DRY_RUN" != print ]]; then
   DRY_RUN_FLAGS=$(mktemp)
   trap 'rm -f "$DRY_RUN_FLAGS"' EXIT
 fi

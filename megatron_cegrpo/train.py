@@ -158,9 +158,11 @@ def _configure(argv):
 
 
 def check_flags(argv, world_size: int) -> int:
-    """Every start-up check of :func:`main` for the flags in ``argv`` (parse, ``validate(world_size)``,
-    :func:`preflight`), without starting anything: what ``DRY_RUN=1 examples/study_cpu.sh`` runs for
-    each arm, so that a mistyped arm or flag fails before a queue of arms starts, not at its turn.
+    """:func:`main`'s start-up checks up to the run plan for the flags in ``argv`` (parse,
+    ``validate(world_size)``, :func:`preflight`; not the DeepSpeed op build locks, nor what only
+    building the process groups or the trainer can find), without starting anything: what ``DRY_RUN=1
+    examples/study_cpu.sh`` runs for each arm, so that a mistyped arm or flag fails before a queue of
+    arms is started, not at its turn.
 
     Args:
         argv: the flags after ``train.py``; world_size: the ranks the launch would start

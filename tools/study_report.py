@@ -163,14 +163,16 @@ ARCHIVE_FILES = ("metrics.jsonl", "study_arm.json", "config.json", "wall_seconds
 #: The arm every other arm is compared with, at the same seed.
 DENSE_ARM = "dense"
 
+#: ``--progress``: an unfinished arm whose ``metrics.jsonl`` and ``train.log`` were last written longer
+#: ago than this (minutes) is idle: stopped, or queued behind the study's lock (set-up and a 300-row
+#: evaluation write nothing for up to ~5 minutes here); ``PACE_STEPS``: its pace is the median
+#: ``timing_s/step`` of its last steps
+STALE_MIN = 15.0
+PACE_STEPS = 8
+
 #: The percentile bootstrap of each arm's fraction of dense's gain: resamples (the seeds, then the
 #: held-out rows drawn with replacement, one draw shared by every run of the comparison) and the
 #: seed of ``numpy.random.default_rng``.
-#: ``--progress``: an unfinished arm whose ``metrics.jsonl`` and ``train.log`` were last written longer
-#: ago than this (minutes) is said to be stopped (set-up and a 300-row evaluation write nothing for up to
-#: ~5 minutes here); ``PACE_STEPS``: its pace is the median ``timing_s/step`` of its last steps
-STALE_MIN = 15.0
-PACE_STEPS = 8
 BOOTSTRAP_RESAMPLES = 2000
 BOOTSTRAP_SEED = 0
 
@@ -1292,8 +1294,9 @@ def progress(run_dir: str, now: Optional[float] = None) -> Dict:
     acc_before, truncated_before, train_min, heldout}``, where
     ``iterations`` is the last training step logged, ``train_iters`` the run's ``--train-iters``
     (config.json; None without it), ``finished`` whether study_cpu.sh wrote ``DONE``; ``state``
-    ``finished``, ``running``, or ``stopped`` when ``metrics.jsonl`` and ``train.log`` were last written
-    more than :data:`STALE_MIN` minutes before ``now`` (default: the clock; ``idle_min``: minutes since);
+    ``finished``, ``running``, or ``idle`` when ``metrics.jsonl`` and ``train.log`` were last written
+    more than :data:`STALE_MIN` minutes before ``now`` (default: the clock; ``idle_min``: minutes since;
+    stopped, or waiting for the study's lock: the log says nothing while it waits);
     ``pace_s`` the median ``timing_s/step`` of the last :data:`PACE_STEPS` steps (None before a step),
     ``eta_min`` the training minutes left at that pace (None when finished or without ``train_iters``;
     evaluations not counted); ``acc_before``
@@ -1334,8 +1337,8 @@ def progress(run_dir: str, now: Optional[float] = None) -> Dict:
         heldout.append(entry)
     ident = _identity(run_dir)
     finished = os.path.isfile(os.path.join(run_dir, "DONE"))
-    written = max(os.path.getmtime(p) for p in (os.path.join(run_dir, n) for n in ("metrics.jsonl", "train.log"))
-                  if os.path.isfile(p))
+    written = max((os.path.getmtime(p) for p in (os.path.join(run_dir, n) for n in ("metrics.jsonl", "train.log"))
+                   if os.path.isfile(p)), default=0.0)
     idle_min = max(0.0, ((time.time() if now is None else now) - written) / 60.0)
     paces = [_num(r["timing_s/step"]) for r in train[-PACE_STEPS:]]
     pace_s = statistics.median(paces) if paces else None
@@ -1343,7 +1346,7 @@ def progress(run_dir: str, now: Optional[float] = None) -> Dict:
                else max(0, train_iters - iterations) * pace_s / 60.0)
     return {"arm": ident["arm"], "seed": ident["seed"], "codec": ident["codec"], "iterations": iterations,
             "train_iters": train_iters, "finished": finished,
-            "state": "finished" if finished else ("stopped" if idle_min > STALE_MIN else "running"),
+            "state": "finished" if finished else ("idle" if idle_min > STALE_MIN else "running"),
             "idle_min": idle_min, "pace_s": pace_s, "eta_min": eta_min,
             "acc_before": points.get(0, (None,))[0], "truncated_before": _truncated_at(records, 0),
             "train_min": sum(_num(r["timing_s/step"]) for r in train) / 60.0, "heldout": heldout}
@@ -1353,12 +1356,13 @@ def progress_line(run_dir: str) -> str:
     """:func:`progress` as one line: ``dense s1234: 57/160 iterations (running, 94.4 min of training left at
     55 s an iteration), 58.3 min of training; held-out 0.077 at 0 (cut 0.31), 0.150 at 40 (+0.073, paired SE
     0.021, z +3.5: 32 fixed, 10 broken; cut 0.17; KL to base 0.108 at 40)`` (cut: the share of answers cut at
-    the length limit); ``(stopped 42 min ago: rerun the study to resume it)`` for a stopped arm."""
+    the length limit); ``(no output for 42 min: stopped, or waiting for the study's lock)`` for an idle
+    arm (a stopped one resumes when its study is rerun)."""
     p = progress(run_dir)
     total = "?" if p["train_iters"] is None else p["train_iters"]
     state = p["state"]
-    if state == "stopped":
-        state += f" {p['idle_min']:.0f} min ago: rerun the study to resume it"
+    if state == "idle":
+        state = f"no output for {p['idle_min']:.0f} min: stopped, or waiting for the study's lock"
     elif state == "running" and p["eta_min"] is not None:
         state += f", {p['eta_min']:.1f} min of training left at {p['pace_s']:.0f} s an iteration"
     parts = [f"{p['arm']} s{p['seed']}: {p['iterations']}/{total} iterations ({state}), "
@@ -1401,9 +1405,9 @@ def main(argv=None) -> int:
                    help="with --show: first a line on that finished trainer run (its summary.json): held-out "
                         "accuracy before -> after, gain and z")
     p.add_argument("--progress", action="store_true",
-                   help="print one line per arm folder in STUDY_DIR, finished or not (iterations done, every "
-                        "held-out evaluation so far with its paired gain, answers cut at the length limit and KL "
-                        "to the base), and exit (writes nothing)")
+                   help="print one line per arm folder in STUDY_DIR, finished or not (iterations done; running, "
+                        "with the training minutes left, or idle; every held-out evaluation so far with its "
+                        "paired gain, answers cut at the length limit and KL to the base), and exit (writes nothing)")
     args = p.parse_args(argv)
     if args.progress:
         try:

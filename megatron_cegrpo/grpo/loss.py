@@ -21,7 +21,7 @@ import torch
 from megatron_cegrpo.grpo import core_algos as ca
 from megatron_cegrpo.grpo.rollout_correction import rollout_correction
 
-__all__ = ["grpo_token_loss"]
+__all__ = ["grpo_token_loss", "update_metrics"]
 
 
 def grpo_token_loss(
@@ -58,9 +58,9 @@ def grpo_token_loss(
 
     Returns:
         (loss, stats): the 0-dim loss, and detached sums over the micro-batch's response
-        tokens: ``pg_loss_sum``, ``clip_sum`` (clipped tokens) and ``ppo_kl_sum`` (over the tokens a
-        rollout correction keeps, all without one), ``tokens``,
-        ``kl_sum`` when there is a KL term, ``rc_*`` with a rollout correction
+        tokens: ``pg_loss_sum``, ``clip_sum`` (clipped tokens), ``ppo_kl_sum`` and, when there is a KL
+        term, ``kl_sum``, each over the tokens a rollout correction keeps (all of them without one);
+        ``tokens``, every response token; ``rc_*`` with a rollout correction
         (``rollout_correction``'s sums), and ``logprobs_detached`` (fp32 [b, s], this pass's
         log-probs at the temperature, every position).
     """
@@ -89,3 +89,18 @@ def grpo_token_loss(
         stats["kl_sum"] = (kl.detach() * mask).sum()
     loss = ca.agg_loss(loss_mat, mask, grpo.loss_agg_mode, global_num_tokens=num_tokens, global_num_seqs=num_seqs)
     return loss, stats
+
+
+def update_metrics(sums: Dict[str, float], kl_term: bool) -> Dict[str, float]:
+    """The update pass's ``actor/`` metrics from :func:`grpo_token_loss`'s stats summed over a batch
+    (every micro-batch, epoch and data-parallel replica): ``actor/pg_loss`` (and ``actor/kl_loss`` with
+    ``kl_term``) over every response token, the token mean the loss takes; ``actor/pg_clipfrac`` and
+    ``actor/ppo_kl`` over the tokens a rollout correction keeps (``tokens - rc_rejected``), as verl's.
+    Both denominators are at least 1 (a batch without response tokens reads 0)."""
+    tok = max(sums["tokens"], 1.0)
+    kept = max(sums["tokens"] - sums.get("rc_rejected", 0.0), 1.0)
+    out = {"actor/pg_loss": sums["pg_loss_sum"] / tok, "actor/pg_clipfrac": sums["clip_sum"] / kept,
+           "actor/ppo_kl": sums["ppo_kl_sum"] / kept}
+    if kl_term:
+        out["actor/kl_loss"] = sums["kl_sum"] / tok
+    return out

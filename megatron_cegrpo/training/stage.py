@@ -16,7 +16,7 @@ import torch
 from megatron_cegrpo.compression import ByteMeter
 from megatron_cegrpo.grpo import core_algos as ca
 from megatron_cegrpo.grpo.batch import RolloutBatch, slice_batch
-from megatron_cegrpo.grpo.loss import grpo_token_loss
+from megatron_cegrpo.grpo.loss import grpo_token_loss, update_metrics
 from megatron_cegrpo.grpo.rollout_correction import RC_SUMS, rollout_corr_metrics
 from megatron_cegrpo.models import hf_to_megatron, stage_layer_range
 from megatron_cegrpo.models.stage import PolicyStage
@@ -255,12 +255,7 @@ class StageWorker:
         if self.ctx.is_last_stage:
             if self.dp_group is not None:  # the whole batch's sums (every replica's last stage)
                 sums = dict(zip(sums, dpx.allreduce_sum(list(sums.values()), self.dp_group)))
-            tok = max(sums["tokens"], 1.0)
-            kept = max(sums["tokens"] - sums.get("rc_rejected", 0.0), 1.0)  # clipfrac, ppo_kl: the kept tokens'
-            out.update({"actor/pg_loss": sums["pg_loss_sum"] / tok, "actor/pg_clipfrac": sums["clip_sum"] / kept,
-                        "actor/ppo_kl": sums["ppo_kl_sum"] / kept})
-            if self.ref_model is not None:
-                out["actor/kl_loss"] = sums["kl_sum"] / tok
+            out.update(update_metrics(sums, kl_term=self.ref_model is not None))
             out.update(rollout_corr_metrics(sums) if cfg.grpo.rollout_correction else {})
         return out
 

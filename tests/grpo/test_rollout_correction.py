@@ -11,7 +11,7 @@ import torch
 from megatron_cegrpo.arguments import build_config, parse_args
 from megatron_cegrpo.errors import ConfigError
 from megatron_cegrpo.grpo import core_algos as ca
-from megatron_cegrpo.grpo.loss import grpo_token_loss
+from megatron_cegrpo.grpo.loss import grpo_token_loss, update_metrics
 from megatron_cegrpo.grpo.rollout_correction import rollout_corr_metrics, rollout_correction
 
 L2 = math.log(2.0)
@@ -168,10 +168,23 @@ def test_clipfrac_and_ppo_kl_are_over_the_kept_tokens_as_verls():
     rho = torch.exp((old - rollout) * mb["loss_mask"])
     kept = mb["loss_mask"] * ((rho <= 1.8) & (rho >= 1 / 1.8)).float()
     clipped = kept * (shift > 0).float()
+    assert (mb["advantages"] != 0).all()  # every shifted token is on the clipped side
     assert 0 < clipped.sum() < kept.sum() < mb["loss_mask"].sum()  # some clip, some rejected
     assert stats["tokens"] == mb["loss_mask"].sum() and stats["rc_rejected"] == mb["loss_mask"].sum() - kept.sum()
     torch.testing.assert_close(stats["clip_sum"], clipped.sum())  # metric = clip_sum / (tokens - rejected)
     torch.testing.assert_close(stats["ppo_kl_sum"], ((old - lp) * kept).sum(), rtol=1e-5, atol=1e-6)
+
+
+def test_update_metrics_divide_clipfrac_and_ppo_kl_by_the_kept_tokens_and_the_losses_by_all():
+    # a batch's sums (micro-batches, epochs and replicas added): 40 response tokens, 10 of them rejected
+    sums = {"pg_loss_sum": 2.0, "clip_sum": 6.0, "ppo_kl_sum": 0.3, "kl_sum": 0.8, "tokens": 40.0, "rc_rejected": 10.0}
+    assert update_metrics(sums, kl_term=True) == {"actor/pg_loss": 0.05, "actor/pg_clipfrac": 0.2,
+                                                  "actor/ppo_kl": 0.01, "actor/kl_loss": 0.02}
+    del sums["rc_rejected"]  # no rollout correction: every denominator is the batch's tokens
+    assert update_metrics(sums, kl_term=False) == {"actor/pg_loss": 0.05, "actor/pg_clipfrac": 0.15,
+                                                   "actor/ppo_kl": 0.0075}
+    empty = dict.fromkeys(("pg_loss_sum", "clip_sum", "ppo_kl_sum", "tokens", "rc_rejected"), 0.0)
+    assert set(update_metrics(empty, kl_term=False).values()) == {0.0}  # no response tokens: 0, not NaN
 
 
 def test_the_weights_use_the_old_log_probs_when_they_are_given():

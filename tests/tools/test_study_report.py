@@ -836,17 +836,17 @@ def test_progress_reports_an_unfinished_arm_with_its_paired_gain_so_far(tmp_path
                    "mask_anchor s1: 2/? iterations (finished), 0.3 min of training; held-out 0.200 at 0, "
                    "0.500 at 2 (+0.300)"]
     assert sorted(p.name for p in tmp_path.rglob("*")) == before_files
-    # no line written for longer than STALE_MIN: stopped, and how long ago (the clock moved, not the files)
+    # no line written for longer than STALE_MIN: idle, and for how long (the clock moved, not the files)
     later = os.path.getmtime(run / "metrics.jsonl") + 60 * (mod.STALE_MIN + 27)
     p = mod.progress(str(run), now=later)
-    assert (p["state"], round(p["idle_min"]), p["eta_min"]) == ("stopped", mod.STALE_MIN + 27, 0.5)
+    assert (p["state"], round(p["idle_min"]), p["eta_min"]) == ("idle", mod.STALE_MIN + 27, 0.5)
     hour_ago = time.time() - 3600
     for f in ("metrics.jsonl", "train.log"):
         if (run / f).exists():
             os.utime(run / f, (hour_ago, hour_ago))
     assert mod.main([str(root), "--progress"]) == 0
-    assert capsys.readouterr().out.startswith("dense s1: 3/4 iterations (stopped 60 min ago: rerun the study "
-                                              "to resume it), 2.0 min of training;")
+    assert capsys.readouterr().out.startswith("dense s1: 3/4 iterations (no output for 60 min: stopped, or "
+                                              "waiting for the study's lock), 2.0 min of training;")
 
 
 def test_progress_shows_the_drift_signs_at_each_evaluation(tmp_path, capsys):
