@@ -13,7 +13,12 @@
 : "${EVAL_BATCH:=32}"
 : "${ROLLOUT_BATCH:=4}"              # prompts per iteration
 : "${GROUP:=8}"                      # responses per prompt (G)
-: "${LR:=1e-5}"
+: "${LR:=1e-5}"                      # every study arm's (dense's too), unless the arm names another
+# the main job's (examples/run_smollm2_mawps.sh, an anchor rank folding sign(M) into every step): LR / 1.7.
+# With the fold, the gradient's sign is sign(M) on every coordinate, so Adam moves each weight about lr a
+# step; at LR the folded arms moved 1.3-2.0x as far as dense in 48 iterations (mean 1.7), at 6e-6 as far
+# (docs/anchor.md, "What the fold does to Adam"; the study's arm pcaq/every=2:lrq_anchor_lr6e-6)
+: "${FOLD_LR:=6e-6}"
 : "${TEMPERATURE:=0.7}"
 : "${KEEP_RATIO:=0.05}"              # the boundary's share of coordinates (k = ceil(0.05 d))
 # no KL term (the seeds' runs): no reference model, so no actor/kl_loss; KL_COEF=0.001 adds the

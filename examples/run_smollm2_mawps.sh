@@ -13,7 +13,11 @@
 # at two seeds (Intel AMX host), mask + anchor +0.020 and -0.003 (AMD host); the fp32 study ranked
 # them the same way (docs/study.md). Neither reaches dense's gain reliably; README "Results".
 #
-# A short run of the CPU study's `pcaq/every=2:lrq_anchor` arm: the study's learnable configuration
+# Its learning rate, FOLD_LR = 6e-6 (LR / 1.7; LR without an anchor rank): the anchor's every-step fold makes
+# Adam move every weight about lr a step, 1.7x dense's movement at the same lr (docs/anchor.md, "What the fold
+# does to Adam"); at 6e-6 the arm moves as far as dense does at 1e-5 (README "Results": its three seeds).
+#
+# A short run of the CPU study's `pcaq/every=2:lrq_anchor_lr6e-6` arm: the study's learnable configuration
 # (examples/learnable_config.sh, shared with examples/study_cpu.sh) and the same 300 held-out
 # rows, evaluated greedily before and after. The study's arms run 48 iterations with c = K = 8
 # (about an hour each here); this run uses c = K = 4 so that the anchor fires within it (at 4
@@ -72,7 +76,7 @@ LAUNCH=(${DS_LAUNCH_ARGS:---num_gpus $((PP + ANCHOR_RANKS)) --master_port $MASTE
   --max-new-tokens "$MAX_NEW_TOKENS" \
   --temperature "$TEMPERATURE" \
   --train-iters "$TRAIN_ITERS" \
-  --lr "$LR" \
+  --lr "$( ((ANCHOR_RANKS > 0)) && echo "$FOLD_LR" || echo "$LR")" \
   --kl-coef "$KL_COEF" \
   --boundary-codec "$CODEC" \
   --boundary-keep-ratio "$KEEP_RATIO" \

@@ -55,10 +55,10 @@ def test_the_demo_runs_the_studys_configuration(tmp_path):
     name = ("study_bf16_amx" if cpu_bf16_kernels() == "amx" else "study_bf16") if bf16 else "study"
     assert f"the study (docs/{name}.md;" in demo.stdout
 
-    # the main job is the study's pcaq/every=2:lrq + anchor arm (issue 33 item 7: its best paired gain in the budget)
-    # DRY_RUN=1 puts every printed launch through start-up's checks (train.check_flags) in one process: the
-    # main job's arm passes, a mistyped arm fails the dry run with the trainer's line and the arm's name
-    env = _env(DRY_RUN="1", ARMS="pcaq/every=2:lrq_anchor mask_ancor", SEEDS="1234",
+    # the main job is the study's pcaq/every=2:lrq + anchor arm at lr 6e-6 (issue 33 item 7: its best paired gain
+    # in the budget). DRY_RUN=1 puts every printed launch through start-up's checks (train.check_flags) in one
+    # process: the main job's arm passes, a mistyped arm fails the dry run with the trainer's line and its name
+    env = _env(DRY_RUN="1", ARMS="pcaq/every=2:lrq_anchor_lr6e-6 mask_ancor", SEEDS="1234",
                STUDY_DIR=str(tmp_path / "study"))
     study = subprocess.run(["bash", "examples/study_cpu.sh"], cwd=REPO, env=env, capture_output=True, text=True,
                            timeout=120)
@@ -68,16 +68,16 @@ def test_the_demo_runs_the_studys_configuration(tmp_path):
         "mask, or FWD:BWD with halves from dense, lrq, mask, pcaq, rpq; fix: e.g. --boundary-codec mask, or "
         "--boundary-codec pcaq:lrq",
         "[study] mask_ancor seed 1234: would fail at start-up (the line above); fix the arm or its flags"]
-    assert "pcaq/every=2:lrq_anchor seed 1234: would fail" not in study.stderr
+    assert "pcaq/every=2:lrq_anchor_lr6e-6 seed 1234: would fail" not in study.stderr
     line = next(ln for ln in study.stdout.splitlines()
-                if ln.startswith("[study] pcaq/every=2:lrq_anchor seed 1234: flock"))
+                if ln.startswith("[study] pcaq/every=2:lrq_anchor_lr6e-6 seed 1234: flock"))
     study_argv = shlex.split(line.split(": ", 1)[1])
 
     d, s = _flags(demo_argv), _flags(study_argv)
     assert {f: d.get(f) for f in SHARED} == {f: s.get(f) for f in SHARED}
     assert {f: d[f] for f in ("--prompt-template", "--max-new-tokens", "--lr", "--kl-coef", "--num-holdout",
                               "--holdout-seed", "--boundary-codec", "--boundary-keep-ratio", "--anchor-ranks")} == {
-        "--prompt-template": "answer_is", "--max-new-tokens": "64", "--lr": "1e-5", "--kl-coef": "0",
+        "--prompt-template": "answer_is", "--max-new-tokens": "64", "--lr": "6e-6", "--kl-coef": "0",
         "--num-holdout": "300", "--holdout-seed": "1234", "--boundary-codec": "pcaq/every=2:lrq",
         "--boundary-keep-ratio": "0.05", "--anchor-ranks": "1"}
     # the default log folder is named after the codec, without the spec's "/" and ":" (no nested folders)
@@ -85,6 +85,10 @@ def test_the_demo_runs_the_studys_configuration(tmp_path):
                            capture_output=True, text=True, timeout=120)
     assert _flags(shlex.split(plain.stdout.splitlines()[0][len("ARGV "):]))["--log-dir"] == \
         "runs/smollm2_mawps_pcaq_every=2_lrq"
+    # without the anchor's fold (CODEC=dense ANCHOR_RANKS=0, the dense control) the study's lr, LR
+    dense = subprocess.run(["bash", "examples/run_smollm2_mawps.sh"], cwd=REPO, capture_output=True, text=True,
+                           env=_env(DEEPSPEED=str(fake), CODEC="dense", ANCHOR_RANKS="0"), timeout=120)
+    assert _flags(shlex.split(dense.stdout.splitlines()[0][len("ARGV "):]))["--lr"] == "1e-5"
     # what differs, on purpose: the demo is short and fires its anchor every 4 iterations; it samples
     # with vLLM where vLLM is installed (the study only in its *_vllm arms)
     assert (d["--train-iters"], d["--anchor-interval"], d["--anchor-delay"]) == ("10", "4", "4")
