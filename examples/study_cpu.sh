@@ -12,6 +12,7 @@
 #   pcaq:lrq               the best codec pair of issue 10 (docs/codecs.md: forward PCA basis +
 #                          quantised coefficients, backward low-rank), BEST_PAIR     first seed
 #   pcaq:lrq_anchor        the same pair + anchor: the best compressed arm            SEEDS
+#   <BEST_PAIR>_anchor_lr<FOLD_LR>  the same at the main job's lr (examples/learnable_config.sh)  SEEDS
 #   <arm>_filter           any arm with --filter-groups (DAPO's dynamic sampling),   only in ARMS=
 #   <arm>_overlong         any arm with DAPO's overlong penalty (--overlong-buffer-   only in ARMS=
 #                          len OVERLONG_BUFFER: answers past MAX_NEW_TOKENS - OVERLONG_BUFFER
@@ -119,10 +120,11 @@ print(' '.join(c for c in a() if c not in ('dense', 'mask')))"
 # dense, refused at start-up); the fp32 study's arms (docs/study.md) ran pcaq:lrq with that pass
 BEST_PAIR=${BEST_PAIR:-pcaq/every=2:lrq}
 if [[ -z "${ARMS:-}" ]]; then
-  ARMS="dense mask mask_anchor mask_anchor_constmag $BEST_PAIR ${BEST_PAIR}_anchor"
+  ARMS="dense mask mask_anchor mask_anchor_constmag $BEST_PAIR ${BEST_PAIR}_anchor ${BEST_PAIR}_anchor_lr$FOLD_LR"
   for c in $(other_codecs); do ARMS="$ARMS $c ${c}_anchor"; done
 fi
-MULTI_SEED=${MULTI_SEED:-"dense mask_anchor ${BEST_PAIR}_anchor"}  # the control and the best compressed arms
+# the control, the best compressed arms, and the main job's arm (the best pair + anchor at FOLD_LR: make demo)
+MULTI_SEED=${MULTI_SEED:-"dense mask_anchor ${BEST_PAIR}_anchor ${BEST_PAIR}_anchor_lr$FOLD_LR"}
 
 # arm -> "codec anchor_ranks extra flags..."; ARM_filter: ARM with DAPO's dynamic sampling
 # (--filter-groups, at most MAX_GEN_BATCHES generation rounds an iteration; docs/dynamic_sampling.md)
