@@ -142,15 +142,21 @@ def _check_rollout_engine(cfg, hf_config) -> None:
                    max_model_len(r.max_prompt_length, r.max_new_tokens, cfg.data.eval_max_new_tokens, positions))
 
 
+def _validated_config(argv, world_size: int):
+    """Flags -> the TrainConfig, every flag and combination checked against a launch of
+    ``world_size`` ranks (``TrainConfig.validate``). Raises ConfigError naming the flag."""
+    cfg = build_config(parse_args(argv))
+    cfg.validate(world_size=world_size)
+    return cfg
+
+
 def _configure(argv):
     """Flags -> ``(cfg, plan)``: the validated TrainConfig and its run plan, every start-up check
     done (see :func:`preflight`), and no killed build's lock on a DeepSpeed op this rank loads, on
     which its optimizer would wait forever (``optim.jit_ops.check_build_locks``)."""
     from megatron_cegrpo.optim.jit_ops import check_build_locks
 
-    args = parse_args(argv)
-    cfg = build_config(args)
-    cfg.validate(world_size=_launch_world_size())
+    cfg = _validated_config(argv, _launch_world_size())
     _resume_on_restart(cfg)
     plan = preflight(cfg)
     check_build_locks()
@@ -173,9 +179,7 @@ def check_flags(argv, world_size: int) -> int:
     """
     bootstrap(cpu_compat=True)
     try:
-        cfg = build_config(parse_args(argv))
-        cfg.validate(world_size=world_size)
-        preflight(cfg, world_size)
+        preflight(_validated_config(argv, world_size), world_size)
     except ConfigError as e:
         return _report(e, 0, every_rank_knows=False)
     return 0
